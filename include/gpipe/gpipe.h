@@ -1,0 +1,10 @@
+#pragma once
+
+// gpipe: GPipe pipeline parallelism for LibTorch. Umbrella header.
+
+#include <gpipe/checkpoint.h>
+#include <gpipe/microbatch.h>
+#include <gpipe/module.h>
+#include <gpipe/options.h>
+#include <gpipe/schedule.h>
+#include <gpipe/verify.h>

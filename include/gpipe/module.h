@@ -1,0 +1,105 @@
+#pragma once
+
+#include <gpipe/options.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace gpipe {
+
+namespace detail {
+class Pipeline;
+} // namespace detail
+
+/// GPipe pipeline parallelism over a `torch::nn::Sequential`.
+///
+/// The Sequential's layers are split into partitions (`balance` layers each),
+/// each partition placed on its device and run by its own worker lane; every
+/// mini-batch is cut into `chunks` micro-batches that flow through the
+/// partitions like an assembly line, forward and backward. Outputs and
+/// gradients equal those of the plain Sequential.
+///
+/// Parameters are registered under `partitions.<j>.<name>`, where `<name>` is
+/// the layer's name in the Sequential: a state dict saved from the plain
+/// model loads into GPipe after adding that prefix, and back after removing
+/// it.
+///
+/// Example:
+/// ```
+/// gpipe::GPipe model(net, gpipe::GPipeOptions({2, 2}).chunks(4));
+/// auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+/// loss.backward();
+/// ```
+class GPipeImpl : public torch::nn::Module {
+ public:
+  GPipeImpl(torch::nn::Sequential module, GPipeOptions options);
+  ~GPipeImpl() override;
+
+  /// Runs a single-tensor batch through the pipeline. The output is on
+  /// `devices().back()`; the input may be anywhere.
+  torch::Tensor forward(torch::Tensor input);
+
+  /// Runs a tuple batch: every tensor is cut into micro-batches along dim 0,
+  /// and the first layer receives a `std::vector<torch::Tensor>`.
+  std::vector<torch::Tensor> forward(std::vector<torch::Tensor> inputs);
+
+  /// Refused: GPipe owns device placement.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
+      override;
+  /// Casts every partition to `dtype` on its own device.
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  /// Refused: GPipe owns device placement.
+  void to(torch::Device device, bool non_blocking = false) override;
+
+  /// `gpipe::GPipe(balance=[2, 2], chunks=4, checkpoint=except_last)`.
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Number of layers of each partition.
+  const std::vector<int64_t>& balance() const {
+    return options.balance();
+  }
+  /// Device of each partition (one per partition).
+  const std::vector<torch::Device>& devices() const {
+    return devices_;
+  }
+  /// Number of micro-batches per mini-batch.
+  int64_t chunks() const {
+    return options.chunks();
+  }
+  /// Checkpoint mode.
+  Checkpoint checkpoint() const {
+    return options.checkpoint();
+  }
+  /// Intra-op threads of each CPU lane.
+  int64_t threads_per_lane() const {
+    return threads_per_lane_;
+  }
+  /// The partitions, each a Sequential of its layers.
+  const torch::nn::ModuleList& partitions() const {
+    return partitions_;
+  }
+  /// Total number of layers.
+  int64_t size() const;
+  /// Layer `index` across partitions; negative indices count from the end.
+  std::shared_ptr<torch::nn::Module> operator[](int64_t index) const;
+
+  /// The options it was built with (`balance`, `chunks`, ...).
+  GPipeOptions options;
+
+ private:
+  torch::nn::ModuleList partitions_;
+  std::vector<torch::Device> devices_;
+  int64_t threads_per_lane_ = 1;
+  std::shared_ptr<detail::Pipeline> pipeline_;
+};
+
+/// A `ModuleHolder` for `GPipeImpl`.
+TORCH_MODULE(GPipe);
+
+} // namespace gpipe

@@ -1,0 +1,64 @@
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpipe {
+
+/// Which micro-batches keep only their input and recompute in backward.
+enum class Checkpoint {
+  /// Every micro-batch is checkpointed: least memory.
+  Always,
+  /// Every micro-batch but the last: the last one's backward starts at once.
+  ExceptLast,
+  /// Nothing is recomputed: fastest, most memory.
+  Never,
+};
+
+/// "always", "except_last" or "never" (torchgpipe's spelling).
+std::string to_string(Checkpoint checkpoint);
+
+/// Parses torchgpipe's spelling; throws `c10::ValueError` on anything else.
+Checkpoint checkpoint_from_string(const std::string& name);
+
+/// Options for `gpipe::GPipe`.
+///
+/// Example:
+/// ```
+/// gpipe::GPipe model(net, gpipe::GPipeOptions({4, 4})
+///                             .chunks(8)
+///                             .checkpoint(gpipe::Checkpoint::ExceptLast));
+/// ```
+struct GPipeOptions {
+  /* implicit */ GPipeOptions(std::vector<int64_t> balance)
+      : balance_(std::move(balance)) {}
+
+  /// Number of layers in each partition. Required; must sum to the number of
+  /// layers of the Sequential.
+  TORCH_ARG(std::vector<int64_t>, balance);
+
+  /// Device of each partition; may repeat a device. Extra devices are ignored.
+  /// Default: every CUDA device if there is one, else one CPU lane per
+  /// partition.
+  TORCH_ARG(std::vector<torch::Device>, devices) = {};
+
+  /// Number of micro-batches each mini-batch is cut into. Default: 1.
+  TORCH_ARG(int64_t, chunks) = 1;
+
+  /// Which micro-batches are checkpointed in training. Default: ExceptLast.
+  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
+
+  /// Track BatchNorm running statistics over the whole mini-batch rather than
+  /// per micro-batch. Default: false.
+  TORCH_ARG(bool, deferred_batch_norm) = false;
+
+  /// Intra-op threads of each CPU lane; 0 picks max(1, cores / CPU lanes).
+  /// Default: 0.
+  TORCH_ARG(int64_t, threads_per_lane) = 0;
+};
+
+} // namespace gpipe

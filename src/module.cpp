@@ -1,0 +1,249 @@
+#include <gpipe/microbatch.h>
+#include <gpipe/module.h>
+#include <gpipe/verify.h>
+
+#include "pipeline.h"
+
+#include <c10/util/irange.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace gpipe {
+
+std::string to_string(Checkpoint checkpoint) {
+  switch (checkpoint) {
+    case Checkpoint::Always:
+      return "always";
+    case Checkpoint::ExceptLast:
+      return "except_last";
+    case Checkpoint::Never:
+      return "never";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown Checkpoint");
+}
+
+Checkpoint checkpoint_from_string(const std::string& name) {
+  if (name == "always") {
+    return Checkpoint::Always;
+  }
+  if (name == "except_last") {
+    return Checkpoint::ExceptLast;
+  }
+  if (name == "never") {
+    return Checkpoint::Never;
+  }
+  TORCH_CHECK_VALUE(
+      false,
+      "checkpoint must be one of 'always', 'except_last' or 'never', but got '",
+      name,
+      "'");
+}
+
+namespace {
+
+std::vector<torch::Device> default_devices(int64_t partitions) {
+  const auto cuda = static_cast<int64_t>(torch::cuda::device_count());
+  std::vector<torch::Device> devices;
+  if (cuda > 0) {
+    for (const auto d : c10::irange(cuda)) {
+      devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(d));
+    }
+  } else {
+    devices.assign(partitions, torch::Device(torch::kCPU));
+  }
+  return devices;
+}
+
+// "cuda" means the current CUDA device; a guard below needs the index.
+torch::Device normalize(torch::Device device) {
+  if (device.is_cuda() && !device.has_index()) {
+    return torch::Device(
+        torch::kCUDA, static_cast<c10::DeviceIndex>(0));
+  }
+  return device;
+}
+
+} // namespace
+
+namespace {
+
+detail::PassOptions pass_options(bool training, const GPipeOptions& options) {
+  detail::PassOptions pass;
+  pass.training = training;
+  if (pass.training) {
+    switch (options.checkpoint()) {
+      case Checkpoint::Always:
+        pass.checkpoint_stop = options.chunks();
+        break;
+      case Checkpoint::ExceptLast:
+        pass.checkpoint_stop = options.chunks() - 1;
+        break;
+      case Checkpoint::Never:
+        pass.checkpoint_stop = 0;
+        break;
+    }
+  }
+  return pass;
+}
+
+} // namespace
+
+GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
+    : options(std::move(options_)) {
+  verify_module(module);
+  verify_chunks(options.chunks());
+  verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+  TORCH_CHECK_VALUE(
+      !options.deferred_batch_norm(),
+      "deferred_batch_norm(true) is not supported yet");
+  const auto n = static_cast<int64_t>(options.balance().size());
+  auto devices = options.devices().empty() ? default_devices(n)
+                                           : options.devices();
+  verify_devices(devices, n);
+  TORCH_CHECK_VALUE(
+      options.threads_per_lane() >= 0,
+      "threads_per_lane must be 0 (automatic) or positive, but got ",
+      options.threads_per_lane());
+  devices.erase(devices.begin() + n, devices.end());
+  for (auto& d : devices) {
+    d = normalize(d);
+  }
+  devices_ = devices;
+
+  int64_t cpu_lanes = 0;
+  for (const auto& d : devices_) {
+    cpu_lanes += d.is_cpu() ? 1 : 0;
+  }
+  const int64_t cores =
+      std::max<int64_t>(1, std::thread::hardware_concurrency());
+  threads_per_lane_ = options.threads_per_lane() > 0
+      ? options.threads_per_lane()
+      : std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_lanes));
+
+  // Split the layers; each keeps its name in the Sequential.
+  partitions_ = register_module("partitions", torch::nn::ModuleList());
+  std::vector<torch::nn::Sequential> parts;
+  const auto named = module->named_children();
+  int64_t layer = 0;
+  for (const auto j : c10::irange(n)) {
+    torch::nn::Sequential part;
+    for (const auto k : c10::irange(options.balance()[j])) {
+      (void)k;
+      part->push_back(named[layer].key(), *(module->begin() + layer));
+      ++layer;
+    }
+    part->to(devices_[j]);
+    partitions_->push_back(part);
+    parts.push_back(part);
+  }
+  if (n > 0) {
+    pipeline_ = std::make_shared<detail::Pipeline>(
+        std::move(parts), devices_, threads_per_lane_);
+  }
+}
+
+GPipeImpl::~GPipeImpl() = default;
+
+torch::Tensor GPipeImpl::forward(torch::Tensor input) {
+  verify_batch({input});
+  if (!pipeline_) {
+    return input;
+  }
+  auto micro = scatter({input}, options.chunks());
+  std::vector<detail::Packet> packets;
+  packets.reserve(micro.size());
+  for (auto& b : micro) {
+    packets.push_back(detail::Packet{std::move(b), /*atomic=*/true});
+  }
+  auto out = pipeline_->forward(std::move(packets), {input}, pass_options(is_training(), options));
+  TORCH_CHECK_TYPE(
+      out.atomic && out.tensors.size() == 1,
+      "the last layer returned ",
+      out.tensors.size(),
+      " tensors (a std::vector<torch::Tensor>), so call the "
+      "forward(std::vector<torch::Tensor>) overload");
+  return out.tensors[0];
+}
+
+std::vector<torch::Tensor> GPipeImpl::forward(
+    std::vector<torch::Tensor> inputs) {
+  verify_batch(inputs);
+  if (!pipeline_) {
+    return inputs;
+  }
+  auto micro = scatter(inputs, options.chunks());
+  std::vector<detail::Packet> packets;
+  packets.reserve(micro.size());
+  for (auto& b : micro) {
+    packets.push_back(detail::Packet{std::move(b), /*atomic=*/false});
+  }
+  return pipeline_->forward(std::move(packets), inputs, pass_options(is_training(), options))
+      .tensors;
+}
+
+
+void GPipeImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  TORCH_CHECK_TYPE(
+      false,
+      "gpipe::GPipe refuses to move its parameters and buffers to ",
+      device,
+      ": GPipe manages device placement (see devices()); cast the dtype "
+      "alone with to(dtype)");
+}
+
+void GPipeImpl::to(torch::Dtype dtype, bool non_blocking) {
+  for (const auto j : c10::irange(partitions_->size())) {
+    partitions_[j]->to(devices_[j], dtype, non_blocking);
+  }
+}
+
+void GPipeImpl::to(torch::Device device, bool non_blocking) {
+  TORCH_CHECK_TYPE(
+      false,
+      "gpipe::GPipe refuses to move its parameters and buffers to ",
+      device,
+      ": GPipe manages device placement (see devices())");
+}
+
+void GPipeImpl::pretty_print(std::ostream& stream) const {
+  stream << "gpipe::GPipe(balance=" << c10::IntArrayRef(options.balance())
+         << ", chunks=" << options.chunks()
+         << ", checkpoint=" << to_string(options.checkpoint()) << ")";
+}
+
+int64_t GPipeImpl::size() const {
+  int64_t total = 0;
+  for (auto b : options.balance()) {
+    total += b;
+  }
+  return total;
+}
+
+std::shared_ptr<torch::nn::Module> GPipeImpl::operator[](int64_t index) const {
+  const auto total = size();
+  TORCH_CHECK_INDEX(
+      index >= -total && index < total,
+      "layer index out of range: expected -",
+      total,
+      " <= index < ",
+      total,
+      ", but got ",
+      index);
+  if (index < 0) {
+    index += total;
+  }
+  for (const auto& child : partitions_->children()) {
+    auto part = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(child);
+    const auto len = static_cast<int64_t>(part->size());
+    if (index < len) {
+      return part->ptr(index);
+    }
+    index -= len;
+  }
+  TORCH_INTERNAL_ASSERT(false, "layer index walked past the partitions");
+}
+
+} // namespace gpipe

@@ -1,0 +1,603 @@
+#include "pipeline.h"
+
+#include <gpipe/checkpoint.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/irange.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/torch.h>
+
+#include <condition_variable>
+#include <mutex>
+
+namespace gpipe::detail {
+
+namespace {
+
+bool is_differentiable(const torch::Tensor& t) {
+  return t.defined() && (t.is_floating_point() || t.is_complex());
+}
+
+// Thrown by a cell that finds the pass already failed; never reaches a user.
+struct Aborted {};
+
+// Note [Backward on CUDA lanes]
+// The pipeline's autograd node runs on the thread the autograd engine gives
+// it. For CPU tensors that is the thread that called backward(), and lanes
+// calling torch::autograd::backward run their own graph tasks on their own
+// threads. For CUDA tensors the engine runs every node on one shared thread
+// per device; our node would occupy it while lanes queue their work on it, a
+// deadlock. With a CUDA device in the pipeline the backward cells therefore
+// run on the node's thread, in schedule order, as reentrant backward calls;
+// the GPU still overlaps partitions because kernel launches are asynchronous.
+
+// The per-pass state shared by the caller and the lanes.
+class Run {
+ public:
+  Run(Pipeline& pipeline, int64_t micro_batches, PassOptions options)
+      : pipeline_(pipeline),
+        m_(micro_batches),
+        n_(pipeline.size()),
+        options_(options),
+        cells_(m_, std::vector<CellState>(n_)) {}
+
+  struct CellState {
+    Packet input; // leaves; kept for backward when a graph is built
+    Packet output; // with graph; kept for backward unless checkpointed
+    bool checkpointed = false;
+    uint64_t seed = 0;
+  };
+
+  // Runs `steps` on the lanes (or here, when `inline_cells`), handing
+  // packets through `slots_`, and rethrows the first error once every cell
+  // has finished or been skipped.
+  void run_pass(
+      const Steps& steps,
+      bool inline_cells,
+      const std::shared_ptr<Run>& self) {
+    at::ThreadLocalState tls;
+    if (inline_cells) {
+      for (const auto& step : steps) {
+        for (const auto& cell : step) {
+          run_cell(cell);
+        }
+      }
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        pending_ = 0;
+        for (const auto& step : steps) {
+          pending_ += static_cast<int64_t>(step.size());
+        }
+      }
+      for (const auto j : c10::irange(n_)) {
+        for (const auto& cell : cells_of_partition(steps, j)) {
+          // The task owns a reference to the run: once it has counted itself
+          // done, the caller may drop its own.
+          pipeline_.lane(j).post([self, cell, tls] {
+            {
+              at::ThreadLocalStateGuard guard(tls);
+              self->run_cell(cell);
+            }
+            self->finish_cell();
+          });
+        }
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return pending_ == 0; });
+    }
+    error_.rethrow_and_clear();
+  }
+
+  // Slot (i, k) holds the packet between partitions k-1 and k of micro-batch
+  // i: the forward input of cell (i, k), the gradient coming back into cell
+  // (i, k-1).
+  void reset_slots() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    slots_.assign(m_, std::vector<Packet>(n_ + 1));
+    ready_.assign(m_, std::vector<char>(n_ + 1, 0));
+  }
+
+  void put(int64_t i, int64_t k, Packet packet) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      slots_[i][k] = std::move(packet);
+      ready_[i][k] = 1;
+    }
+    cv_.notify_all();
+  }
+
+  Packet take(int64_t i, int64_t k) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return ready_[i][k] || failed_; });
+    if (!ready_[i][k]) {
+      throw Aborted{};
+    }
+    ready_[i][k] = 0;
+    return std::move(slots_[i][k]);
+  }
+
+  CellState& cell(int64_t i, int64_t j) {
+    return cells_[i][j];
+  }
+
+  const PassOptions& options() const {
+    return options_;
+  }
+
+  int64_t micro_batches() const {
+    return m_;
+  }
+
+  bool needs_grad = false;
+  bool seeded = false;
+  uint64_t step_seed = 0;
+  bool retain_cells = false; // backward keeps cells (retain_graph)
+  bool consumed = false; // backward freed the cells
+
+ private:
+  void run_cell(const Cell& cell) {
+    try {
+      if (failed()) {
+        return; // a cell that depends on a failed one never starts
+      }
+      if (cell.phase == Phase::Forward) {
+        forward_cell(cell.micro_batch, cell.partition);
+      } else {
+        backward_cell(cell.micro_batch, cell.partition);
+      }
+    } catch (const Aborted&) {
+      // The error that aborted the pass is recorded already.
+    } catch (...) {
+      fail(with_context(
+          std::current_exception(),
+          "partition " + std::to_string(cell.partition) + ", micro-batch " +
+              std::to_string(cell.micro_batch) +
+              (cell.phase == Phase::Forward ? ", forward" : ", backward")));
+    }
+  }
+
+  void finish_cell() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--pending_ == 0) {
+      cv_.notify_all();
+    }
+  }
+
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failed_;
+  }
+
+  void fail(std::exception_ptr error) {
+    error_.set(std::move(error));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      failed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  void forward_cell(int64_t i, int64_t j) {
+    Stage& stage = pipeline_.stage(j);
+    c10::OptionalDeviceGuard device_guard;
+    if (stage.device.type() != torch::kCPU) {
+      device_guard.reset_device(stage.device);
+    }
+    Packet in = take(i, j);
+    Packet x{{}, in.atomic};
+    x.tensors.reserve(in.tensors.size());
+    for (auto& t : in.tensors) {
+      auto leaf = t.defined() ? t.to(stage.device).detach() : t;
+      // A boundary input is a leaf of the cell's own graph: it requires grad
+      // when the tensor it stands for does (the user's input on partition
+      // 0, every differentiable activation after it).
+      if (needs_grad && is_differentiable(leaf) &&
+          (j > 0 || t.requires_grad())) {
+        leaf.requires_grad_(true);
+      }
+      x.tensors.push_back(std::move(leaf));
+    }
+
+    auto& c = cells_[i][j];
+    c.checkpointed = needs_grad && i < options_.checkpoint_stop;
+    c.seed = seeded ? cell_seed(step_seed, i, j) : 0;
+    Packet y;
+    auto body = [&] { y = call_partition(stage.module, x, j); };
+    if (c.checkpointed) {
+      torch::NoGradGuard no_grad;
+      CheckpointingGuard checkpointing;
+      stage.random.run_seeded(stage.device, options_.training, c.seed, body);
+    } else {
+      stage.random.run_seeded(stage.device, options_.training, c.seed, body);
+    }
+
+    Packet out{{}, y.atomic};
+    out.tensors.reserve(y.tensors.size());
+    for (const auto& t : y.tensors) {
+      out.tensors.push_back(t.defined() ? t.detach() : t);
+    }
+    if (needs_grad) {
+      c.input = std::move(x);
+      if (!c.checkpointed) {
+        c.output = std::move(y);
+      }
+    }
+    put(i, j + 1, std::move(out));
+  }
+
+  void backward_cell(int64_t i, int64_t j) {
+    Stage& stage = pipeline_.stage(j);
+    c10::OptionalDeviceGuard device_guard;
+    if (stage.device.type() != torch::kCPU) {
+      device_guard.reset_device(stage.device);
+    }
+    Packet dy = take(i, j + 1);
+    auto& c = cells_[i][j];
+    TORCH_INTERNAL_ASSERT(
+        c.input.tensors.size() > 0, "backward of a cell with no saved input");
+
+    Packet y;
+    if (c.checkpointed) {
+      torch::AutoGradMode grad_mode(true);
+      RecomputingGuard recomputing;
+      // Recomputation must not update running statistics a second time.
+      auto buffers = stage.module->buffers();
+      std::vector<torch::Tensor> saved;
+      saved.reserve(buffers.size());
+      for (const auto& b : buffers) {
+        saved.push_back(b.clone());
+      }
+      auto body = [&] { y = call_partition(stage.module, c.input, j); };
+      stage.random.run_seeded(stage.device, options_.training, c.seed, body);
+      torch::NoGradGuard no_grad;
+      for (const auto k : c10::irange(buffers.size())) {
+        buffers[k].copy_(saved[k]);
+      }
+    } else {
+      y = c.output;
+    }
+
+    std::vector<torch::Tensor> roots;
+    std::vector<torch::Tensor> grads;
+    for (const auto k : c10::irange(y.tensors.size())) {
+      const auto& yk = y.tensors[k];
+      if (k < dy.tensors.size() && dy.tensors[k].defined() && yk.defined() &&
+          yk.requires_grad()) {
+        roots.push_back(yk);
+        grads.push_back(dy.tensors[k].to(yk.device()));
+      }
+    }
+    dy.tensors.clear();
+    // Input leaves of a retained cell collect gradients again on the next
+    // backward: start from nothing each time.
+    for (auto& x : c.input.tensors) {
+      if (x.defined() && x.grad().defined()) {
+        x.mutable_grad().reset();
+      }
+    }
+    if (!roots.empty()) {
+      torch::autograd::backward(
+          roots, grads, /*retain_graph=*/retain_cells, /*create_graph=*/false);
+    }
+    roots.clear();
+    y = Packet{};
+
+    Packet dx{{}, c.input.atomic};
+    for (auto& x : c.input.tensors) {
+      dx.tensors.push_back(
+          x.defined() && x.requires_grad() ? x.grad() : torch::Tensor());
+    }
+    if (!retain_cells) {
+      c = CellState{};
+    }
+    put(i, j, std::move(dx));
+  }
+
+  Pipeline& pipeline_;
+  const int64_t m_;
+  const int64_t n_;
+  const PassOptions options_;
+  // Cell (i, j) is touched by lane j only while a pass runs, by the caller
+  // between passes.
+  std::vector<std::vector<CellState>> cells_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<std::vector<Packet>> slots_; // guarded by mutex_
+  std::vector<std::vector<char>> ready_; // guarded by mutex_
+  int64_t pending_ = 0; // guarded by mutex_
+  bool failed_ = false; // guarded by mutex_
+  FirstError error_;
+};
+
+// The autograd node of a GPipe output. Its backward is the pipelined
+// backward of every cell.
+class PipelineBackward : public torch::autograd::Node {
+ public:
+  PipelineBackward(
+      std::shared_ptr<Pipeline> pipeline,
+      std::shared_ptr<Run> run,
+      std::vector<int64_t> output_slots,
+      std::vector<int64_t> micro_batch_sizes,
+      Batch inputs)
+      : pipeline_(std::move(pipeline)),
+        run_(std::move(run)),
+        output_slots_(std::move(output_slots)),
+        micro_batch_sizes_(std::move(micro_batch_sizes)) {
+    for (const auto& x : inputs) {
+      inputs_.push_back(InputInfo{x.sizes().vec(), x.options(), x.requires_grad()});
+    }
+  }
+
+  void set_output_slots(std::vector<int64_t> slots) {
+    output_slots_ = std::move(slots);
+  }
+
+  std::string name() const override {
+    return "gpipe::PipelineBackward";
+  }
+
+  void release_variables() override {
+    run_.reset();
+  }
+
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override {
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    TORCH_CHECK(
+        exec_info == nullptr || exec_info->empty(),
+        "gpipe::GPipe supports only backward() over all leaves: the pipelined "
+        "backward accumulates every parameter's .grad, so torch::autograd::grad "
+        "and backward(inputs=...) through a GPipe output are not supported");
+    TORCH_CHECK(
+        run_ && !run_->consumed,
+        "trying to backward through a gpipe::GPipe output a second time, but "
+        "its saved activations have been freed; pass retain_graph=true to the "
+        "first backward, or run forward again");
+    Run& run = *run_;
+    const int64_t m = run.micro_batches();
+    const int64_t n = pipeline_->size();
+
+    // Gradient of output tensor k, cut per micro-batch.
+    const size_t width = output_slots_.size();
+    run.reset_slots();
+    std::vector<Packet> dys(m);
+    for (const auto k : c10::irange(width)) {
+      torch::Tensor g;
+      if (output_slots_[k] >= 0) {
+        g = grads[output_slots_[k]];
+      }
+      int64_t offset = 0;
+      for (const auto i : c10::irange(m)) {
+        dys[i].tensors.push_back(
+            g.defined() ? g.narrow(0, offset, micro_batch_sizes_[i])
+                        : torch::Tensor());
+        offset += micro_batch_sizes_[i];
+      }
+    }
+    for (const auto i : c10::irange(m)) {
+      run.put(i, n, std::move(dys[i]));
+    }
+
+    run.retain_cells = torch::autograd::get_current_graph_task_keep_graph();
+    {
+      // Recomputation reseeds the generators; the user's streams must not
+      // notice. See Note [Random streams of concurrent cells].
+      std::unique_ptr<GeneratorStateGuard> generators;
+      if (run.seeded) {
+        std::vector<torch::Device> devices;
+        for (const auto j : c10::irange(n)) {
+          devices.push_back(pipeline_->stage(j).device);
+        }
+        generators = std::make_unique<GeneratorStateGuard>(devices);
+      }
+      try {
+        run.run_pass(
+            reverse_clock_cycles(m, n), pipeline_->backward_inline(), run_);
+      } catch (...) {
+        run.consumed = true;
+        throw;
+      }
+    }
+    run.consumed = !run.retain_cells;
+
+    std::vector<Packet> dx(m);
+    for (const auto i : c10::irange(m)) {
+      dx[i] = run.take(i, 0);
+    }
+    torch::autograd::variable_list dxs;
+    for (const auto k : c10::irange(inputs_.size())) {
+      const auto& input = inputs_[k];
+      if (!input.requires_grad) {
+        dxs.emplace_back();
+        continue;
+      }
+      std::vector<torch::Tensor> pieces;
+      bool any = false;
+      for (const auto i : c10::irange(m)) {
+        auto& g = dx[i].tensors.at(k);
+        any = any || g.defined();
+        if (!g.defined()) {
+          // This micro-batch did not reach the input: its gradient is zero.
+          auto shape = input.shape;
+          shape[0] = micro_batch_sizes_[i];
+          g = torch::zeros(shape, input.options.device(pipeline_->stage(0).device));
+        }
+        pieces.push_back(g);
+      }
+      if (!any) {
+        dxs.emplace_back();
+        continue;
+      }
+      dxs.push_back(torch::cat(pieces, 0).to(input.options.device()));
+    }
+    return dxs;
+  }
+
+ private:
+  std::shared_ptr<Pipeline> pipeline_;
+  std::shared_ptr<Run> run_;
+  // Output tensor k is this node's input number output_slots_[k], or -1 when
+  // it is not differentiable.
+  std::vector<int64_t> output_slots_;
+  std::vector<int64_t> micro_batch_sizes_;
+  struct InputInfo {
+    std::vector<int64_t> shape;
+    torch::TensorOptions options;
+    bool requires_grad = false;
+  };
+  std::vector<InputInfo> inputs_;
+};
+
+} // namespace
+
+Packet call_partition(
+    torch::nn::Sequential& module,
+    const Packet& input,
+    int64_t partition) {
+  auto it = module->begin();
+  TORCH_INTERNAL_ASSERT(it != module->end(), "empty partition ", partition);
+  torch::nn::AnyValue value = input.atomic
+      ? it->any_forward(input.tensors.at(0))
+      : it->any_forward(input.tensors);
+  for (++it; it != module->end(); ++it) {
+    value = it->any_forward(std::move(value));
+  }
+  if (auto* t = value.try_get<torch::Tensor>()) {
+    return Packet{{*t}, true};
+  }
+  if (auto* ts = value.try_get<std::vector<torch::Tensor>>()) {
+    return Packet{*ts, false};
+  }
+  TORCH_CHECK_TYPE(
+      false,
+      "expected partition ",
+      partition,
+      " to return torch::Tensor or std::vector<torch::Tensor>, but its last "
+      "layer returned ",
+      c10::demangle(value.type_info().name()));
+}
+
+Pipeline::Pipeline(
+    std::vector<torch::nn::Sequential> partitions,
+    std::vector<torch::Device> devices,
+    int64_t threads_per_lane) {
+  TORCH_INTERNAL_ASSERT(partitions.size() == devices.size());
+  for (const auto j : c10::irange(partitions.size())) {
+    auto stage = std::make_unique<Stage>();
+    stage->module = partitions[j];
+    stage->device = devices[j];
+    backward_inline_ = backward_inline_ || devices[j].is_cuda();
+    stages_.push_back(std::move(stage));
+  }
+  for (const auto j : c10::irange(partitions.size())) {
+    const bool cpu = devices[j].is_cpu();
+    lanes_.push_back(std::make_unique<Lane>([cpu, threads_per_lane] {
+      if (cpu) {
+        // Initialise this thread's intra-op pool first, so that the lazy
+        // initialisation of the first parallel op does not undo our count.
+        at::internal::lazy_init_num_threads();
+        at::set_num_threads(static_cast<int>(threads_per_lane));
+      }
+    }));
+  }
+}
+
+Pipeline::~Pipeline() = default;
+
+Packet Pipeline::forward(
+    std::vector<Packet> inputs,
+    const Batch& original_inputs,
+    const PassOptions& options) {
+  const int64_t m = static_cast<int64_t>(inputs.size());
+  const int64_t n = size();
+  auto run = std::make_shared<Run>(*this, m, options);
+
+  bool any_requires_grad = false;
+  for (const auto& x : original_inputs) {
+    any_requires_grad = any_requires_grad || x.requires_grad();
+  }
+  for (const auto& stage : stages_) {
+    for (const auto& p : stage->module->parameters()) {
+      any_requires_grad = any_requires_grad || p.requires_grad();
+    }
+  }
+  run->needs_grad = torch::GradMode::is_enabled() && any_requires_grad;
+
+  std::unique_ptr<GeneratorStateGuard> generators;
+  for (const auto& stage : stages_) {
+    run->seeded = run->seeded || stage->random.may_draw(options.training);
+  }
+  if (run->seeded) {
+    run->step_seed = draw_step_seed();
+    std::vector<torch::Device> devices;
+    for (const auto& stage : stages_) {
+      devices.push_back(stage->device);
+    }
+    generators = std::make_unique<GeneratorStateGuard>(devices);
+  }
+
+  std::vector<int64_t> sizes;
+  run->reset_slots();
+  for (const auto i : c10::irange(m)) {
+    sizes.push_back(inputs[i].tensors.at(0).size(0));
+    run->put(i, 0, std::move(inputs[i]));
+  }
+  run->run_pass(clock_cycles(m, n), /*inline_cells=*/false, run);
+  generators.reset();
+
+  std::vector<Packet> outputs;
+  for (const auto i : c10::irange(m)) {
+    outputs.push_back(run->take(i, n));
+  }
+
+  // One node stands behind each whole output tensor.
+  const auto width = outputs.at(0).tensors.size();
+  Packet gathered{{}, outputs[0].atomic};
+  {
+    std::vector<Batch> pieces;
+    for (auto& packet : outputs) {
+      TORCH_CHECK_VALUE(
+          packet.tensors.size() == width,
+          "every micro-batch must give the same number of output tensors, but "
+          "one gave ",
+          width,
+          " and another ",
+          packet.tensors.size());
+      pieces.push_back(std::move(packet.tensors));
+    }
+    gathered.tensors = gather(pieces);
+  }
+  if (!run->needs_grad) {
+    return gathered;
+  }
+  auto node = std::shared_ptr<PipelineBackward>(
+      new PipelineBackward(
+          shared_from_this(),
+          run,
+          {},
+          sizes,
+          original_inputs),
+      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(original_inputs));
+  std::vector<int64_t> slots;
+  int64_t next_slot = 0;
+  for (auto& t : gathered.tensors) {
+    if (is_differentiable(t)) {
+      torch::autograd::set_history(t, node);
+      slots.push_back(next_slot++);
+    } else {
+      slots.push_back(-1);
+    }
+  }
+  node->set_output_slots(std::move(slots));
+  return gathered;
+}
+
+} // namespace gpipe::detail

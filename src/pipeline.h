@@ -1,0 +1,93 @@
+#pragma once
+
+// The engine: runs a schedule of cells over partitions and lanes, forward and
+// backward, and ties the pipeline into autograd with one node.
+
+#include <gpipe/microbatch.h>
+#include <gpipe/schedule.h>
+
+#include "random.h"
+#include "worker.h"
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <vector>
+
+namespace gpipe::detail {
+
+/// A micro-batch at a partition boundary: its tensors, and whether they came
+/// as one tensor (`atomic`) or as a std::vector<torch::Tensor>.
+struct Packet {
+  Batch tensors;
+  bool atomic = true;
+};
+
+/// One partition as the engine sees it.
+struct Stage {
+  torch::nn::Sequential module;
+  torch::Device device = torch::kCPU;
+  RandomUse random; // see Note [Random streams of concurrent cells]
+};
+
+/// How one forward pass runs.
+struct PassOptions {
+  bool training = true;
+  /// Micro-batches `i < checkpoint_stop` are checkpointed (when a graph is
+  /// built at all).
+  int64_t checkpoint_stop = 0;
+};
+
+class Pipeline : public std::enable_shared_from_this<Pipeline> {
+ public:
+  /// One lane per partition; CPU lanes get `threads_per_lane` intra-op threads.
+  Pipeline(
+      std::vector<torch::nn::Sequential> partitions,
+      std::vector<torch::Device> devices,
+      int64_t threads_per_lane);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  /// Runs `inputs` (already scattered) through every partition and returns
+  /// the last partition's outputs gathered into one packet. When grad mode
+  /// is on and anything requires grad, the returned tensors are connected to
+  /// autograd: their backward runs the pipelined backward, and gradients
+  /// reach `inputs` and the parameters.
+  Packet forward(
+      std::vector<Packet> inputs,
+      const Batch& original_inputs,
+      const PassOptions& options);
+
+  int64_t size() const {
+    return static_cast<int64_t>(stages_.size());
+  }
+  Stage& stage(int64_t j) {
+    return *stages_[j];
+  }
+  Lane& lane(int64_t j) {
+    return *lanes_[j];
+  }
+  /// True when backward runs on the autograd engine's thread rather than on
+  /// the lanes. See Note [Backward on CUDA lanes].
+  bool backward_inline() const {
+    return backward_inline_;
+  }
+
+ private:
+  std::vector<std::unique_ptr<Stage>> stages_;
+  // Declared after stages_ so that lanes are joined before stages go away.
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  bool backward_inline_ = false;
+};
+
+/// Runs one partition on a micro-batch: the layers one after the other, a
+/// layer's output (torch::Tensor or std::vector<torch::Tensor>) being the
+/// next one's input.
+Packet call_partition(
+    torch::nn::Sequential& module,
+    const Packet& input,
+    int64_t partition);
+
+} // namespace gpipe::detail

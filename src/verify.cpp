@@ -1,0 +1,121 @@
+#include <gpipe/verify.h>
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <unordered_map>
+
+namespace gpipe {
+
+namespace {
+
+constexpr const char* kRecommendBalance =
+    "; compute a balance with gpipe::balance_by_time or gpipe::balance_by_size";
+
+} // namespace
+
+void verify_balance(const std::vector<int64_t>& balance, int64_t num_layers) {
+  int64_t sum = 0;
+  for (auto b : balance) {
+    TORCH_CHECK_VALUE(
+        b >= 1,
+        "every balance entry must be a positive integer, but got balance=",
+        c10::IntArrayRef(balance),
+        kRecommendBalance);
+    sum += b;
+  }
+  TORCH_CHECK_VALUE(
+      sum == num_layers,
+      "balance must sum to the number of layers (",
+      num_layers,
+      "), but got ",
+      sum,
+      " (balance=",
+      c10::IntArrayRef(balance),
+      ")",
+      kRecommendBalance);
+}
+
+void verify_chunks(int64_t chunks) {
+  TORCH_CHECK_VALUE(
+      chunks >= 1,
+      "chunks (the number of micro-batches) must be a positive integer, but got ",
+      chunks);
+}
+
+void verify_devices(
+    const std::vector<torch::Device>& devices,
+    int64_t num_partitions) {
+  TORCH_CHECK_INDEX(
+      static_cast<int64_t>(devices.size()) >= num_partitions,
+      "too few devices to hold the partitions: expected at least ",
+      num_partitions,
+      " devices (one per partition), but got ",
+      devices.size(),
+      "; a device may be repeated, e.g. {torch::kCPU, torch::kCPU}");
+}
+
+void verify_module(const torch::nn::Sequential& module) {
+  TORCH_CHECK_TYPE(
+      !module.is_empty(), "module must be a non-null torch::nn::Sequential");
+  std::unordered_map<const torch::nn::Module*, std::string> seen_modules;
+  std::unordered_map<const c10::TensorImpl*, std::string> seen_parameters;
+  for (const auto& item : module->named_children()) {
+    const auto& name = item.key();
+    const auto* child = item.value().get();
+    auto inserted = seen_modules.emplace(child, name);
+    TORCH_CHECK_VALUE(
+        inserted.second,
+        "a Sequential with the same module twice is not supported: layer '",
+        name,
+        "' is layer '",
+        inserted.first->second,
+        "' again; give each position its own module");
+    // A module shared deeper down (inside two children) shows up as shared
+    // parameters; GPipe places each child on one device, so it cannot work.
+    for (const auto& p : item.value()->parameters()) {
+      auto p_inserted = seen_parameters.emplace(p.unsafeGetTensorImpl(), name);
+      TORCH_CHECK_VALUE(
+          p_inserted.second || p_inserted.first->second == name,
+          "a Sequential whose children share parameters is not supported: "
+          "layers '",
+          p_inserted.first->second,
+          "' and '",
+          name,
+          "' hold the same parameter");
+    }
+  }
+}
+
+void verify_batch(const std::vector<torch::Tensor>& inputs) {
+  TORCH_CHECK_VALUE(
+      !inputs.empty(), "expected at least one input tensor, but got none");
+  for (const auto k : c10::irange(inputs.size())) {
+    TORCH_CHECK_TYPE(
+        inputs[k].defined(),
+        "expected a defined tensor, but input ",
+        k,
+        " is undefined");
+    TORCH_CHECK_VALUE(
+        inputs[k].dim() >= 1,
+        "expected tensors with a batch dimension, but input ",
+        k,
+        " is a scalar");
+  }
+  const auto batch = inputs[0].size(0);
+  TORCH_CHECK_VALUE(
+      batch > 0,
+      "expected a non-empty batch, but input 0 has batch size 0");
+  for (const auto k : c10::irange(inputs.size())) {
+    TORCH_CHECK_VALUE(
+        inputs[k].size(0) == batch,
+        "every input tensor must have the same batch size (dim 0): input 0 has ",
+        batch,
+        " but input ",
+        k,
+        " has ",
+        inputs[k].size(0));
+  }
+}
+
+} // namespace gpipe

@@ -1,0 +1,65 @@
+#pragma once
+
+// Shared helpers for the gpipe tests: a seeding fixture and small models.
+
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace gpipe::testing {
+
+/// Seeds LibTorch's generators before each test, as torchgpipe's conftest.
+class SeededTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    torch::manual_seed(0);
+  }
+};
+
+/// Throws std::runtime_error("boom") from forward when `armed`.
+struct RaiseImpl : torch::nn::Module {
+  explicit RaiseImpl(bool armed = true) : armed(armed) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (armed) {
+      throw std::runtime_error("boom");
+    }
+    return x;
+  }
+  bool armed;
+};
+TORCH_MODULE(Raise);
+
+/// Records a value per forward call through `log` (not thread-safe by itself:
+/// one partition's layers run on one lane).
+template <typename F>
+struct LambdaImpl : torch::nn::Module {
+  explicit LambdaImpl(F f) : f(std::move(f)) {}
+  torch::Tensor forward(torch::Tensor x) {
+    return f(x);
+  }
+  F f;
+};
+
+template <typename F>
+std::shared_ptr<LambdaImpl<F>> lambda(F f) {
+  return std::make_shared<LambdaImpl<F>>(std::move(f));
+}
+
+/// Gradients of every parameter, in order.
+inline std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : m.parameters()) {
+    grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  }
+  return grads;
+}
+
+/// A deep copy of `net` (same values, separate parameters).
+inline torch::nn::Sequential copy_of(const torch::nn::Sequential& net) {
+  return std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+}
+
+} // namespace gpipe::testing

@@ -1,0 +1,49 @@
+#include "common.h"
+
+namespace {
+
+using gpipe::testing::SeededTest;
+class MicrobatchTest : public SeededTest {};
+
+TEST_F(MicrobatchTest, ScatterTensorCutsDimZero) {
+  auto x = torch::arange(10).view({10, 1});
+  auto batches = gpipe::scatter({x}, 3);
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_EQ(batches[0][0].size(0), 4);
+  EXPECT_EQ(batches[2][0].size(0), 2);
+  EXPECT_TRUE(torch::equal(gpipe::gather(batches)[0], x));
+}
+
+TEST_F(MicrobatchTest, ScatterTupleCutsEveryTensor) {
+  auto a = torch::zeros({4, 2});
+  auto b = torch::ones({4});
+  auto batches = gpipe::scatter({a, b}, 2);
+  ASSERT_EQ(batches.size(), 2u);
+  ASSERT_EQ(batches[0].size(), 2u);
+  EXPECT_EQ(batches[1][0].sizes(), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(batches[1][1].sizes(), (std::vector<int64_t>{2}));
+  auto back = gpipe::gather(batches);
+  EXPECT_TRUE(torch::equal(back[0], a));
+  EXPECT_TRUE(torch::equal(back[1], b));
+}
+
+TEST_F(MicrobatchTest, BatchSmallerThanChunksGivesFewerMicroBatches) {
+  EXPECT_EQ(gpipe::scatter({torch::zeros({2, 3})}, 4).size(), 2u);
+  EXPECT_EQ(gpipe::scatter({torch::zeros({7, 3})}, 4).size(), 4u);
+}
+
+TEST_F(MicrobatchTest, BadBatchesAreRefused) {
+  EXPECT_THROW(gpipe::scatter({}, 2), c10::ValueError);
+  EXPECT_THROW(gpipe::scatter({torch::zeros({0, 3})}, 2), c10::ValueError);
+  EXPECT_THROW(gpipe::scatter({torch::zeros({3})}, 0), c10::ValueError);
+  EXPECT_THROW(gpipe::scatter({torch::Tensor()}, 1), c10::TypeError);
+  try {
+    gpipe::scatter({torch::zeros({4}), torch::zeros({5})}, 2);
+    FAIL() << "mismatched batch sizes were accepted";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("same batch size"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("has 5"), std::string::npos);
+  }
+}
+
+} // namespace
