@@ -243,22 +243,21 @@ class Run {
         c.input.tensors.size() > 0, "backward of a cell with no saved input");
 
     Packet y;
+    // Recomputation must not update running statistics a second time; the
+    // buffers are put back once the cell's backward, which may read them,
+    // is done.
+    std::vector<torch::Tensor> buffers;
+    std::vector<torch::Tensor> saved;
     if (c.checkpointed) {
       torch::AutoGradMode grad_mode(true);
       RecomputingGuard recomputing;
-      // Recomputation must not update running statistics a second time.
-      auto buffers = stage.module->buffers();
-      std::vector<torch::Tensor> saved;
+      buffers = stage.module->buffers();
       saved.reserve(buffers.size());
       for (const auto& b : buffers) {
         saved.push_back(b.clone());
       }
       auto body = [&] { y = call_partition(stage.module, c.input, j); };
       stage.random.run_seeded(stage.device, options_.training, c.seed, body);
-      torch::NoGradGuard no_grad;
-      for (const auto k : c10::irange(buffers.size())) {
-        buffers[k].copy_(saved[k]);
-      }
     } else {
       y = c.output;
     }
@@ -287,6 +286,12 @@ class Run {
     }
     roots.clear();
     y = Packet{};
+    if (!buffers.empty()) {
+      torch::NoGradGuard no_grad;
+      for (const auto k : c10::irange(buffers.size())) {
+        buffers[k].copy_(saved[k]);
+      }
+    }
 
     Packet dx{{}, c.input.atomic};
     for (auto& x : c.input.tensors) {

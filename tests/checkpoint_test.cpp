@@ -1,1 +1,184 @@
-#include <gtest/gtest.h>
+// Checkpointing through GPipe: which runs are checkpointed, the inspection
+// flags, random streams replayed in recomputation, and side effects kept
+// single.
+
+#include "common.h"
+
+#include <atomic>
+#include <mutex>
+
+namespace {
+
+using gpipe::Checkpoint;
+using gpipe::testing::lambda;
+using gpipe::testing::SeededTest;
+
+class CheckpointTest : public SeededTest {};
+
+// Counts forward runs of one layer, split by is_checkpointing/is_recomputing.
+struct Counts {
+  std::atomic<int> plain{0};
+  std::atomic<int> checkpointing{0};
+  std::atomic<int> recomputing{0};
+};
+
+torch::nn::Sequential counted(Counts& counts) {
+  auto count = lambda([&counts](torch::Tensor x) {
+    if (gpipe::is_checkpointing()) {
+      ++counts.checkpointing;
+    } else if (gpipe::is_recomputing()) {
+      ++counts.recomputing;
+    } else {
+      ++counts.plain;
+    }
+    return x;
+  });
+  return torch::nn::Sequential(torch::nn::Linear(2, 2), count);
+}
+
+TEST_F(CheckpointTest, ModesCheckpointTheRightMicroBatches) {
+  struct Expect {
+    Checkpoint mode;
+    int checkpointed;
+  };
+  for (auto e : {Expect{Checkpoint::Always, 4},
+                 Expect{Checkpoint::ExceptLast, 3},
+                 Expect{Checkpoint::Never, 0}}) {
+    Counts counts;
+    gpipe::GPipe model(
+        counted(counts), gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(e.mode));
+    model->forward(torch::randn({8, 2})).sum().backward();
+    EXPECT_EQ(counts.checkpointing.load(), e.checkpointed);
+    EXPECT_EQ(counts.recomputing.load(), e.checkpointed);
+    EXPECT_EQ(counts.plain.load(), 4 - e.checkpointed);
+  }
+}
+
+TEST_F(CheckpointTest, ChunksOneConstructsInEveryMode) {
+  for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    Counts counts;
+    gpipe::GPipe model(counted(counts), gpipe::GPipeOptions({2}).checkpoint(mode));
+    model->forward(torch::randn({3, 2})).sum().backward();
+    EXPECT_EQ(counts.recomputing.load(), mode == Checkpoint::Always ? 1 : 0);
+  }
+}
+
+TEST_F(CheckpointTest, EvalNeverCheckpoints) {
+  Counts counts;
+  gpipe::GPipe model(
+      counted(counts), gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(Checkpoint::Always));
+  model->eval();
+  auto x = torch::randn({8, 2}, torch::requires_grad());
+  model->forward(x).sum().backward();
+  EXPECT_EQ(counts.checkpointing.load(), 0);
+  EXPECT_EQ(counts.recomputing.load(), 0);
+  EXPECT_EQ(counts.plain.load(), 4);
+}
+
+TEST_F(CheckpointTest, NoGradBuildsNoGraphAndNeverCheckpoints) {
+  Counts counts;
+  gpipe::GPipe model(
+      counted(counts), gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(Checkpoint::Always));
+  torch::NoGradGuard no_grad;
+  auto y = model->forward(torch::randn({8, 2}));
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_FALSE(y.grad_fn());
+  EXPECT_EQ(counts.checkpointing.load(), 0);
+}
+
+TEST_F(CheckpointTest, FlagsAreFalseOutsideCheckpointing) {
+  EXPECT_FALSE(gpipe::is_checkpointing());
+  EXPECT_FALSE(gpipe::is_recomputing());
+  {
+    gpipe::detail::CheckpointingGuard guard;
+    EXPECT_TRUE(gpipe::is_checkpointing());
+  }
+  EXPECT_FALSE(gpipe::is_checkpointing());
+}
+
+// torchgpipe's test_parallel_randoms: dropout everywhere, every micro-batch
+// checkpointed; the recomputed masks must equal the forward's, so the zero
+// pattern of the output is the zero pattern of the input gradient.
+TEST_F(CheckpointTest, DropoutMasksReplayInRecomputation) {
+  for (int trial = 0; trial < 10; ++trial) {
+    torch::nn::Sequential net;
+    for (int k = 0; k < 40; ++k) {
+      net->push_back(torch::nn::Dropout(0.1));
+    }
+    gpipe::GPipe model(
+        net,
+        gpipe::GPipeOptions({10, 10, 10, 10}).chunks(10).checkpoint(
+            Checkpoint::Always));
+    auto x = torch::ones({20, 8}, torch::requires_grad());
+    auto y = model->forward(x);
+    y.norm().backward();
+    EXPECT_TRUE(torch::equal(y.eq(0), x.grad().eq(0))) << "trial " << trial;
+    EXPECT_TRUE(y.eq(0).any().item<bool>());
+  }
+}
+
+TEST_F(CheckpointTest, RandomLayersAreDeterministicGivenTheSeed) {
+  auto run = [] {
+    torch::manual_seed(7);
+    torch::nn::Sequential net(
+        torch::nn::Linear(4, 4), torch::nn::Dropout(0.5), torch::nn::Linear(4, 4),
+        torch::nn::Dropout(0.5));
+    gpipe::GPipe model(net, gpipe::GPipeOptions({2, 2}).chunks(4));
+    auto y = model->forward(torch::ones({16, 4}));
+    y.sum().backward();
+    return std::make_pair(y.detach(), net[0]->as<torch::nn::Linear>()->weight.grad().clone());
+  };
+  auto a = run();
+  for (int k = 0; k < 5; ++k) {
+    auto b = run();
+    EXPECT_TRUE(torch::equal(a.first, b.first));
+    EXPECT_TRUE(torch::equal(a.second, b.second));
+  }
+}
+
+TEST_F(CheckpointTest, DropoutGradientsEqualUncheckpointedRun) {
+  // Same seed, same masks: Always and Never give the same gradients.
+  auto grads = [](Checkpoint mode) {
+    torch::manual_seed(3);
+    torch::nn::Sequential net(
+        torch::nn::Linear(4, 8), torch::nn::Dropout(0.5), torch::nn::Linear(8, 4),
+        torch::nn::Dropout(0.5));
+    net->to(torch::kDouble);
+    gpipe::GPipe model(net, gpipe::GPipeOptions({2, 2}).chunks(3).checkpoint(mode));
+    auto x = torch::randn({6, 4}, torch::kDouble).requires_grad_(true);
+    model->forward(x).pow(2).sum().backward();
+    return x.grad().clone();
+  };
+  EXPECT_TRUE(torch::allclose(grads(Checkpoint::Always), grads(Checkpoint::Never), 1e-10, 1e-12));
+}
+
+TEST_F(CheckpointTest, UserRandomStreamOnlyAdvancesByTheStepSeed) {
+  // Layers that draw must not leave the generator at a cell seed: two
+  // forwards in a row see different masks.
+  torch::nn::Sequential net(torch::nn::Dropout(0.5), torch::nn::Dropout(0.5));
+  gpipe::GPipe model(net, gpipe::GPipeOptions({1, 1}).chunks(2));
+  auto a = model->forward(torch::ones({64, 8}));
+  auto b = model->forward(torch::ones({64, 8}));
+  EXPECT_FALSE(torch::equal(a, b));
+}
+
+TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
+  auto stats = [](Checkpoint mode) {
+    torch::manual_seed(1);
+    torch::nn::Sequential net(
+        torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4), torch::nn::Linear(4, 2));
+    gpipe::GPipe model(net, gpipe::GPipeOptions({2, 1}).chunks(2).checkpoint(mode));
+    for (int k = 0; k < 3; ++k) {
+      model->forward(torch::randn({8, 3})).sum().backward();
+    }
+    auto bn = net[1]->as<torch::nn::BatchNorm1d>();
+    return std::make_pair(bn->running_mean.clone(), bn->num_batches_tracked.item<int64_t>());
+  };
+  auto always = stats(Checkpoint::Always);
+  auto never = stats(Checkpoint::Never);
+  EXPECT_EQ(always.second, 6);
+  EXPECT_EQ(never.second, 6);
+  EXPECT_TRUE(torch::allclose(always.first, never.first));
+}
+
+} // namespace

@@ -1,1 +1,369 @@
-#include <gtest/gtest.h>
+// The GPipe module: construction checks, module behaviour, errors in flight.
+
+#include "common.h"
+
+#include <atomic>
+#include <sstream>
+
+namespace {
+
+using gpipe::Checkpoint;
+using gpipe::GPipe;
+using gpipe::GPipeOptions;
+using gpipe::testing::copy_of;
+using gpipe::testing::lambda;
+using gpipe::testing::Raise;
+using gpipe::testing::SeededTest;
+
+class GPipeTest : public SeededTest {};
+
+torch::nn::Sequential two_linears() {
+  return torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::Linear(3, 3));
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+TEST_F(GPipeTest, ExposesTheSequentialsParameters) {
+  auto net = two_linears();
+  GPipe model(net, GPipeOptions({1, 1}));
+  auto a = net->parameters();
+  auto b = model->parameters();
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    EXPECT_TRUE(a[k].is_same(b[k]));
+  }
+  auto names = model->named_parameters().keys();
+  EXPECT_EQ(names[0], "partitions.0.0.weight");
+  EXPECT_EQ(names[3], "partitions.1.1.bias");
+}
+
+TEST_F(GPipeTest, PublicAttributes) {
+  GPipe model(two_linears(), GPipeOptions({2}).chunks(42).checkpoint(Checkpoint::Never));
+  EXPECT_EQ(model->balance(), (std::vector<int64_t>{2}));
+  ASSERT_EQ(model->devices().size(), 1u);
+  EXPECT_TRUE(model->devices()[0].is_cpu());
+  EXPECT_EQ(model->chunks(), 42);
+  EXPECT_EQ(model->checkpoint(), Checkpoint::Never);
+  EXPECT_EQ(model->partitions()->size(), 1u);
+  std::ostringstream s;
+  s << *model;
+  EXPECT_EQ(s.str().rfind("gpipe::GPipe(balance=[2], chunks=42, checkpoint=never)", 0), 0u) << s.str();
+}
+
+TEST_F(GPipeTest, IndexesLayersAcrossPartitions) {
+  auto net = two_linears();
+  for (auto balance : std::vector<std::vector<int64_t>>{{2}, {1, 1}}) {
+    GPipe model(net, GPipeOptions(balance));
+    EXPECT_EQ(model->size(), 2);
+    EXPECT_EQ(model[0].get(), net->ptr(0).get());
+    EXPECT_EQ(model[1].get(), net->ptr(1).get());
+    EXPECT_EQ(model[-1].get(), net->ptr(1).get());
+    EXPECT_EQ(model[-2].get(), net->ptr(0).get());
+    EXPECT_THROW(model[2], c10::IndexError);
+    EXPECT_THROW(model[-3], c10::IndexError);
+  }
+}
+
+TEST_F(GPipeTest, BalanceOfWrongLengthIsRefusedWithAdvice) {
+  for (auto balance : std::vector<std::vector<int64_t>>{{1}, {3}}) {
+    EXPECT_THROW(GPipe(two_linears(), GPipeOptions(balance)), c10::ValueError);
+  }
+  auto msg = message_of([] { GPipe(two_linears(), GPipeOptions({3})); });
+  EXPECT_TRUE(contains(msg, "number of layers (2)")) << msg;
+  EXPECT_TRUE(contains(msg, "got 3")) << msg;
+  EXPECT_TRUE(contains(msg, "balance_by_time")) << msg;
+}
+
+TEST_F(GPipeTest, BalanceBelowOneIsRefused) {
+  for (auto balance : std::vector<std::vector<int64_t>>{{0, 2}, {-1, 3}}) {
+    auto msg = message_of([&] { GPipe(two_linears(), GPipeOptions(balance)); });
+    EXPECT_TRUE(contains(msg, "positive integer")) << msg;
+    EXPECT_TRUE(contains(msg, "balance_by_time")) << msg;
+    EXPECT_THROW(GPipe(two_linears(), GPipeOptions(balance)), c10::ValueError);
+  }
+}
+
+TEST_F(GPipeTest, ChunksBelowOneAreRefused) {
+  EXPECT_THROW(GPipe(two_linears(), GPipeOptions({2}).chunks(0)), c10::ValueError);
+  EXPECT_THROW(GPipe(two_linears(), GPipeOptions({2}).chunks(-1)), c10::ValueError);
+}
+
+TEST_F(GPipeTest, TooFewDevicesAreRefused) {
+  torch::nn::Sequential net{
+      torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};
+  auto make = [&] { GPipe(net, GPipeOptions({1, 1, 1, 1}).devices({torch::kCPU})); };
+  EXPECT_THROW(make(), c10::IndexError);
+  EXPECT_TRUE(contains(message_of(make), "got 1")) << message_of(make);
+}
+
+TEST_F(GPipeTest, ExtraDevicesAreDropped) {
+  torch::nn::Sequential net{torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};
+  GPipe model(net, GPipeOptions({1, 1, 1}).devices({torch::kCPU, torch::kCPU, torch::kCPU, torch::kCPU, torch::kCPU}));
+  EXPECT_EQ(model->devices().size(), 3u);
+}
+
+TEST_F(GPipeTest, CheckpointNamesParse) {
+  EXPECT_EQ(gpipe::checkpoint_from_string("always"), Checkpoint::Always);
+  EXPECT_EQ(gpipe::checkpoint_from_string("except_last"), Checkpoint::ExceptLast);
+  EXPECT_EQ(gpipe::checkpoint_from_string("never"), Checkpoint::Never);
+  auto msg = message_of([] { gpipe::checkpoint_from_string("sometimes"); });
+  EXPECT_TRUE(contains(msg, "'always', 'except_last' or 'never'")) << msg;
+}
+
+TEST_F(GPipeTest, SameModuleTwiceIsRefused) {
+  torch::nn::Linear shared(2, 2);
+  torch::nn::Sequential net(shared, shared);
+  auto msg = message_of([&] { GPipe(net, GPipeOptions({1, 1})); });
+  EXPECT_TRUE(contains(msg, "same module twice")) << msg;
+  EXPECT_THROW(GPipe(net, GPipeOptions({1, 1})), c10::ValueError);
+}
+
+TEST_F(GPipeTest, SharedParametersBetweenChildrenAreRefused) {
+  struct HoldImpl : torch::nn::Module {
+    explicit HoldImpl(torch::Tensor w) {
+      register_parameter("w", w);
+    }
+    torch::Tensor forward(torch::Tensor x) {
+      return x;
+    }
+  };
+  torch::nn::Linear a(2, 2);
+  torch::nn::Sequential net(a, std::make_shared<HoldImpl>(a->weight));
+  auto msg = message_of([&] { GPipe(net, GPipeOptions({1, 1})); });
+  EXPECT_TRUE(contains(msg, "share parameters")) << msg;
+}
+
+TEST_F(GPipeTest, IndivisibleAndSmallBatchesWork) {
+  GPipe model(two_linears(), GPipeOptions({1, 1}).chunks(4));
+  EXPECT_EQ(model->forward(torch::randn({7, 3})).size(0), 7);
+  EXPECT_EQ(model->forward(torch::randn({2, 3})).size(0), 2);
+}
+
+TEST_F(GPipeTest, BadInputsAreRefused) {
+  GPipe model(two_linears(), GPipeOptions({1, 1}).chunks(2));
+  EXPECT_THROW(model->forward(torch::randn({0, 3})), c10::ValueError);
+  EXPECT_THROW(model->forward(torch::Tensor()), c10::TypeError);
+  EXPECT_THROW(model->forward(std::vector<torch::Tensor>{}), c10::ValueError);
+  auto msg = message_of([&] {
+    model->forward(std::vector<torch::Tensor>{torch::randn({4, 3}), torch::randn({5, 3})});
+  });
+  EXPECT_TRUE(contains(msg, "same batch size")) << msg;
+}
+
+TEST_F(GPipeTest, ExceptionNamesPartitionAndMicroBatch) {
+  std::atomic<int> counter{0};
+  auto count = lambda([&](torch::Tensor x) {
+    ++counter;
+    return x;
+  });
+  torch::nn::Sequential net(count, torch::nn::Identity(), torch::nn::Identity(), Raise());
+  GPipe model(net, GPipeOptions({1, 1, 1, 1}).chunks(3));
+  try {
+    model->forward(torch::randn({3, 2}));
+    FAIL() << "no exception";
+  } catch (const c10::Error& e) {
+    std::string what = e.what();
+    EXPECT_TRUE(contains(what, "boom")) << what;
+    EXPECT_TRUE(contains(what, "partition 3, micro-batch 0, forward")) << what;
+  }
+  // Lanes run ahead of the failing cell (no lockstep), so the first
+  // partition saw at least micro-batch 0 and at most all three.
+  EXPECT_GE(counter.load(), 1);
+  EXPECT_LE(counter.load(), 3);
+}
+
+TEST_F(GPipeTest, CellsAfterAFailureNeverStart) {
+  std::atomic<int> after{0};
+  auto count = lambda([&](torch::Tensor x) {
+    ++after;
+    return x;
+  });
+  torch::nn::Sequential net(Raise(), count);
+  GPipe model(net, GPipeOptions({1, 1}).chunks(4));
+  EXPECT_THROW(model->forward(torch::randn({4, 2})), c10::Error);
+  EXPECT_EQ(after.load(), 0);
+}
+
+TEST_F(GPipeTest, ModelWorksAgainAfterAnException) {
+  auto raise = Raise();
+  torch::nn::Sequential net(torch::nn::Linear(2, 2), torch::nn::ReLU(), raise);
+  GPipe model(net, GPipeOptions({1, 1, 1}).chunks(3));
+  for (int k = 0; k < 20; ++k) {
+    EXPECT_THROW(model->forward(torch::randn({6, 2})), c10::Error);
+  }
+  raise->armed = false;
+  auto y = model->forward(torch::randn({6, 2}));
+  y.sum().backward();
+  EXPECT_TRUE(net[0]->as<torch::nn::Linear>()->weight.grad().defined());
+}
+
+TEST_F(GPipeTest, ExceptionInBackwardReachesTheCaller) {
+  auto fail = lambda([](torch::Tensor x) {
+    auto y = x * 1.0;
+    if (y.requires_grad()) { // not while checkpointing
+      y.register_hook([](torch::Tensor g) -> torch::Tensor {
+        TORCH_CHECK_VALUE(false, "backward failed");
+      });
+    }
+    return y;
+  });
+  torch::nn::Sequential net(torch::nn::Linear(2, 2), fail, torch::nn::Linear(2, 2));
+  GPipe model(net, GPipeOptions({1, 1, 1}).chunks(2));
+  auto y = model->forward(torch::randn({4, 2}));
+  auto msg = message_of([&] { y.sum().backward(); });
+  EXPECT_TRUE(contains(msg, "backward failed")) << msg;
+  EXPECT_TRUE(contains(msg, "partition 1")) << msg;
+  EXPECT_TRUE(contains(msg, "backward")) << msg;
+  // Still usable.
+  auto z = model->forward(torch::randn({4, 2}));
+  EXPECT_EQ(z.size(0), 4);
+}
+
+TEST_F(GPipeTest, TupleBatchesFlowThroughPartitions) {
+  struct PairImpl : torch::nn::Module {
+    std::vector<torch::Tensor> forward(std::vector<torch::Tensor> xs) {
+      return {xs[0] * 2, xs[1] + xs[0]};
+    }
+  };
+  torch::nn::Sequential net(std::make_shared<PairImpl>(), std::make_shared<PairImpl>());
+  GPipe model(net, GPipeOptions({1, 1}).chunks(2));
+  auto a = torch::randn({4, 2}, torch::requires_grad());
+  auto b = torch::randn({4, 2}, torch::requires_grad());
+  auto out = model->forward(std::vector<torch::Tensor>{a, b});
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_TRUE(torch::allclose(out[0], a * 4));
+  EXPECT_TRUE(torch::allclose(out[1], b + a + a * 2));
+  (out[0].sum() + out[1].sum()).backward();
+  EXPECT_TRUE(torch::allclose(a.grad(), torch::full({4, 2}, 7.0)));
+  EXPECT_TRUE(torch::allclose(b.grad(), torch::ones({4, 2})));
+}
+
+TEST_F(GPipeTest, SingletonTupleStaysATuple) {
+  struct OneImpl : torch::nn::Module {
+    std::vector<torch::Tensor> forward(std::vector<torch::Tensor> xs) {
+      return {xs.at(0) + 1};
+    }
+  };
+  torch::nn::Sequential net(std::make_shared<OneImpl>(), std::make_shared<OneImpl>());
+  GPipe model(net, GPipeOptions({1, 1}).chunks(2));
+  auto x = torch::zeros({4, 1}, torch::requires_grad());
+  auto out = model->forward(std::vector<torch::Tensor>{x});
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_TRUE(torch::allclose(out[0], torch::full({4, 1}, 2.0)));
+  out[0].sum().backward();
+  EXPECT_TRUE(x.grad().defined());
+}
+
+TEST_F(GPipeTest, NonTensorOutputIsATypeError) {
+  struct WordImpl : torch::nn::Module {
+    std::string forward(torch::Tensor x) {
+      return "hello";
+    }
+  };
+  torch::nn::Sequential net(torch::nn::Identity(), std::make_shared<WordImpl>());
+  GPipe model(net, GPipeOptions({1, 1}));
+  auto msg = message_of([&] { model->forward(torch::ones({2, 1})); });
+  EXPECT_TRUE(contains(msg, "expected partition 1 to return torch::Tensor")) << msg;
+  EXPECT_THROW(model->forward(torch::ones({2, 1})), c10::TypeError);
+}
+
+TEST_F(GPipeTest, MovingDevicesIsRefusedButDtypeCastsWork) {
+  GPipe model(two_linears(), GPipeOptions({1, 1}));
+  EXPECT_THROW(model->to(torch::kCPU), c10::TypeError);
+  EXPECT_THROW(model->to(torch::kCPU, torch::kDouble), c10::TypeError);
+  model->to(torch::kDouble);
+  for (const auto& p : model->parameters()) {
+    EXPECT_EQ(p.scalar_type(), torch::kDouble);
+  }
+  EXPECT_EQ(model->forward(torch::randn({2, 3}, torch::kDouble)).scalar_type(), torch::kDouble);
+}
+
+TEST_F(GPipeTest, EmptySequentialPassesInputThrough) {
+  GPipe model(torch::nn::Sequential(), GPipeOptions(std::vector<int64_t>{}));
+  auto x = torch::randn({2, 2});
+  EXPECT_TRUE(model->forward(x).is_same(x));
+  auto xs = model->forward(std::vector<torch::Tensor>{x});
+  ASSERT_EQ(xs.size(), 1u);
+}
+
+TEST_F(GPipeTest, NamedChildrenKeepTheirNames) {
+  torch::nn::Sequential net;
+  net->push_back("a", torch::nn::Linear(2, 2));
+  net->push_back("b", torch::nn::Linear(2, 2));
+  GPipe model(net, GPipeOptions({1, 1}));
+  auto names = model->named_modules().keys();
+  EXPECT_NE(std::find(names.begin(), names.end(), "partitions.0.a"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "partitions.1.b"), names.end());
+}
+
+TEST_F(GPipeTest, StateDictRoundTripsWithThePlainSequential) {
+  auto plain = two_linears();
+  GPipe model(copy_of(plain), GPipeOptions({1, 1}));
+  // Plain -> GPipe: add the documented prefix.
+  torch::NoGradGuard no_grad;
+  auto dst = model->named_parameters();
+  for (const auto& item : plain->named_parameters()) {
+    const auto partition = item.key()[0] == '0' ? "0" : "1";
+    dst[std::string("partitions.") + partition + "." + item.key()].copy_(item.value());
+  }
+  auto x = torch::randn({4, 3});
+  EXPECT_TRUE(torch::allclose(model->forward(x), plain->forward(x)));
+
+  // GPipe -> file -> another GPipe, and back into a plain Sequential.
+  const std::string path = ::testing::TempDir() + "gpipe_state.pt";
+  torch::save(model, path);
+  GPipe loaded(two_linears(), GPipeOptions({1, 1}));
+  torch::load(loaded, path);
+  EXPECT_TRUE(torch::allclose(loaded->forward(x), plain->forward(x)));
+  auto back = two_linears();
+  auto src = loaded->named_parameters();
+  for (auto& item : back->named_parameters()) {
+    const auto partition = item.key()[0] == '0' ? "0" : "1";
+    item.value().copy_(src[std::string("partitions.") + partition + "." + item.key()]);
+  }
+  EXPECT_TRUE(torch::allclose(back->forward(x), plain->forward(x)));
+}
+
+TEST_F(GPipeTest, AutogradGradThroughTheOutputIsRefused) {
+  GPipe model(two_linears(), GPipeOptions({1, 1}).chunks(2));
+  auto x = torch::randn({4, 3}, torch::requires_grad());
+  auto y = model->forward(x);
+  auto msg = message_of([&] { torch::autograd::grad({y.sum()}, {x}); });
+  EXPECT_TRUE(contains(msg, "torch::autograd::grad")) << msg;
+}
+
+TEST_F(GPipeTest, SecondBackwardNeedsRetainGraph) {
+  GPipe model(two_linears(), GPipeOptions({1, 1}).chunks(2));
+  auto x = torch::randn({4, 3}, torch::requires_grad());
+  auto loss = model->forward(x).sum();
+  loss.backward({}, /*retain_graph=*/true);
+  auto first = x.grad().clone();
+  loss.backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), first * 2));
+  auto msg = message_of([&] { loss.backward(); });
+  EXPECT_FALSE(msg.empty());
+}
+
+TEST_F(GPipeTest, InplaceOnALeafThatRequiresGradIsReported) {
+  // torchgpipe's test_inplace_on_requires_grad: the boundary input is a leaf
+  // that requires grad, so an in-place ReLU on it is refused by autograd.
+  torch::nn::Sequential net(
+      torch::nn::Linear(1, 1), torch::nn::ReLU(torch::nn::ReLUOptions(true)));
+  GPipe model(net, GPipeOptions({1, 1}).checkpoint(Checkpoint::Always));
+  auto msg = message_of([&] { model->forward(torch::randn({1, 1})).sum().backward(); });
+  EXPECT_TRUE(contains(msg, "leaf Variable that requires grad")) << msg;
+}
+
+} // namespace
