@@ -30,7 +30,7 @@ TEST_F(PipelineTest, PartitionsRunOnTheirOwnThreadsAtTheSameTime) {
   auto sleeper = [&](int partition) {
     return lambda([&, partition](torch::Tensor x) {
       Event e{partition, gpipe::is_recomputing(), Clock::now(), {}, std::this_thread::get_id()};
-      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
       e.end = Clock::now();
       std::lock_guard<std::mutex> lock(mutex);
       events.push_back(e);
@@ -44,8 +44,8 @@ TEST_F(PipelineTest, PartitionsRunOnTheirOwnThreadsAtTheSameTime) {
   auto t0 = Clock::now();
   auto y = model->forward(x);
   auto elapsed = Clock::now() - t0;
-  // Serial: 8 x 30 ms. Pipelined: (4 + 2 - 1) x 30 ms.
-  EXPECT_LT(elapsed, std::chrono::milliseconds(220));
+  // Serial: 8 x 50 ms. Pipelined: (4 + 2 - 1) x 50 ms.
+  EXPECT_LT(elapsed, std::chrono::milliseconds(350));
   ASSERT_EQ(events.size(), 8u);
   std::thread::id lanes[2];
   bool overlapped = false;
@@ -73,7 +73,7 @@ TEST_F(PipelineTest, BackwardOfPartitionsOverlaps) {
       auto y = x * 1.0;
       y.register_hook([&, partition](torch::Tensor g) {
         auto start = Clock::now();
-        std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
         std::lock_guard<std::mutex> lock(mutex);
         spans.push_back({partition, {start, Clock::now()}});
         return g;
@@ -87,7 +87,7 @@ TEST_F(PipelineTest, BackwardOfPartitionsOverlaps) {
   auto y = model->forward(torch::ones({8, 1}, torch::requires_grad()));
   auto t0 = Clock::now();
   y.sum().backward();
-  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(220));
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(350));
   ASSERT_EQ(spans.size(), 8u);
   bool overlapped = false;
   for (const auto& a : spans) {

@@ -1,0 +1,250 @@
+// gpipe-bench: training-step speed and memory of GPipe on CPU lanes against
+// the plain Sequential, the machine's parallel capacity, and the engine's
+// per-cell overhead. Prints a table; writes JSON to --json.
+
+#include "harness.h"
+
+#include <gpipe/gpipe.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+namespace {
+
+using gpipe::Checkpoint;
+using gpipe::bench::peak_mib;
+using gpipe::bench::time_median;
+using nlohmann::json;
+
+torch::nn::Sequential mlp(int64_t blocks, int64_t width) {
+  torch::nn::Sequential net;
+  for (int64_t k = 0; k < blocks; ++k) {
+    net->push_back(torch::nn::Linear(width, width));
+    net->push_back(torch::nn::ReLU());
+  }
+  return net;
+}
+
+torch::nn::Sequential slice(const torch::nn::Sequential& net, int64_t from, int64_t to) {
+  torch::nn::Sequential part;
+  for (int64_t k = from; k < to; ++k) {
+    part->push_back(*(net->begin() + k));
+  }
+  return part;
+}
+
+struct Row {
+  std::string name;
+  int64_t partitions = 0;
+  int64_t chunks = 0;
+  std::string checkpoint;
+  double seconds = 0;
+  double peak_mib = 0;
+};
+
+// One training step (forward, loss, backward) of any module.
+template <typename M>
+std::function<void()> train_step(M& model, const torch::Tensor& x) {
+  return [&model, x] {
+    model->zero_grad();
+    model->forward(x).pow(2).mean().backward();
+  };
+}
+
+// Two threads each running half of the layers over the whole batch at once,
+// against the same work one half after the other on one thread: what the
+// two cores give when both are busy (shared caches and memory bandwidth).
+double parallel_capacity(const torch::nn::Sequential& net, const torch::Tensor& x, int iters) {
+  const auto half = static_cast<int64_t>(net->size()) / 2;
+  auto a = slice(net, 0, half);
+  auto b = slice(net, half, net->size());
+  auto work = [&x](torch::nn::Sequential& part) {
+    part->zero_grad();
+    part->forward(x).pow(2).mean().backward();
+  };
+  at::set_num_threads(1);
+  const double serial = time_median([&] { work(a); work(b); }, 1, iters);
+  const double parallel = time_median(
+      [&] {
+        std::thread other([&] {
+          at::set_num_threads(1);
+          work(b);
+        });
+        work(a);
+        other.join();
+      },
+      1,
+      iters);
+  return serial / parallel;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"gpipe benchmark: speed-up, memory and overhead on CPU lanes"};
+  int64_t blocks = 16;
+  int64_t width = 1024;
+  int64_t batch = 256;
+  int iters = 5;
+  std::string json_path = "gpipe-bench.json";
+  std::vector<int64_t> chunk_list{1, 2, 4, 8, 16, 32};
+  bool quick = false;
+  app.add_option("--blocks", blocks, "Linear+ReLU blocks of the speed model");
+  app.add_option("--width", width, "Features of each Linear");
+  app.add_option("--batch", batch, "Mini-batch size");
+  app.add_option("--iters", iters, "Timed iterations per configuration (median)");
+  app.add_option("--chunks", chunk_list, "Chunk counts for the 2-partition rows");
+  app.add_option("--json", json_path, "Where to write the JSON results");
+  app.add_flag("--quick", quick, "Only chunks 8 and checkpoint never (smoke run)");
+  CLI11_PARSE(app, argc, argv);
+  if (quick) {
+    chunk_list = {8};
+  }
+
+  gpipe::bench::CountingAllocator::install();
+  gpipe::bench::print_environment();
+  torch::manual_seed(0);
+  auto net = mlp(blocks, width);
+  auto x = torch::randn({batch, width});
+  const auto layers = static_cast<int64_t>(net->size());
+  std::printf(
+      "# model: %lld x (Linear(%lld,%lld)+ReLU), batch %lld, training step = forward + backward\n",
+      (long long)blocks, (long long)width, (long long)width, (long long)batch);
+
+  json out;
+  std::vector<Row> rows;
+
+  // The plain Sequential, with 1 and with 2 intra-op threads.
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    auto step = train_step(net, x);
+    Row r{"plain-" + std::to_string(threads) + "t", 1, 1, "-", time_median(step, 2, iters), peak_mib(step)};
+    rows.push_back(r);
+  }
+  at::set_num_threads(1);
+
+  const double capacity = parallel_capacity(net, x, iters);
+
+  // GPipe with one partition on one lane, one thread: the baseline.
+  double gpipe1 = 0;
+  {
+    gpipe::GPipe model(net, gpipe::GPipeOptions({layers}).chunks(1).checkpoint(Checkpoint::Never).threads_per_lane(1));
+    auto step = train_step(model, x);
+    gpipe1 = time_median(step, 2, iters);
+    rows.push_back({"gpipe-1p", 1, 1, "never", gpipe1, peak_mib(step)});
+  }
+
+  json configs = json::array();
+  for (auto mode : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
+    if (quick && mode != Checkpoint::Never) {
+      continue;
+    }
+    for (auto chunks : chunk_list) {
+      gpipe::GPipe model(
+          net,
+          gpipe::GPipeOptions({layers / 2, layers - layers / 2})
+              .chunks(chunks)
+              .checkpoint(mode)
+              .threads_per_lane(1));
+      auto step = train_step(model, x);
+      const double t = time_median(step, 2, iters);
+      rows.push_back({"gpipe-2p", 2, chunks, gpipe::to_string(mode), t, peak_mib(step)});
+    }
+  }
+
+  const double plain1 = rows[0].seconds;
+  const double plain2 = rows[1].seconds;
+  std::printf("# parallel capacity of this machine (2 threads, half the layers each): %.3f\n", capacity);
+  std::printf(
+      "%-10s %3s %6s %-12s %10s %9s %9s %9s %6s %9s %10s\n",
+      "config", "n", "chunks", "checkpoint", "step_ms", "vs_gp1p", "vs_plain1", "vs_plain2",
+      "bound", "effic", "peak_MiB");
+  for (const auto& r : rows) {
+    const double n = r.partitions;
+    const double m = r.chunks;
+    const double bound = n * m / (m + n - 1);
+    const double speedup = gpipe1 / r.seconds;
+    const double efficiency = r.partitions == 2 ? speedup / (bound * capacity) : speedup / bound;
+    std::printf(
+        "%-10s %3lld %6lld %-12s %10.1f %9.3f %9.3f %9.3f %6.3f %9.3f %10.1f\n",
+        r.name.c_str(), (long long)r.partitions, (long long)r.chunks, r.checkpoint.c_str(),
+        r.seconds * 1e3, speedup, plain1 / r.seconds, plain2 / r.seconds, bound, efficiency,
+        r.peak_mib);
+    configs.push_back({{"config", r.name}, {"partitions", r.partitions}, {"chunks", r.chunks},
+                       {"checkpoint", r.checkpoint}, {"step_seconds", r.seconds},
+                       {"speedup_vs_gpipe_1p", speedup}, {"speedup_vs_plain_1t", plain1 / r.seconds},
+                       {"speedup_vs_plain_2t", plain2 / r.seconds}, {"fill_drain_bound", bound},
+                       {"efficiency", efficiency}, {"peak_mib", r.peak_mib}});
+  }
+  out["speed"] = {{"blocks", blocks}, {"width", width}, {"batch", batch},
+                  {"parallel_capacity", capacity}, {"configs", configs}};
+
+  // Scheduling overhead: 32 tiny layers, chunks 32, against the plain model
+  // running the same micro-batches one after the other.
+  {
+    at::set_num_threads(1);
+    auto tiny = mlp(16, 64);
+    const int64_t chunks = 32;
+    auto xt = torch::randn({chunks * 4, 64});
+    auto pieces = xt.chunk(chunks);
+    auto plain_step = [&] {
+      tiny->zero_grad();
+      for (const auto& p : pieces) {
+        tiny->forward(p).pow(2).mean().backward();
+      }
+    };
+    const double t_plain = time_median(plain_step, 5, 21);
+    json overhead = json::array();
+    std::printf("\n# per-cell overhead: 16 x (Linear(64,64)+ReLU) = 32 layers, chunks 32, checkpoint never\n");
+    std::printf("%3s %8s %12s %12s %14s\n", "n", "cells", "plain_ms", "gpipe_ms", "us_per_cell");
+    for (int64_t n : {1, 2}) {
+      gpipe::GPipe model(
+          tiny,
+          gpipe::GPipeOptions(n == 1 ? std::vector<int64_t>{32} : std::vector<int64_t>{16, 16})
+              .chunks(chunks)
+              .checkpoint(Checkpoint::Never)
+              .threads_per_lane(1));
+      auto step = train_step(model, xt);
+      const double t = time_median(step, 5, 21);
+      const int64_t cells = 2 * chunks * n;
+      // With n lanes the plain work is spread over n threads: compare the
+      // total thread time against the plain model's.
+      const double per_cell = (t * n - t_plain) / cells * 1e6;
+      std::printf("%3lld %8lld %12.3f %12.3f %14.2f\n", (long long)n, (long long)cells, t_plain * 1e3, t * 1e3, per_cell);
+      overhead.push_back({{"partitions", n}, {"cells", cells}, {"plain_seconds", t_plain},
+                          {"gpipe_seconds", t}, {"overhead_us_per_cell", per_cell}});
+    }
+    out["overhead"] = overhead;
+  }
+
+  // Memory: wide activations, 32 layers, chunks 8, per checkpoint mode.
+  {
+    auto wide = mlp(16, 256);
+    auto xw = torch::randn({4096, 256});
+    json memory = json::array();
+    std::printf("\n# peak memory of a training step: 16 x (Linear(256,256)+ReLU), batch 4096, 2 partitions, chunks 8\n");
+    std::printf("%-12s %10s %12s\n", "checkpoint", "peak_MiB", "vs_never");
+    double never = 0;
+    for (auto mode : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
+      gpipe::GPipe model(wide, gpipe::GPipeOptions({16, 16}).chunks(8).checkpoint(mode).threads_per_lane(1));
+      auto step = train_step(model, xw);
+      step();
+      const double peak = peak_mib(step);
+      if (mode == Checkpoint::Never) {
+        never = peak;
+      }
+      std::printf("%-12s %10.1f %12.3f\n", gpipe::to_string(mode).c_str(), peak, peak / never);
+      memory.push_back({{"checkpoint", gpipe::to_string(mode)}, {"peak_mib", peak}, {"ratio_to_never", peak / never}});
+    }
+    out["memory"] = memory;
+  }
+
+  std::ofstream(json_path) << out.dump(2) << std::endl;
+  std::printf("\n# JSON written to %s\n", json_path.c_str());
+  return 0;
+}

@@ -1,0 +1,116 @@
+#pragma once
+
+// The small timing and memory helpers every gpipe benchmark shares.
+
+#include <ATen/Parallel.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace gpipe::bench {
+
+/// Median seconds of `iterations` calls of `step`, after `warmup` calls.
+inline double time_median(
+    const std::function<void()>& step,
+    int warmup,
+    int iterations) {
+  for (int k = 0; k < warmup; ++k) {
+    step();
+  }
+  std::vector<double> times;
+  for (int k = 0; k < iterations; ++k) {
+    const auto start = std::chrono::steady_clock::now();
+    step();
+    times.push_back(std::chrono::duration<double>(
+                        std::chrono::steady_clock::now() - start)
+                        .count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+/// Prints what the numbers depend on: device, BLAS, threads.
+inline void print_environment() {
+  std::printf("# device: cpu, %u hardware threads\n", std::thread::hardware_concurrency());
+  std::string config = at::show_config();
+  const auto blas = config.find("BLAS_INFO=");
+  std::printf(
+      "# blas: %s\n",
+      blas == std::string::npos
+          ? "unknown"
+          : config.substr(blas, config.find_first_of(", \n", blas) - blas).c_str());
+  std::printf("# %s", at::get_parallel_info().c_str());
+}
+
+/// Counts the bytes of live CPU tensors, and their peak, by wrapping
+/// LibTorch's CPU allocator.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  static CountingAllocator& install() {
+    static CountingAllocator* instance = [] {
+      auto* a = new CountingAllocator(c10::GetCPUAllocator());
+      c10::SetCPUAllocator(a, /*priority=*/100);
+      return a;
+    }();
+    return *instance;
+  }
+
+  c10::DataPtr allocate(size_t n) const override {
+    auto inner = base_->allocate(n);
+    auto* ctx = new Context{std::move(inner), n, this};
+    const auto now = live_.fetch_add(n) + n;
+    auto peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return c10::DataPtr(ctx->inner.get(), ctx, &release, c10::Device(c10::kCPU));
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return nullptr;
+  }
+
+  /// Starts a new peak from what is live now; returns that baseline.
+  size_t reset_peak() {
+    const auto now = live_.load();
+    peak_.store(now);
+    return now;
+  }
+  size_t peak() const {
+    return peak_.load();
+  }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;
+    size_t bytes;
+    const CountingAllocator* owner;
+  };
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  static void release(void* p) {
+    auto* ctx = static_cast<Context*>(p);
+    ctx->owner->live_.fetch_sub(ctx->bytes);
+    delete ctx;
+  }
+
+  c10::Allocator* base_;
+  mutable std::atomic<size_t> live_{0};
+  mutable std::atomic<size_t> peak_{0};
+};
+
+/// Peak bytes allocated above the baseline while `step` runs.
+inline double peak_mib(const std::function<void()>& step) {
+  auto& counter = CountingAllocator::install();
+  const auto base = counter.reset_peak();
+  step();
+  return double(counter.peak() - base) / (1024.0 * 1024.0);
+}
+
+} // namespace gpipe::bench
