@@ -70,23 +70,22 @@ class Run {
     } else {
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        pending_ = 0;
-        for (const auto& step : steps) {
-          pending_ += static_cast<int64_t>(step.size());
-        }
+        pending_ = n_;
       }
       for (const auto j : c10::irange(n_)) {
-        for (const auto& cell : cells_of_partition(steps, j)) {
-          // The task owns a reference to the run: once it has counted itself
-          // done, the caller may drop its own.
-          pipeline_.lane(j).post([self, cell, tls] {
-            {
-              at::ThreadLocalStateGuard guard(tls);
-              self->run_cell(cell);
-            }
-            self->finish_cell();
-          });
-        }
+        // One task per lane and pass runs the lane's cells in schedule
+        // order; the task owns a reference to the run, so once it has
+        // counted itself done the caller may drop its own.
+        pipeline_.lane(j).post(
+            [self, cells = cells_of_partition(steps, j), tls] {
+              {
+                at::ThreadLocalStateGuard guard(tls);
+                for (const auto& cell : cells) {
+                  self->run_cell(cell);
+                }
+              }
+              self->finish_lane();
+            });
       }
       std::unique_lock<std::mutex> lock(mutex_);
       cv_.wait(lock, [this] { return pending_ == 0; });
@@ -162,7 +161,7 @@ class Run {
     }
   }
 
-  void finish_cell() {
+  void finish_lane() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (--pending_ == 0) {
       cv_.notify_all();
@@ -193,7 +192,9 @@ class Run {
     Packet x{{}, in.atomic};
     x.tensors.reserve(in.tensors.size());
     for (auto& t : in.tensors) {
-      auto leaf = t.defined() ? t.to(stage.device).detach() : t;
+      auto leaf = !t.defined() ? t
+          : t.device() == stage.device ? t.detach()
+                                       : t.to(stage.device).detach();
       // A boundary input is a leaf of the cell's own graph: it requires grad
       // when the tensor it stands for does (the user's input on partition
       // 0, every differentiable activation after it).
@@ -269,7 +270,8 @@ class Run {
       if (k < dy.tensors.size() && dy.tensors[k].defined() && yk.defined() &&
           yk.requires_grad()) {
         roots.push_back(yk);
-        grads.push_back(dy.tensors[k].to(yk.device()));
+        const auto& g = dy.tensors[k];
+        grads.push_back(g.device() == yk.device() ? g : g.to(yk.device()));
       }
     }
     dy.tensors.clear();
