@@ -3,6 +3,8 @@
 
 #include "common.h"
 
+#include <torch/cuda.h>
+
 #include <functional>
 #include <sstream>
 
@@ -163,6 +165,43 @@ TEST_F(TransparencyTest, OnlyParametersRequireGrad) {
   auto g2 = grads_of(*model);
   for (size_t k = 0; k < g1.size(); ++k) {
     expect_close(g1[k], g2[k], "parameter " + std::to_string(k));
+  }
+}
+
+} // namespace
+
+namespace {
+
+// Needs a CUDA device: skipped on CPU-only machines (CI), run on a GPU host.
+TEST_F(TransparencyTest, CudaPartitionsEqualThePlainSequential_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    auto plain = linears(4);
+    plain->to(torch::kDouble);
+    auto net = copy_of(plain);
+    gpipe::GPipe model(
+        net,
+        gpipe::GPipeOptions({3, 4})
+            .devices({torch::Device("cuda:0"), torch::Device("cuda:0")})
+            .chunks(3)
+            .checkpoint(mode));
+    auto x = torch::randn({7, 6}, torch::kDouble);
+    auto x1 = x.clone().requires_grad_(true);
+    auto x2 = x.clone().requires_grad_(true);
+    auto y1 = plain->forward(x1);
+    auto y2 = model->forward(x2);
+    ASSERT_TRUE(y2.is_cuda());
+    expect_close(y1, y2.cpu(), "output");
+    y1.pow(2).sum().backward();
+    y2.pow(2).sum().backward();
+    expect_close(x1.grad(), x2.grad(), "input grad");
+    auto g1 = grads_of(*plain);
+    auto g2 = grads_of(*model);
+    for (size_t k = 0; k < g1.size(); ++k) {
+      expect_close(g1[k], g2[k].cpu(), "parameter " + std::to_string(k));
+    }
   }
 }
 
