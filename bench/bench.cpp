@@ -2,19 +2,18 @@
 // the plain Sequential, the machine's parallel capacity, and the engine's
 // per-cell overhead. Prints a table; writes JSON to --json.
 
-#include "harness.h"
-
 #include <gpipe/gpipe.h>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <fstream>
-#include <map>
 #include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <thread>
+
+#include "harness.h"
 
 namespace {
 
@@ -32,7 +31,8 @@ torch::nn::Sequential mlp(int64_t blocks, int64_t width) {
   return net;
 }
 
-torch::nn::Sequential slice(const torch::nn::Sequential& net, int64_t from, int64_t to) {
+torch::nn::Sequential slice(
+    const torch::nn::Sequential& net, int64_t from, int64_t to) {
   torch::nn::Sequential part;
   for (int64_t k = from; k < to; ++k) {
     part->push_back(*(net->begin() + k));
@@ -63,7 +63,8 @@ std::function<void()> train_step(M& model, const torch::Tensor& x) {
 // two cores give when both are busy (shared caches and memory bandwidth).
 // Each thread is started once and runs all its iterations, so thread start
 // and per-thread BLAS buffers are not timed.
-double parallel_capacity(const torch::nn::Sequential& net, const torch::Tensor& x, int iters) {
+double parallel_capacity(
+    const torch::nn::Sequential& net, const torch::Tensor& x, int iters) {
   const auto half = static_cast<int64_t>(net->size()) / 2;
   auto a = slice(net, 0, half);
   auto b = slice(net, half, net->size());
@@ -79,18 +80,22 @@ double parallel_capacity(const torch::nn::Sequential& net, const torch::Tensor& 
   auto start = std::chrono::steady_clock::now();
   work(a, iters);
   work(b, iters);
-  const double serial = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double serial =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   std::thread warm([&] { work(b, 1); });
   warm.join();
   start = std::chrono::steady_clock::now();
   std::thread other([&] { work(b, iters); });
   work(a, iters);
   other.join();
-  const double parallel = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double parallel =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   return serial / parallel;
 }
 
-} // namespace
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"gpipe benchmark: speed-up, memory and overhead on CPU lanes"};
@@ -104,10 +109,13 @@ int main(int argc, char** argv) {
   app.add_option("--blocks", blocks, "Linear+ReLU blocks of the speed model");
   app.add_option("--width", width, "Features of each Linear");
   app.add_option("--batch", batch, "Mini-batch size");
-  app.add_option("--iters", iters, "Timed iterations per configuration (median)");
-  app.add_option("--chunks", chunk_list, "Chunk counts for the 2-partition rows");
+  app.add_option(
+      "--iters", iters, "Timed iterations per configuration (median)");
+  app.add_option(
+      "--chunks", chunk_list, "Chunk counts for the 2-partition rows");
   app.add_option("--json", json_path, "Where to write the JSON results");
-  app.add_flag("--quick", quick, "Only chunks 8 and checkpoint never (smoke run)");
+  app.add_flag(
+      "--quick", quick, "Only chunks 8 and checkpoint never (smoke run)");
   CLI11_PARSE(app, argc, argv);
   if (quick) {
     chunk_list = {8};
@@ -120,8 +128,12 @@ int main(int argc, char** argv) {
   auto x = torch::randn({batch, width});
   const auto layers = static_cast<int64_t>(net->size());
   std::printf(
-      "# model: %lld x (Linear(%lld,%lld)+ReLU), batch %lld, training step = forward + backward\n",
-      (long long)blocks, (long long)width, (long long)width, (long long)batch);
+      "# model: %lld x (Linear(%lld,%lld)+ReLU), batch %lld, training step = "
+      "forward + backward\n",
+      (long long)blocks,
+      (long long)width,
+      (long long)width,
+      (long long)batch);
 
   json out;
   std::vector<Row> rows;
@@ -130,7 +142,13 @@ int main(int argc, char** argv) {
   for (int threads : {1, 2}) {
     at::set_num_threads(threads);
     auto step = train_step(net, x);
-    Row r{"plain-" + std::to_string(threads) + "t", 1, 1, "-", time_median(step, 2, iters), peak_mib(step)};
+    Row r{
+        "plain-" + std::to_string(threads) + "t",
+        1,
+        1,
+        "-",
+        time_median(step, 2, iters),
+        peak_mib(step)};
     rows.push_back(r);
   }
   at::set_num_threads(1);
@@ -142,18 +160,29 @@ int main(int argc, char** argv) {
   // micro-batches, one after the other).
   std::map<int64_t, double> gpipe1;
   for (auto chunks : chunk_list) {
-    gpipe::GPipe model(net, gpipe::GPipeOptions({layers}).chunks(chunks).checkpoint(Checkpoint::Never).threads_per_lane(1));
+    gpipe::GPipe model(
+        net,
+        gpipe::GPipeOptions({layers})
+            .chunks(chunks)
+            .checkpoint(Checkpoint::Never)
+            .threads_per_lane(1));
     auto step = train_step(model, x);
     const double t = time_median(step, 2, iters);
     gpipe1[chunks] = t;
     rows.push_back({"gpipe-1p", 1, chunks, "never", t, peak_mib(step)});
   }
   if (!gpipe1.count(1)) {
-    gpipe::GPipe model(net, gpipe::GPipeOptions({layers}).chunks(1).checkpoint(Checkpoint::Never).threads_per_lane(1));
+    gpipe::GPipe model(
+        net,
+        gpipe::GPipeOptions({layers})
+            .chunks(1)
+            .checkpoint(Checkpoint::Never)
+            .threads_per_lane(1));
     gpipe1[1] = time_median(train_step(model, x), 2, iters);
   }
 
-  for (auto mode : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
+  for (auto mode :
+       {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
     if (quick && mode != Checkpoint::Never) {
       continue;
     }
@@ -166,46 +195,87 @@ int main(int argc, char** argv) {
               .threads_per_lane(1));
       auto step = train_step(model, x);
       const double t = time_median(step, 2, iters);
-      rows.push_back({"gpipe-2p", 2, chunks, gpipe::to_string(mode), t, peak_mib(step)});
+      rows.push_back(
+          {"gpipe-2p", 2, chunks, gpipe::to_string(mode), t, peak_mib(step)});
     }
   }
 
   json configs = json::array();
   const double plain1 = rows[0].seconds;
   const double plain2 = rows[1].seconds;
-  std::printf("# parallel capacity of this machine (2 threads, half the layers each): %.3f\n", capacity);
   std::printf(
-      "# speed-ups: vs_1p_c1 = over GPipe 1 partition chunks 1; vs_1p_cm = over GPipe 1 partition\n"
-      "# with the same chunks (same micro-batches, one lane); attainable = bound x capacity / 2;\n"
+      "# parallel capacity of this machine (2 threads, half the layers each): "
+      "%.3f\n",
+      capacity);
+  std::printf(
+      "# speed-ups: vs_1p_c1 = over GPipe 1 partition chunks 1; vs_1p_cm = "
+      "over GPipe 1 partition\n"
+      "# with the same chunks (same micro-batches, one lane); attainable = "
+      "bound x capacity / 2;\n"
       "# efficiency = vs_1p_cm / attainable\n");
   std::printf(
       "%-9s %2s %6s %-12s %9s %8s %8s %9s %9s %6s %6s %6s %9s\n",
-      "config", "n", "chunks", "checkpoint", "step_ms", "vs_1p_c1", "vs_1p_cm", "vs_plain1", "vs_plain2",
-      "bound", "attain", "effic", "peak_MiB");
+      "config",
+      "n",
+      "chunks",
+      "checkpoint",
+      "step_ms",
+      "vs_1p_c1",
+      "vs_1p_cm",
+      "vs_plain1",
+      "vs_plain2",
+      "bound",
+      "attain",
+      "effic",
+      "peak_MiB");
   for (const auto& r : rows) {
     const double n = r.partitions;
     const double m = r.chunks;
     const double bound = n * m / (m + n - 1);
     const double attainable = r.partitions == 2 ? bound * capacity / 2 : 1.0;
     const double vs_c1 = gpipe1[1] / r.seconds;
-    const double vs_cm = r.partitions == 1 && r.name == "gpipe-1p" ? 1.0
-        : (gpipe1.count(r.chunks) ? gpipe1[r.chunks] / r.seconds : vs_c1);
+    const double vs_cm =
+        r.partitions == 1 && r.name == "gpipe-1p"
+            ? 1.0
+            : (gpipe1.count(r.chunks) ? gpipe1[r.chunks] / r.seconds : vs_c1);
     const double efficiency = r.name == "gpipe-2p" ? vs_cm / attainable : 0.0;
     std::printf(
-        "%-9s %2lld %6lld %-12s %9.1f %8.3f %8.3f %9.3f %9.3f %6.3f %6.3f %6.3f %9.1f\n",
-        r.name.c_str(), (long long)r.partitions, (long long)r.chunks, r.checkpoint.c_str(),
-        r.seconds * 1e3, vs_c1, vs_cm, plain1 / r.seconds, plain2 / r.seconds, bound, attainable,
-        efficiency, r.peak_mib);
-    configs.push_back({{"config", r.name}, {"partitions", r.partitions}, {"chunks", r.chunks},
-                       {"checkpoint", r.checkpoint}, {"step_seconds", r.seconds},
-                       {"speedup_vs_gpipe_1p_chunks_1", vs_c1},
-                       {"speedup_vs_gpipe_1p_same_chunks", vs_cm},
-                       {"speedup_vs_plain_1t", plain1 / r.seconds},
-                       {"speedup_vs_plain_2t", plain2 / r.seconds}, {"fill_drain_bound", bound},
-                       {"attainable", attainable}, {"efficiency", efficiency}, {"peak_mib", r.peak_mib}});
+        "%-9s %2lld %6lld %-12s %9.1f %8.3f %8.3f %9.3f %9.3f %6.3f %6.3f "
+        "%6.3f %9.1f\n",
+        r.name.c_str(),
+        (long long)r.partitions,
+        (long long)r.chunks,
+        r.checkpoint.c_str(),
+        r.seconds * 1e3,
+        vs_c1,
+        vs_cm,
+        plain1 / r.seconds,
+        plain2 / r.seconds,
+        bound,
+        attainable,
+        efficiency,
+        r.peak_mib);
+    configs.push_back(
+        {{"config", r.name},
+         {"partitions", r.partitions},
+         {"chunks", r.chunks},
+         {"checkpoint", r.checkpoint},
+         {"step_seconds", r.seconds},
+         {"speedup_vs_gpipe_1p_chunks_1", vs_c1},
+         {"speedup_vs_gpipe_1p_same_chunks", vs_cm},
+         {"speedup_vs_plain_1t", plain1 / r.seconds},
+         {"speedup_vs_plain_2t", plain2 / r.seconds},
+         {"fill_drain_bound", bound},
+         {"attainable", attainable},
+         {"efficiency", efficiency},
+         {"peak_mib", r.peak_mib}});
   }
-  out["speed"] = {{"blocks", blocks}, {"width", width}, {"batch", batch},
-                  {"parallel_capacity", capacity}, {"configs", configs}};
+  out["speed"] = {
+      {"blocks", blocks},
+      {"width", width},
+      {"batch", batch},
+      {"parallel_capacity", capacity},
+      {"configs", configs}};
 
   // Scheduling overhead: 32 tiny layers, chunks 32, against the plain model
   // running the same micro-batches one after the other.
@@ -223,12 +293,21 @@ int main(int argc, char** argv) {
     };
     const double t_plain = time_median(plain_step, 5, 51);
     json overhead = json::array();
-    std::printf("\n# per-cell overhead: 16 x (Linear(64,64)+ReLU) = 32 layers, chunks 32, checkpoint never\n");
-    std::printf("%3s %8s %12s %12s %14s\n", "n", "cells", "plain_ms", "gpipe_ms", "us_per_cell");
+    std::printf(
+        "\n# per-cell overhead: 16 x (Linear(64,64)+ReLU) = 32 layers, chunks "
+        "32, checkpoint never\n");
+    std::printf(
+        "%3s %8s %12s %12s %14s\n",
+        "n",
+        "cells",
+        "plain_ms",
+        "gpipe_ms",
+        "us_per_cell");
     for (int64_t n : {1, 2}) {
       gpipe::GPipe model(
           tiny,
-          gpipe::GPipeOptions(n == 1 ? std::vector<int64_t>{32} : std::vector<int64_t>{16, 16})
+          gpipe::GPipeOptions(
+              n == 1 ? std::vector<int64_t>{32} : std::vector<int64_t>{16, 16})
               .chunks(chunks)
               .checkpoint(Checkpoint::Never)
               .threads_per_lane(1));
@@ -239,9 +318,19 @@ int main(int argc, char** argv) {
       // difference per cell is the overhead. With two lanes the work is
       // split, so that row shows wall time only.
       const double per_cell = n == 1 ? (t - t_plain) / cells * 1e6 : 0.0;
-      std::printf("%3lld %8lld %12.3f %12.3f %14.2f\n", (long long)n, (long long)cells, t_plain * 1e3, t * 1e3, per_cell);
-      overhead.push_back({{"partitions", n}, {"cells", cells}, {"plain_seconds", t_plain},
-                          {"gpipe_seconds", t}, {"overhead_us_per_cell", per_cell}});
+      std::printf(
+          "%3lld %8lld %12.3f %12.3f %14.2f\n",
+          (long long)n,
+          (long long)cells,
+          t_plain * 1e3,
+          t * 1e3,
+          per_cell);
+      overhead.push_back(
+          {{"partitions", n},
+           {"cells", cells},
+           {"plain_seconds", t_plain},
+           {"gpipe_seconds", t},
+           {"overhead_us_per_cell", per_cell}});
     }
     out["overhead"] = overhead;
   }
@@ -251,19 +340,34 @@ int main(int argc, char** argv) {
     auto wide = mlp(16, 256);
     auto xw = torch::randn({4096, 256});
     json memory = json::array();
-    std::printf("\n# peak memory of a training step: 16 x (Linear(256,256)+ReLU), batch 4096, 2 partitions, chunks 8\n");
+    std::printf(
+        "\n# peak memory of a training step: 16 x (Linear(256,256)+ReLU), "
+        "batch 4096, 2 partitions, chunks 8\n");
     std::printf("%-12s %10s %12s\n", "checkpoint", "peak_MiB", "vs_never");
     double never = 0;
-    for (auto mode : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
-      gpipe::GPipe model(wide, gpipe::GPipeOptions({16, 16}).chunks(8).checkpoint(mode).threads_per_lane(1));
+    for (auto mode :
+         {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
+      gpipe::GPipe model(
+          wide,
+          gpipe::GPipeOptions({16, 16})
+              .chunks(8)
+              .checkpoint(mode)
+              .threads_per_lane(1));
       auto step = train_step(model, xw);
       step();
       const double peak = peak_mib(step);
       if (mode == Checkpoint::Never) {
         never = peak;
       }
-      std::printf("%-12s %10.1f %12.3f\n", gpipe::to_string(mode).c_str(), peak, peak / never);
-      memory.push_back({{"checkpoint", gpipe::to_string(mode)}, {"peak_mib", peak}, {"ratio_to_never", peak / never}});
+      std::printf(
+          "%-12s %10.1f %12.3f\n",
+          gpipe::to_string(mode).c_str(),
+          peak,
+          peak / never);
+      memory.push_back(
+          {{"checkpoint", gpipe::to_string(mode)},
+           {"peak_mib", peak},
+           {"ratio_to_never", peak / never}});
     }
     out["memory"] = memory;
   }

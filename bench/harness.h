@@ -19,9 +19,7 @@ namespace gpipe::bench {
 
 /// Median seconds of `iterations` calls of `step`, after `warmup` calls.
 inline double time_median(
-    const std::function<void()>& step,
-    int warmup,
-    int iterations) {
+    const std::function<void()>& step, int warmup, int iterations) {
   for (int k = 0; k < warmup; ++k) {
     step();
   }
@@ -29,9 +27,9 @@ inline double time_median(
   for (int k = 0; k < iterations; ++k) {
     const auto start = std::chrono::steady_clock::now();
     step();
-    times.push_back(std::chrono::duration<double>(
-                        std::chrono::steady_clock::now() - start)
-                        .count());
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count());
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
@@ -39,14 +37,17 @@ inline double time_median(
 
 /// Prints what the numbers depend on: device, BLAS, threads.
 inline void print_environment() {
-  std::printf("# device: cpu, %u hardware threads\n", std::thread::hardware_concurrency());
+  std::printf(
+      "# device: cpu, %u hardware threads\n",
+      std::thread::hardware_concurrency());
   std::string config = at::show_config();
   const auto blas = config.find("BLAS_INFO=");
   std::printf(
       "# blas: %s\n",
       blas == std::string::npos
           ? "unknown"
-          : config.substr(blas, config.find_first_of(", \n", blas) - blas).c_str());
+          : config.substr(blas, config.find_first_of(", \n", blas) - blas)
+                .c_str());
   std::printf("# %s", at::get_parallel_info().c_str());
 }
 
@@ -70,7 +71,8 @@ class CountingAllocator final : public c10::Allocator {
     auto peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    return c10::DataPtr(ctx->inner.get(), ctx, &release, c10::Device(c10::kCPU));
+    return c10::DataPtr(
+        ctx->inner.get(), ctx, &release, c10::Device(c10::kCPU));
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -113,4 +115,4 @@ inline double peak_mib(const std::function<void()>& step) {
   return double(counter.peak() - base) / (1024.0 * 1024.0);
 }
 
-} // namespace gpipe::bench
+}  // namespace gpipe::bench

@@ -5,7 +5,7 @@ namespace gpipe {
 namespace {
 thread_local bool checkpointing = false;
 thread_local bool recomputing = false;
-} // namespace
+}  // namespace
 
 bool is_checkpointing() {
   return checkpointing;
@@ -33,5 +33,5 @@ RecomputingGuard::~RecomputingGuard() {
   recomputing = previous_;
 }
 
-} // namespace detail
-} // namespace gpipe
+}  // namespace detail
+}  // namespace gpipe

@@ -1,8 +1,7 @@
-#include <gpipe/microbatch.h>
-#include <gpipe/verify.h>
-
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <gpipe/microbatch.h>
+#include <gpipe/verify.h>
 #include <torch/torch.h>
 
 namespace gpipe {
@@ -50,4 +49,4 @@ Batch gather(const std::vector<Batch>& micro_batches) {
   return out;
 }
 
-} // namespace gpipe
+}  // namespace gpipe

@@ -1,15 +1,14 @@
+#include <c10/util/irange.h>
 #include <gpipe/microbatch.h>
 #include <gpipe/module.h>
 #include <gpipe/verify.h>
-
-#include "pipeline.h"
-
-#include <c10/util/irange.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <thread>
+
+#include "pipeline.h"
 
 namespace gpipe {
 
@@ -60,13 +59,12 @@ std::vector<torch::Device> default_devices(int64_t partitions) {
 // "cuda" means the current CUDA device; a guard below needs the index.
 torch::Device normalize(torch::Device device) {
   if (device.is_cuda() && !device.has_index()) {
-    return torch::Device(
-        torch::kCUDA, static_cast<c10::DeviceIndex>(0));
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(0));
   }
   return device;
 }
 
-} // namespace
+}  // namespace
 
 namespace {
 
@@ -89,7 +87,7 @@ detail::PassOptions pass_options(bool training, const GPipeOptions& options) {
   return pass;
 }
 
-} // namespace
+}  // namespace
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     : options(std::move(options_)) {
@@ -100,8 +98,8 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
       !options.deferred_batch_norm(),
       "deferred_batch_norm(true) is not supported yet");
   const auto n = static_cast<int64_t>(options.balance().size());
-  auto devices = options.devices().empty() ? default_devices(n)
-                                           : options.devices();
+  auto devices =
+      options.devices().empty() ? default_devices(n) : options.devices();
   verify_devices(devices, n);
   TORCH_CHECK_VALUE(
       options.threads_per_lane() >= 0,
@@ -119,9 +117,10 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
   }
   const int64_t cores =
       std::max<int64_t>(1, std::thread::hardware_concurrency());
-  threads_per_lane_ = options.threads_per_lane() > 0
-      ? options.threads_per_lane()
-      : std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_lanes));
+  threads_per_lane_ =
+      options.threads_per_lane() > 0
+          ? options.threads_per_lane()
+          : std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_lanes));
 
   // Split the layers; each keeps its name in the Sequential.
   partitions_ = register_module("partitions", torch::nn::ModuleList());
@@ -158,7 +157,8 @@ torch::Tensor GPipeImpl::forward(torch::Tensor input) {
   for (auto& b : micro) {
     packets.push_back(detail::Packet{std::move(b), /*atomic=*/true});
   }
-  auto out = pipeline_->forward(std::move(packets), {input}, pass_options(is_training(), options));
+  auto out = pipeline_->forward(
+      std::move(packets), {input}, pass_options(is_training(), options));
   TORCH_CHECK_TYPE(
       out.atomic && out.tensors.size() == 1,
       "the last layer returned ",
@@ -180,12 +180,14 @@ std::vector<torch::Tensor> GPipeImpl::forward(
   for (auto& b : micro) {
     packets.push_back(detail::Packet{std::move(b), /*atomic=*/false});
   }
-  return pipeline_->forward(std::move(packets), inputs, pass_options(is_training(), options))
+  return pipeline_
+      ->forward(
+          std::move(packets), inputs, pass_options(is_training(), options))
       .tensors;
 }
 
-
-void GPipeImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+void GPipeImpl::to(
+    torch::Device device, torch::Dtype dtype, bool non_blocking) {
   TORCH_CHECK_TYPE(
       false,
       "gpipe::GPipe refuses to move its parameters and buffers to ",
@@ -246,4 +248,4 @@ std::shared_ptr<torch::nn::Module> GPipeImpl::operator[](int64_t index) const {
   TORCH_INTERNAL_ASSERT(false, "layer index walked past the partitions");
 }
 
-} // namespace gpipe
+}  // namespace gpipe

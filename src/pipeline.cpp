@@ -1,11 +1,10 @@
 #include "pipeline.h"
 
-#include <gpipe/checkpoint.h>
-
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
+#include <gpipe/checkpoint.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -47,8 +46,8 @@ class Run {
         cells_(m_, std::vector<CellState>(n_)) {}
 
   struct CellState {
-    Packet input; // leaves; kept for backward when a graph is built
-    Packet output; // with graph; kept for backward unless checkpointed
+    Packet input;   // leaves; kept for backward when a graph is built
+    Packet output;  // with graph; kept for backward unless checkpointed
     bool checkpointed = false;
     uint64_t seed = 0;
   };
@@ -57,9 +56,7 @@ class Run {
   // packets through `slots_`, and rethrows the first error once every cell
   // has finished or been skipped.
   void run_pass(
-      const Steps& steps,
-      bool inline_cells,
-      const std::shared_ptr<Run>& self) {
+      const Steps& steps, bool inline_cells, const std::shared_ptr<Run>& self) {
     at::ThreadLocalState tls;
     if (inline_cells) {
       for (const auto& step : steps) {
@@ -136,14 +133,14 @@ class Run {
   bool needs_grad = false;
   bool seeded = false;
   uint64_t step_seed = 0;
-  bool retain_cells = false; // backward keeps cells (retain_graph)
-  bool consumed = false; // backward freed the cells
+  bool retain_cells = false;  // backward keeps cells (retain_graph)
+  bool consumed = false;      // backward freed the cells
 
  private:
   void run_cell(const Cell& cell) {
     try {
       if (failed()) {
-        return; // a cell that depends on a failed one never starts
+        return;  // a cell that depends on a failed one never starts
       }
       if (cell.phase == Phase::Forward) {
         forward_cell(cell.micro_batch, cell.partition);
@@ -192,9 +189,9 @@ class Run {
     Packet x{{}, in.atomic};
     x.tensors.reserve(in.tensors.size());
     for (auto& t : in.tensors) {
-      auto leaf = !t.defined() ? t
-          : t.device() == stage.device ? t.detach()
-                                       : t.to(stage.device).detach();
+      auto leaf = !t.defined()                 ? t
+                  : t.device() == stage.device ? t.detach()
+                                               : t.to(stage.device).detach();
       // A boundary input is a leaf of the cell's own graph: it requires grad
       // when the tensor it stands for does (the user's input on partition
       // 0, every differentiable activation after it).
@@ -316,10 +313,10 @@ class Run {
 
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::vector<std::vector<Packet>> slots_; // guarded by mutex_
-  std::vector<std::vector<char>> ready_; // guarded by mutex_
-  int64_t pending_ = 0; // guarded by mutex_
-  bool failed_ = false; // guarded by mutex_
+  std::vector<std::vector<Packet>> slots_;  // guarded by mutex_
+  std::vector<std::vector<char>> ready_;    // guarded by mutex_
+  int64_t pending_ = 0;                     // guarded by mutex_
+  bool failed_ = false;                     // guarded by mutex_
   FirstError error_;
 };
 
@@ -338,7 +335,8 @@ class PipelineBackward : public torch::autograd::Node {
         output_slots_(std::move(output_slots)),
         micro_batch_sizes_(std::move(micro_batch_sizes)) {
     for (const auto& x : inputs) {
-      inputs_.push_back(InputInfo{x.sizes().vec(), x.options(), x.requires_grad()});
+      inputs_.push_back(
+          InputInfo{x.sizes().vec(), x.options(), x.requires_grad()});
     }
   }
 
@@ -360,7 +358,8 @@ class PipelineBackward : public torch::autograd::Node {
     TORCH_CHECK(
         exec_info == nullptr || exec_info->empty(),
         "gpipe::GPipe supports only backward() over all leaves: the pipelined "
-        "backward accumulates every parameter's .grad, so torch::autograd::grad "
+        "backward accumulates every parameter's .grad, so "
+        "torch::autograd::grad "
         "and backward(inputs=...) through a GPipe output are not supported");
     TORCH_CHECK(
         run_ && !run_->consumed,
@@ -434,7 +433,8 @@ class PipelineBackward : public torch::autograd::Node {
           // This micro-batch did not reach the input: its gradient is zero.
           auto shape = input.shape;
           shape[0] = micro_batch_sizes_[i];
-          g = torch::zeros(shape, input.options.device(pipeline_->stage(0).device));
+          g = torch::zeros(
+              shape, input.options.device(pipeline_->stage(0).device));
         }
         pieces.push_back(g);
       }
@@ -462,17 +462,15 @@ class PipelineBackward : public torch::autograd::Node {
   std::vector<InputInfo> inputs_;
 };
 
-} // namespace
+}  // namespace
 
 Packet call_partition(
-    torch::nn::Sequential& module,
-    const Packet& input,
-    int64_t partition) {
+    torch::nn::Sequential& module, const Packet& input, int64_t partition) {
   auto it = module->begin();
   TORCH_INTERNAL_ASSERT(it != module->end(), "empty partition ", partition);
   torch::nn::AnyValue value = input.atomic
-      ? it->any_forward(input.tensors.at(0))
-      : it->any_forward(input.tensors);
+                                  ? it->any_forward(input.tensors.at(0))
+                                  : it->any_forward(input.tensors);
   for (++it; it != module->end(); ++it) {
     value = it->any_forward(std::move(value));
   }
@@ -585,12 +583,7 @@ Packet Pipeline::forward(
     return gathered;
   }
   auto node = std::shared_ptr<PipelineBackward>(
-      new PipelineBackward(
-          shared_from_this(),
-          run,
-          {},
-          sizes,
-          original_inputs),
+      new PipelineBackward(shared_from_this(), run, {}, sizes, original_inputs),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(original_inputs));
   std::vector<int64_t> slots;
@@ -607,4 +600,4 @@ Packet Pipeline::forward(
   return gathered;
 }
 
-} // namespace gpipe::detail
+}  // namespace gpipe::detail

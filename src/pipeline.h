@@ -5,15 +5,14 @@
 
 #include <gpipe/microbatch.h>
 #include <gpipe/schedule.h>
-
-#include "random.h"
-#include "worker.h"
-
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <memory>
 #include <vector>
+
+#include "random.h"
+#include "worker.h"
 
 namespace gpipe::detail {
 
@@ -28,7 +27,7 @@ struct Packet {
 struct Stage {
   torch::nn::Sequential module;
   torch::Device device = torch::kCPU;
-  RandomUse random; // see Note [Random streams of concurrent cells]
+  RandomUse random;  // see Note [Random streams of concurrent cells]
 };
 
 /// How one forward pass runs.
@@ -86,8 +85,6 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 /// layer's output (torch::Tensor or std::vector<torch::Tensor>) being the
 /// next one's input.
 Packet call_partition(
-    torch::nn::Sequential& module,
-    const Packet& input,
-    int64_t partition);
+    torch::nn::Sequential& module, const Packet& input, int64_t partition);
 
-} // namespace gpipe::detail
+}  // namespace gpipe::detail

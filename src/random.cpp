@@ -29,7 +29,8 @@ at::Generator generator_of(torch::Device device) {
   return at::globalContext().defaultGenerator(device);
 }
 
-std::vector<torch::Tensor> states_of(const std::vector<torch::Device>& devices) {
+std::vector<torch::Tensor> states_of(
+    const std::vector<torch::Device>& devices) {
   std::vector<torch::Tensor> states;
   for (const auto& d : devices) {
     auto gen = generator_of(d);
@@ -46,7 +47,7 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-} // namespace
+}  // namespace
 
 void RandomUse::run_seeded(
     torch::Device device,
@@ -112,4 +113,4 @@ GeneratorStateGuard::~GeneratorStateGuard() {
   }
 }
 
-} // namespace gpipe::detail
+}  // namespace gpipe::detail

@@ -75,4 +75,4 @@ class GeneratorStateGuard {
   std::vector<torch::Tensor> states_;
 };
 
-} // namespace gpipe::detail
+}  // namespace gpipe::detail

@@ -11,12 +11,13 @@ void check_sizes(int64_t micro_batches, int64_t partitions) {
   // Callers validate user input first; this guards the pure function itself.
   if (micro_batches < 0 || partitions < 0) {
     throw std::invalid_argument(
-        "schedule: micro_batches and partitions must be non-negative, but got " +
+        "schedule: micro_batches and partitions must be non-negative, but "
+        "got " +
         std::to_string(micro_batches) + " and " + std::to_string(partitions));
   }
 }
 
-} // namespace
+}  // namespace
 
 Steps clock_cycles(int64_t m, int64_t n) {
   check_sizes(m, n);
@@ -62,8 +63,8 @@ std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition) {
 
 std::string to_string(const Cell& cell) {
   return std::string(cell.phase == Phase::Forward ? "F(" : "B(") +
-      std::to_string(cell.micro_batch) + "," + std::to_string(cell.partition) +
-      ")";
+         std::to_string(cell.micro_batch) + "," +
+         std::to_string(cell.partition) + ")";
 }
 
-} // namespace gpipe
+}  // namespace gpipe

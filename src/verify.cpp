@@ -1,7 +1,6 @@
-#include <gpipe/verify.h>
-
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <gpipe/verify.h>
 
 #include <unordered_map>
 
@@ -12,7 +11,7 @@ namespace {
 constexpr const char* kRecommendBalance =
     "; compute a balance with gpipe::balance_by_time or gpipe::balance_by_size";
 
-} // namespace
+}  // namespace
 
 void verify_balance(const std::vector<int64_t>& balance, int64_t num_layers) {
   int64_t sum = 0;
@@ -39,13 +38,13 @@ void verify_balance(const std::vector<int64_t>& balance, int64_t num_layers) {
 void verify_chunks(int64_t chunks) {
   TORCH_CHECK_VALUE(
       chunks >= 1,
-      "chunks (the number of micro-batches) must be a positive integer, but got ",
+      "chunks (the number of micro-batches) must be a positive integer, but "
+      "got ",
       chunks);
 }
 
 void verify_devices(
-    const std::vector<torch::Device>& devices,
-    int64_t num_partitions) {
+    const std::vector<torch::Device>& devices, int64_t num_partitions) {
   TORCH_CHECK_INDEX(
       static_cast<int64_t>(devices.size()) >= num_partitions,
       "too few devices to hold the partitions: expected at least ",
@@ -104,12 +103,12 @@ void verify_batch(const std::vector<torch::Tensor>& inputs) {
   }
   const auto batch = inputs[0].size(0);
   TORCH_CHECK_VALUE(
-      batch > 0,
-      "expected a non-empty batch, but input 0 has batch size 0");
+      batch > 0, "expected a non-empty batch, but input 0 has batch size 0");
   for (const auto k : c10::irange(inputs.size())) {
     TORCH_CHECK_VALUE(
         inputs[k].size(0) == batch,
-        "every input tensor must have the same batch size (dim 0): input 0 has ",
+        "every input tensor must have the same batch size (dim 0): input 0 "
+        "has ",
         batch,
         " but input ",
         k,
@@ -118,4 +117,4 @@ void verify_batch(const std::vector<torch::Tensor>& inputs) {
   }
 }
 
-} // namespace gpipe
+}  // namespace gpipe

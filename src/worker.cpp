@@ -5,7 +5,9 @@
 namespace gpipe::detail {
 
 Lane::Lane(std::function<void()> init)
-    : thread_([this, init = std::move(init)]() mutable { loop(std::move(init)); }) {}
+    : thread_([this, init = std::move(init)]() mutable {
+        loop(std::move(init));
+      }) {}
 
 Lane::~Lane() {
   {
@@ -71,8 +73,7 @@ void FirstError::rethrow_and_clear() {
 }
 
 std::exception_ptr with_context(
-    std::exception_ptr error,
-    const std::string& where) {
+    std::exception_ptr error, const std::string& where) {
   try {
     std::rethrow_exception(error);
   } catch (c10::Error& e) {
@@ -94,4 +95,4 @@ std::exception_ptr with_context(
   return error;
 }
 
-} // namespace gpipe::detail
+}  // namespace gpipe::detail

@@ -38,8 +38,8 @@ class Lane {
 
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_; // guarded by mutex_
-  bool stop_ = false; // guarded by mutex_
+  std::deque<std::function<void()>> queue_;  // guarded by mutex_
+  bool stop_ = false;                        // guarded by mutex_
   std::thread thread_;
 };
 
@@ -54,13 +54,14 @@ class FirstError {
 
  private:
   mutable std::mutex mutex_;
-  std::exception_ptr error_; // guarded by mutex_
+  std::exception_ptr error_;  // guarded by mutex_
 };
 
 /// The exception in flight with `where` ("partition 1, micro-batch 3,
 /// forward") added to its message. A c10::Error keeps its type (ValueError
 /// stays ValueError); anything else becomes a c10::Error with the original
 /// message.
-std::exception_ptr with_context(std::exception_ptr error, const std::string& where);
+std::exception_ptr with_context(
+    std::exception_ptr error, const std::string& where);
 
-} // namespace gpipe::detail
+}  // namespace gpipe::detail

@@ -2,10 +2,10 @@
 // flags, random streams replayed in recomputation, and side effects kept
 // single.
 
-#include "common.h"
-
 #include <atomic>
 #include <mutex>
+
+#include "common.h"
 
 namespace {
 
@@ -41,12 +41,14 @@ TEST_F(CheckpointTest, ModesCheckpointTheRightMicroBatches) {
     Checkpoint mode;
     int checkpointed;
   };
-  for (auto e : {Expect{Checkpoint::Always, 4},
-                 Expect{Checkpoint::ExceptLast, 3},
-                 Expect{Checkpoint::Never, 0}}) {
+  for (auto e :
+       {Expect{Checkpoint::Always, 4},
+        Expect{Checkpoint::ExceptLast, 3},
+        Expect{Checkpoint::Never, 0}}) {
     Counts counts;
     gpipe::GPipe model(
-        counted(counts), gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(e.mode));
+        counted(counts),
+        gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(e.mode));
     model->forward(torch::randn({8, 2})).sum().backward();
     EXPECT_EQ(counts.checkpointing.load(), e.checkpointed);
     EXPECT_EQ(counts.recomputing.load(), e.checkpointed);
@@ -55,9 +57,11 @@ TEST_F(CheckpointTest, ModesCheckpointTheRightMicroBatches) {
 }
 
 TEST_F(CheckpointTest, ChunksOneConstructsInEveryMode) {
-  for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+  for (auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
     Counts counts;
-    gpipe::GPipe model(counted(counts), gpipe::GPipeOptions({2}).checkpoint(mode));
+    gpipe::GPipe model(
+        counted(counts), gpipe::GPipeOptions({2}).checkpoint(mode));
     model->forward(torch::randn({3, 2})).sum().backward();
     EXPECT_EQ(counts.recomputing.load(), mode == Checkpoint::Always ? 1 : 0);
   }
@@ -66,7 +70,8 @@ TEST_F(CheckpointTest, ChunksOneConstructsInEveryMode) {
 TEST_F(CheckpointTest, EvalNeverCheckpoints) {
   Counts counts;
   gpipe::GPipe model(
-      counted(counts), gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(Checkpoint::Always));
+      counted(counts),
+      gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(Checkpoint::Always));
   model->eval();
   auto x = torch::randn({8, 2}, torch::requires_grad());
   model->forward(x).sum().backward();
@@ -78,7 +83,8 @@ TEST_F(CheckpointTest, EvalNeverCheckpoints) {
 TEST_F(CheckpointTest, NoGradBuildsNoGraphAndNeverCheckpoints) {
   Counts counts;
   gpipe::GPipe model(
-      counted(counts), gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(Checkpoint::Always));
+      counted(counts),
+      gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(Checkpoint::Always));
   torch::NoGradGuard no_grad;
   auto y = model->forward(torch::randn({8, 2}));
   EXPECT_FALSE(y.requires_grad());
@@ -107,8 +113,9 @@ TEST_F(CheckpointTest, DropoutMasksReplayInRecomputation) {
     }
     gpipe::GPipe model(
         net,
-        gpipe::GPipeOptions({10, 10, 10, 10}).chunks(10).checkpoint(
-            Checkpoint::Always));
+        gpipe::GPipeOptions({10, 10, 10, 10})
+            .chunks(10)
+            .checkpoint(Checkpoint::Always));
     auto x = torch::ones({20, 8}, torch::requires_grad());
     auto y = model->forward(x);
     y.norm().backward();
@@ -121,12 +128,15 @@ TEST_F(CheckpointTest, RandomLayersAreDeterministicGivenTheSeed) {
   auto run = [] {
     torch::manual_seed(7);
     torch::nn::Sequential net(
-        torch::nn::Linear(4, 4), torch::nn::Dropout(0.5), torch::nn::Linear(4, 4),
+        torch::nn::Linear(4, 4),
+        torch::nn::Dropout(0.5),
+        torch::nn::Linear(4, 4),
         torch::nn::Dropout(0.5));
     gpipe::GPipe model(net, gpipe::GPipeOptions({2, 2}).chunks(4));
     auto y = model->forward(torch::ones({16, 4}));
     y.sum().backward();
-    return std::make_pair(y.detach(), net[0]->as<torch::nn::Linear>()->weight.grad().clone());
+    return std::make_pair(
+        y.detach(), net[0]->as<torch::nn::Linear>()->weight.grad().clone());
   };
   auto a = run();
   for (int k = 0; k < 5; ++k) {
@@ -141,15 +151,19 @@ TEST_F(CheckpointTest, DropoutGradientsEqualUncheckpointedRun) {
   auto grads = [](Checkpoint mode) {
     torch::manual_seed(3);
     torch::nn::Sequential net(
-        torch::nn::Linear(4, 8), torch::nn::Dropout(0.5), torch::nn::Linear(8, 4),
+        torch::nn::Linear(4, 8),
+        torch::nn::Dropout(0.5),
+        torch::nn::Linear(8, 4),
         torch::nn::Dropout(0.5));
     net->to(torch::kDouble);
-    gpipe::GPipe model(net, gpipe::GPipeOptions({2, 2}).chunks(3).checkpoint(mode));
+    gpipe::GPipe model(
+        net, gpipe::GPipeOptions({2, 2}).chunks(3).checkpoint(mode));
     auto x = torch::randn({6, 4}, torch::kDouble).requires_grad_(true);
     model->forward(x).pow(2).sum().backward();
     return x.grad().clone();
   };
-  EXPECT_TRUE(torch::allclose(grads(Checkpoint::Always), grads(Checkpoint::Never), 1e-10, 1e-12));
+  EXPECT_TRUE(torch::allclose(
+      grads(Checkpoint::Always), grads(Checkpoint::Never), 1e-10, 1e-12));
 }
 
 TEST_F(CheckpointTest, UserRandomStreamOnlyAdvancesByTheStepSeed) {
@@ -166,13 +180,17 @@ TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   auto stats = [](Checkpoint mode) {
     torch::manual_seed(1);
     torch::nn::Sequential net(
-        torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4), torch::nn::Linear(4, 2));
-    gpipe::GPipe model(net, gpipe::GPipeOptions({2, 1}).chunks(2).checkpoint(mode));
+        torch::nn::Linear(3, 4),
+        torch::nn::BatchNorm1d(4),
+        torch::nn::Linear(4, 2));
+    gpipe::GPipe model(
+        net, gpipe::GPipeOptions({2, 1}).chunks(2).checkpoint(mode));
     for (int k = 0; k < 3; ++k) {
       model->forward(torch::randn({8, 3})).sum().backward();
     }
     auto bn = net[1]->as<torch::nn::BatchNorm1d>();
-    return std::make_pair(bn->running_mean.clone(), bn->num_batches_tracked.item<int64_t>());
+    return std::make_pair(
+        bn->running_mean.clone(), bn->num_batches_tracked.item<int64_t>());
   };
   auto always = stats(Checkpoint::Always);
   auto never = stats(Checkpoint::Never);
@@ -181,4 +199,4 @@ TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   EXPECT_TRUE(torch::allclose(always.first, never.first));
 }
 
-} // namespace
+}  // namespace

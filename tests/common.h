@@ -62,4 +62,4 @@ inline torch::nn::Sequential copy_of(const torch::nn::Sequential& net) {
   return std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
 }
 
-} // namespace gpipe::testing
+}  // namespace gpipe::testing

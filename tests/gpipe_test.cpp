@@ -1,9 +1,9 @@
 // The GPipe module: construction checks, module behaviour, errors in flight.
 
-#include "common.h"
-
 #include <atomic>
 #include <sstream>
+
+#include "common.h"
 
 namespace {
 
@@ -18,7 +18,8 @@ using gpipe::testing::SeededTest;
 class GPipeTest : public SeededTest {};
 
 torch::nn::Sequential two_linears() {
-  return torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::Linear(3, 3));
+  return torch::nn::Sequential(
+      torch::nn::Linear(3, 3), torch::nn::Linear(3, 3));
 }
 
 std::string message_of(const std::function<void()>& f) {
@@ -50,7 +51,9 @@ TEST_F(GPipeTest, ExposesTheSequentialsParameters) {
 }
 
 TEST_F(GPipeTest, PublicAttributes) {
-  GPipe model(two_linears(), GPipeOptions({2}).chunks(42).checkpoint(Checkpoint::Never));
+  GPipe model(
+      two_linears(),
+      GPipeOptions({2}).chunks(42).checkpoint(Checkpoint::Never));
   EXPECT_EQ(model->balance(), (std::vector<int64_t>{2}));
   ASSERT_EQ(model->devices().size(), 1u);
   EXPECT_TRUE(model->devices()[0].is_cpu());
@@ -59,7 +62,11 @@ TEST_F(GPipeTest, PublicAttributes) {
   EXPECT_EQ(model->partitions()->size(), 1u);
   std::ostringstream s;
   s << *model;
-  EXPECT_EQ(s.str().rfind("gpipe::GPipe(balance=[2], chunks=42, checkpoint=never)", 0), 0u) << s.str();
+  EXPECT_EQ(
+      s.str().rfind(
+          "gpipe::GPipe(balance=[2], chunks=42, checkpoint=never)", 0),
+      0u)
+      << s.str();
 }
 
 TEST_F(GPipeTest, IndexesLayersAcrossPartitions) {
@@ -96,27 +103,39 @@ TEST_F(GPipeTest, BalanceBelowOneIsRefused) {
 }
 
 TEST_F(GPipeTest, ChunksBelowOneAreRefused) {
-  EXPECT_THROW(GPipe(two_linears(), GPipeOptions({2}).chunks(0)), c10::ValueError);
-  EXPECT_THROW(GPipe(two_linears(), GPipeOptions({2}).chunks(-1)), c10::ValueError);
+  EXPECT_THROW(
+      GPipe(two_linears(), GPipeOptions({2}).chunks(0)), c10::ValueError);
+  EXPECT_THROW(
+      GPipe(two_linears(), GPipeOptions({2}).chunks(-1)), c10::ValueError);
 }
 
 TEST_F(GPipeTest, TooFewDevicesAreRefused) {
   torch::nn::Sequential net{
-      torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};
-  auto make = [&] { GPipe(net, GPipeOptions({1, 1, 1, 1}).devices({torch::kCPU})); };
+      torch::nn::Identity{},
+      torch::nn::Identity{},
+      torch::nn::Identity{},
+      torch::nn::Identity{}};
+  auto make = [&] {
+    GPipe(net, GPipeOptions({1, 1, 1, 1}).devices({torch::kCPU}));
+  };
   EXPECT_THROW(make(), c10::IndexError);
   EXPECT_TRUE(contains(message_of(make), "got 1")) << message_of(make);
 }
 
 TEST_F(GPipeTest, ExtraDevicesAreDropped) {
-  torch::nn::Sequential net{torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};
-  GPipe model(net, GPipeOptions({1, 1, 1}).devices({torch::kCPU, torch::kCPU, torch::kCPU, torch::kCPU, torch::kCPU}));
+  torch::nn::Sequential net{
+      torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};
+  GPipe model(
+      net,
+      GPipeOptions({1, 1, 1}).devices(
+          {torch::kCPU, torch::kCPU, torch::kCPU, torch::kCPU, torch::kCPU}));
   EXPECT_EQ(model->devices().size(), 3u);
 }
 
 TEST_F(GPipeTest, CheckpointNamesParse) {
   EXPECT_EQ(gpipe::checkpoint_from_string("always"), Checkpoint::Always);
-  EXPECT_EQ(gpipe::checkpoint_from_string("except_last"), Checkpoint::ExceptLast);
+  EXPECT_EQ(
+      gpipe::checkpoint_from_string("except_last"), Checkpoint::ExceptLast);
   EXPECT_EQ(gpipe::checkpoint_from_string("never"), Checkpoint::Never);
   auto msg = message_of([] { gpipe::checkpoint_from_string("sometimes"); });
   EXPECT_TRUE(contains(msg, "'always', 'except_last' or 'never'")) << msg;
@@ -157,7 +176,8 @@ TEST_F(GPipeTest, BadInputsAreRefused) {
   EXPECT_THROW(model->forward(torch::Tensor()), c10::TypeError);
   EXPECT_THROW(model->forward(std::vector<torch::Tensor>{}), c10::ValueError);
   auto msg = message_of([&] {
-    model->forward(std::vector<torch::Tensor>{torch::randn({4, 3}), torch::randn({5, 3})});
+    model->forward(
+        std::vector<torch::Tensor>{torch::randn({4, 3}), torch::randn({5, 3})});
   });
   EXPECT_TRUE(contains(msg, "same batch size")) << msg;
 }
@@ -168,7 +188,8 @@ TEST_F(GPipeTest, ExceptionNamesPartitionAndMicroBatch) {
     ++counter;
     return x;
   });
-  torch::nn::Sequential net(count, torch::nn::Identity(), torch::nn::Identity(), Raise());
+  torch::nn::Sequential net(
+      count, torch::nn::Identity(), torch::nn::Identity(), Raise());
   GPipe model(net, GPipeOptions({1, 1, 1, 1}).chunks(3));
   try {
     model->forward(torch::randn({3, 2}));
@@ -212,14 +233,15 @@ TEST_F(GPipeTest, ModelWorksAgainAfterAnException) {
 TEST_F(GPipeTest, ExceptionInBackwardReachesTheCaller) {
   auto fail = lambda([](torch::Tensor x) {
     auto y = x * 1.0;
-    if (y.requires_grad()) { // not while checkpointing
+    if (y.requires_grad()) {  // not while checkpointing
       y.register_hook([](torch::Tensor g) -> torch::Tensor {
         TORCH_CHECK_VALUE(false, "backward failed");
       });
     }
     return y;
   });
-  torch::nn::Sequential net(torch::nn::Linear(2, 2), fail, torch::nn::Linear(2, 2));
+  torch::nn::Sequential net(
+      torch::nn::Linear(2, 2), fail, torch::nn::Linear(2, 2));
   GPipe model(net, GPipeOptions({1, 1, 1}).chunks(2));
   auto y = model->forward(torch::randn({4, 2}));
   auto msg = message_of([&] { y.sum().backward(); });
@@ -237,7 +259,8 @@ TEST_F(GPipeTest, TupleBatchesFlowThroughPartitions) {
       return {xs[0] * 2, xs[1] + xs[0]};
     }
   };
-  torch::nn::Sequential net(std::make_shared<PairImpl>(), std::make_shared<PairImpl>());
+  torch::nn::Sequential net(
+      std::make_shared<PairImpl>(), std::make_shared<PairImpl>());
   GPipe model(net, GPipeOptions({1, 1}).chunks(2));
   auto a = torch::randn({4, 2}, torch::requires_grad());
   auto b = torch::randn({4, 2}, torch::requires_grad());
@@ -256,7 +279,8 @@ TEST_F(GPipeTest, SingletonTupleStaysATuple) {
       return {xs.at(0) + 1};
     }
   };
-  torch::nn::Sequential net(std::make_shared<OneImpl>(), std::make_shared<OneImpl>());
+  torch::nn::Sequential net(
+      std::make_shared<OneImpl>(), std::make_shared<OneImpl>());
   GPipe model(net, GPipeOptions({1, 1}).chunks(2));
   auto x = torch::zeros({4, 1}, torch::requires_grad());
   auto out = model->forward(std::vector<torch::Tensor>{x});
@@ -272,10 +296,12 @@ TEST_F(GPipeTest, NonTensorOutputIsATypeError) {
       return "hello";
     }
   };
-  torch::nn::Sequential net(torch::nn::Identity(), std::make_shared<WordImpl>());
+  torch::nn::Sequential net(
+      torch::nn::Identity(), std::make_shared<WordImpl>());
   GPipe model(net, GPipeOptions({1, 1}));
   auto msg = message_of([&] { model->forward(torch::ones({2, 1})); });
-  EXPECT_TRUE(contains(msg, "expected partition 1 to return torch::Tensor")) << msg;
+  EXPECT_TRUE(contains(msg, "expected partition 1 to return torch::Tensor"))
+      << msg;
   EXPECT_THROW(model->forward(torch::ones({2, 1})), c10::TypeError);
 }
 
@@ -287,7 +313,9 @@ TEST_F(GPipeTest, MovingDevicesIsRefusedButDtypeCastsWork) {
   for (const auto& p : model->parameters()) {
     EXPECT_EQ(p.scalar_type(), torch::kDouble);
   }
-  EXPECT_EQ(model->forward(torch::randn({2, 3}, torch::kDouble)).scalar_type(), torch::kDouble);
+  EXPECT_EQ(
+      model->forward(torch::randn({2, 3}, torch::kDouble)).scalar_type(),
+      torch::kDouble);
 }
 
 TEST_F(GPipeTest, EmptySequentialPassesInputThrough) {
@@ -304,8 +332,10 @@ TEST_F(GPipeTest, NamedChildrenKeepTheirNames) {
   net->push_back("b", torch::nn::Linear(2, 2));
   GPipe model(net, GPipeOptions({1, 1}));
   auto names = model->named_modules().keys();
-  EXPECT_NE(std::find(names.begin(), names.end(), "partitions.0.a"), names.end());
-  EXPECT_NE(std::find(names.begin(), names.end(), "partitions.1.b"), names.end());
+  EXPECT_NE(
+      std::find(names.begin(), names.end(), "partitions.0.a"), names.end());
+  EXPECT_NE(
+      std::find(names.begin(), names.end(), "partitions.1.b"), names.end());
 }
 
 TEST_F(GPipeTest, StateDictRoundTripsWithThePlainSequential) {
@@ -316,7 +346,8 @@ TEST_F(GPipeTest, StateDictRoundTripsWithThePlainSequential) {
   auto dst = model->named_parameters();
   for (const auto& item : plain->named_parameters()) {
     const auto partition = item.key()[0] == '0' ? "0" : "1";
-    dst[std::string("partitions.") + partition + "." + item.key()].copy_(item.value());
+    dst[std::string("partitions.") + partition + "." + item.key()].copy_(
+        item.value());
   }
   auto x = torch::randn({4, 3});
   EXPECT_TRUE(torch::allclose(model->forward(x), plain->forward(x)));
@@ -331,7 +362,8 @@ TEST_F(GPipeTest, StateDictRoundTripsWithThePlainSequential) {
   auto src = loaded->named_parameters();
   for (auto& item : back->named_parameters()) {
     const auto partition = item.key()[0] == '0' ? "0" : "1";
-    item.value().copy_(src[std::string("partitions.") + partition + "." + item.key()]);
+    item.value().copy_(
+        src[std::string("partitions.") + partition + "." + item.key()]);
   }
   EXPECT_TRUE(torch::allclose(back->forward(x), plain->forward(x)));
 }
@@ -362,8 +394,10 @@ TEST_F(GPipeTest, InplaceOnALeafThatRequiresGradIsReported) {
   torch::nn::Sequential net(
       torch::nn::Linear(1, 1), torch::nn::ReLU(torch::nn::ReLUOptions(true)));
   GPipe model(net, GPipeOptions({1, 1}).checkpoint(Checkpoint::Always));
-  auto msg = message_of([&] { model->forward(torch::randn({1, 1})).sum().backward(); });
+  auto msg = message_of([&] {
+    model->forward(torch::randn({1, 1})).sum().backward();
+  });
   EXPECT_TRUE(contains(msg, "leaf Variable that requires grad")) << msg;
 }
 
-} // namespace
+}  // namespace

@@ -46,4 +46,4 @@ TEST_F(MicrobatchTest, BadBatchesAreRefused) {
   }
 }
 
-} // namespace
+}  // namespace

@@ -1,11 +1,12 @@
 // The pipeline as it runs: lanes in parallel, cells in schedule order.
 
-#include "common.h"
 #include "pipeline.h"
 
 #include <chrono>
 #include <mutex>
 #include <thread>
+
+#include "common.h"
 
 namespace {
 
@@ -29,7 +30,12 @@ TEST_F(PipelineTest, PartitionsRunOnTheirOwnThreadsAtTheSameTime) {
   std::vector<Event> events;
   auto sleeper = [&](int partition) {
     return lambda([&, partition](torch::Tensor x) {
-      Event e{partition, gpipe::is_recomputing(), Clock::now(), {}, std::this_thread::get_id()};
+      Event e{
+          partition,
+          gpipe::is_recomputing(),
+          Clock::now(),
+          {},
+          std::this_thread::get_id()};
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       e.end = Clock::now();
       std::lock_guard<std::mutex> lock(mutex);
@@ -39,7 +45,8 @@ TEST_F(PipelineTest, PartitionsRunOnTheirOwnThreadsAtTheSameTime) {
   };
   gpipe::GPipe model(
       torch::nn::Sequential(sleeper(0), sleeper(1)),
-      gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(gpipe::Checkpoint::Never));
+      gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(
+          gpipe::Checkpoint::Never));
   auto x = torch::ones({8, 1}, torch::requires_grad());
   auto t0 = Clock::now();
   auto y = model->forward(x);
@@ -52,7 +59,8 @@ TEST_F(PipelineTest, PartitionsRunOnTheirOwnThreadsAtTheSameTime) {
   for (const auto& a : events) {
     lanes[a.partition] = a.thread;
     for (const auto& b : events) {
-      if (a.partition == 0 && b.partition == 1 && a.start < b.end && b.start < a.end) {
+      if (a.partition == 0 && b.partition == 1 && a.start < b.end &&
+          b.start < a.end) {
         overlapped = true;
       }
     }
@@ -66,7 +74,8 @@ TEST_F(PipelineTest, PartitionsRunOnTheirOwnThreadsAtTheSameTime) {
 
 TEST_F(PipelineTest, BackwardOfPartitionsOverlaps) {
   std::mutex mutex;
-  std::vector<std::pair<int, std::pair<Clock::time_point, Clock::time_point>>> spans;
+  std::vector<std::pair<int, std::pair<Clock::time_point, Clock::time_point>>>
+      spans;
   auto slow_backward = [&](int partition) {
     return lambda([&, partition](torch::Tensor x) {
       // A hook that sleeps in backward on this partition's lane.
@@ -83,7 +92,8 @@ TEST_F(PipelineTest, BackwardOfPartitionsOverlaps) {
   };
   gpipe::GPipe model(
       torch::nn::Sequential(slow_backward(0), slow_backward(1)),
-      gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(gpipe::Checkpoint::Never));
+      gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(
+          gpipe::Checkpoint::Never));
   auto y = model->forward(torch::ones({8, 1}, torch::requires_grad()));
   auto t0 = Clock::now();
   y.sum().backward();
@@ -103,7 +113,7 @@ TEST_F(PipelineTest, BackwardOfPartitionsOverlaps) {
 
 TEST_F(PipelineTest, LanesSeeMicroBatchesInScheduleOrder) {
   std::mutex mutex;
-  std::vector<std::pair<int, int64_t>> order; // (partition, first value)
+  std::vector<std::pair<int, int64_t>> order;  // (partition, first value)
   auto log = [&](int partition) {
     return lambda([&, partition](torch::Tensor x) {
       std::lock_guard<std::mutex> lock(mutex);
@@ -135,7 +145,8 @@ TEST_F(PipelineTest, ThreadLocalStateReachesTheLanes) {
     return x;
   });
   gpipe::GPipe model(
-      torch::nn::Sequential(torch::nn::Identity(), probe), gpipe::GPipeOptions({1, 1}));
+      torch::nn::Sequential(torch::nn::Identity(), probe),
+      gpipe::GPipeOptions({1, 1}));
   {
     c10::InferenceMode guard;
     model->forward(torch::ones({2, 2}));
@@ -164,4 +175,4 @@ TEST_F(PipelineTest, CpuLanesUseTheirThreadCount) {
   EXPECT_EQ(threads.load(), 1);
 }
 
-} // namespace
+}  // namespace

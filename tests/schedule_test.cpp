@@ -67,4 +67,4 @@ TEST(ScheduleTest, EmptySizesGiveNoSteps) {
   EXPECT_THROW(gpipe::clock_cycles(-1, 2), std::invalid_argument);
 }
 
-} // namespace
+}  // namespace

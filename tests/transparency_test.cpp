@@ -1,12 +1,12 @@
 // GPipe against the plain Sequential: outputs and every gradient, over a
 // table of models x balance x chunks x checkpoint modes, in float64.
 
-#include "common.h"
-
 #include <torch/cuda.h>
 
 #include <functional>
 #include <sstream>
+
+#include "common.h"
 
 namespace {
 
@@ -47,9 +47,7 @@ struct Case {
 };
 
 void expect_close(
-    const torch::Tensor& a,
-    const torch::Tensor& b,
-    const std::string& what) {
+    const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
   ASSERT_EQ(a.defined(), b.defined()) << what;
   if (!a.defined()) {
     return;
@@ -60,7 +58,8 @@ void expect_close(
 
 TEST_F(TransparencyTest, OutputsAndGradientsEqualThePlainSequential) {
   std::vector<Case> cases;
-  for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+  for (auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
     for (int64_t chunks : {1, 2, 3, 4, 8}) {
       // 7 layers: Linear, Tanh, ... Linear.
       for (auto balance : std::vector<std::vector<int64_t>>{
@@ -87,8 +86,8 @@ TEST_F(TransparencyTest, OutputsAndGradientsEqualThePlainSequential) {
             c.checkpoint));
 
     auto x = c.model == "linears"
-        ? torch::randn({c.batch, 6}, torch::kDouble)
-        : torch::randn({c.batch, 2, 5, 5}, torch::kDouble);
+                 ? torch::randn({c.batch, 6}, torch::kDouble)
+                 : torch::randn({c.batch, 2, 5, 5}, torch::kDouble);
     auto x1 = x.clone().requires_grad_(true);
     auto x2 = x.clone().requires_grad_(true);
     auto y1 = plain->forward(x1);
@@ -129,8 +128,10 @@ TEST_F(TransparencyTest, FiveSgdStepsEqualThePlainModel) {
   gpipe::GPipe model(
       net,
       gpipe::GPipeOptions({3, 3}).chunks(4).checkpoint(Checkpoint::Always));
-  torch::optim::SGD opt1(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  torch::optim::SGD opt2(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD opt1(
+      plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD opt2(
+      model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   for (int step = 0; step < 5; ++step) {
     auto x = torch::randn({8, 2, 5, 5}, torch::kDouble);
     auto target = torch::randint(0, 3, {8});
@@ -168,7 +169,7 @@ TEST_F(TransparencyTest, OnlyParametersRequireGrad) {
   }
 }
 
-} // namespace
+}  // namespace
 
 namespace {
 
@@ -177,7 +178,8 @@ TEST_F(TransparencyTest, CudaPartitionsEqualThePlainSequential_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "needs a CUDA device";
   }
-  for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+  for (auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
     auto plain = linears(4);
     plain->to(torch::kDouble);
     auto net = copy_of(plain);
@@ -205,4 +207,4 @@ TEST_F(TransparencyTest, CudaPartitionsEqualThePlainSequential_CUDA) {
   }
 }
 
-} // namespace
+}  // namespace

@@ -47,8 +47,14 @@ TEST(WorkerTest, LanesAreDistinctThreads) {
   std::thread::id ida;
   std::thread::id idb;
   std::atomic<int> done{0};
-  a.post([&] { ida = std::this_thread::get_id(); ++done; });
-  b.post([&] { idb = std::this_thread::get_id(); ++done; });
+  a.post([&] {
+    ida = std::this_thread::get_id();
+    ++done;
+  });
+  b.post([&] {
+    idb = std::this_thread::get_id();
+    ++done;
+  });
   while (done.load() < 2) {
     std::this_thread::yield();
   }
@@ -71,7 +77,8 @@ TEST(WorkerTest, FirstErrorWins) {
   FirstError error;
   EXPECT_FALSE(error.has());
   EXPECT_TRUE(error.set(std::make_exception_ptr(std::runtime_error("first"))));
-  EXPECT_FALSE(error.set(std::make_exception_ptr(std::runtime_error("second"))));
+  EXPECT_FALSE(
+      error.set(std::make_exception_ptr(std::runtime_error("second"))));
   try {
     error.rethrow_and_clear();
     FAIL() << "nothing rethrown";
@@ -94,7 +101,8 @@ TEST(WorkerTest, ContextKeepsTheTypeOfC10Errors) {
   } catch (const c10::ValueError& e) {
     std::string what = e.what();
     EXPECT_NE(what.find("bad value"), std::string::npos);
-    EXPECT_NE(what.find("partition 1, micro-batch 2, forward"), std::string::npos);
+    EXPECT_NE(
+        what.find("partition 1, micro-batch 2, forward"), std::string::npos);
   }
 }
 
@@ -110,4 +118,4 @@ TEST(WorkerTest, ContextTurnsOtherExceptionsIntoC10Errors) {
   }
 }
 
-} // namespace
+}  // namespace

@@ -4,15 +4,14 @@
 //   gpipe-train [--partitions 2] [--chunks 4] [--checkpoint except_last] ...
 
 #include <gpipe/gpipe.h>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <zlib.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -40,7 +39,7 @@ std::vector<uint8_t> read_gzip(const std::string& path) {
 
 uint32_t big_endian(const std::vector<uint8_t>& b, size_t at) {
   return (uint32_t(b[at]) << 24) | (uint32_t(b[at + 1]) << 16) |
-      (uint32_t(b[at + 2]) << 8) | uint32_t(b[at + 3]);
+         (uint32_t(b[at + 2]) << 8) | uint32_t(b[at + 3]);
 }
 
 torch::Tensor read_idx(const std::string& path, bool images) {
@@ -49,12 +48,21 @@ torch::Tensor read_idx(const std::string& path, bool images) {
   const uint32_t magic = big_endian(bytes, 0);
   const uint32_t expected = images ? 0x803 : 0x801;
   TORCH_CHECK_VALUE(
-      magic == expected, path, ": expected IDX magic ", expected, ", got ", magic);
+      magic == expected,
+      path,
+      ": expected IDX magic ",
+      expected,
+      ", got ",
+      magic);
   const int64_t count = big_endian(bytes, 4);
   std::vector<int64_t> shape{count};
   size_t header = 8;
   if (images) {
-    shape = {count, 1, int64_t(big_endian(bytes, 8)), int64_t(big_endian(bytes, 12))};
+    shape = {
+        count,
+        1,
+        int64_t(big_endian(bytes, 8)),
+        int64_t(big_endian(bytes, 12))};
     header = 16;
   }
   int64_t numel = 1;
@@ -63,7 +71,8 @@ torch::Tensor read_idx(const std::string& path, bool images) {
   }
   TORCH_CHECK_VALUE(
       int64_t(bytes.size() - header) == numel, path, ": truncated IDX payload");
-  auto t = torch::from_blob(bytes.data() + header, shape, torch::kUInt8).clone();
+  auto t =
+      torch::from_blob(bytes.data() + header, shape, torch::kUInt8).clone();
   if (images) {
     // Scale to [0, 1] and standardise with the training set's statistics.
     return (t.to(torch::kFloat) / 255.0 - 0.2860) / 0.3530;
@@ -114,7 +123,7 @@ std::vector<int64_t> parse_balance(const std::string& text) {
   return balance;
 }
 
-} // namespace
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Train a CNN on Fashion-MNIST with GPipe pipeline parallelism"};
@@ -133,14 +142,21 @@ int main(int argc, char** argv) {
   bool json = false;
   app.add_option("--data-dir", data_dir, "Folder with the gzipped IDX files");
   app.add_option("--partitions", partitions, "Number of pipeline partitions");
-  app.add_option("--balance", balance_text, "Layers per partition, e.g. 6,7 (default: even)");
+  app.add_option(
+      "--balance",
+      balance_text,
+      "Layers per partition, e.g. 6,7 (default: even)");
   app.add_option("--chunks", chunks, "Micro-batches per mini-batch");
   app.add_option("--checkpoint", checkpoint, "always | except_last | never");
   app.add_option("--epochs", epochs, "Training epochs");
   app.add_option("--batch-size", batch_size, "Mini-batch size");
   app.add_option("--lr", lr, "SGD learning rate (momentum 0.9)");
-  app.add_option("--threads-per-lane", threads_per_lane, "Intra-op threads per CPU lane (0: automatic)");
-  app.add_option("--limit", limit, "Use only the first N training images (0: all)");
+  app.add_option(
+      "--threads-per-lane",
+      threads_per_lane,
+      "Intra-op threads per CPU lane (0: automatic)");
+  app.add_option(
+      "--limit", limit, "Use only the first N training images (0: all)");
   app.add_option("--log-every", log_every, "Print progress every N steps");
   app.add_option("--seed", seed, "Random seed");
   app.add_flag("--json", json, "Print one final JSON summary line");
@@ -198,7 +214,8 @@ int main(int argc, char** argv) {
         last_loss = loss.item<double>();
         if (step % log_every == 0) {
           const double secs =
-              std::chrono::duration<double>(Clock::now() - window_start).count();
+              std::chrono::duration<double>(Clock::now() - window_start)
+                  .count();
           std::printf(
               "epoch %lld step %lld loss %.4f samples/s %.1f\n",
               static_cast<long long>(epoch + 1),
@@ -210,7 +227,8 @@ int main(int argc, char** argv) {
           window_samples = 0;
         }
       }
-      train_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      train_seconds =
+          std::chrono::duration<double>(Clock::now() - start).count();
 
       model->eval();
       torch::NoGradGuard no_grad;
@@ -218,12 +236,14 @@ int main(int argc, char** argv) {
       for (int64_t begin = 0; begin < test_x.size(0); begin += 500) {
         const auto len = std::min<int64_t>(500, test_x.size(0) - begin);
         auto out = model->forward(test_x.narrow(0, begin, len));
-        correct += out.argmax(1).eq(test_y.narrow(0, begin, len).to(out.device()))
+        correct += out.argmax(1)
+                       .eq(test_y.narrow(0, begin, len).to(out.device()))
                        .sum()
                        .item<int64_t>();
       }
       const double accuracy = double(correct) / test_x.size(0);
-      const double total = std::chrono::duration<double>(Clock::now() - start).count();
+      const double total =
+          std::chrono::duration<double>(Clock::now() - start).count();
       std::printf(
           "epoch %lld done: test accuracy %.4f, elapsed %.1f s\n",
           static_cast<long long>(epoch + 1),

@@ -40,5 +40,5 @@ class RecomputingGuard {
   bool previous_;
 };
 
-} // namespace detail
-} // namespace gpipe
+}  // namespace detail
+}  // namespace gpipe

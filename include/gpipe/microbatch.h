@@ -23,4 +23,4 @@ std::vector<Batch> scatter(const Batch& inputs, int64_t chunks);
 /// Concatenates the micro-batches tensor by tensor along dim 0.
 Batch gather(const std::vector<Batch>& micro_batches);
 
-} // namespace gpipe
+}  // namespace gpipe

@@ -1,7 +1,6 @@
 #pragma once
 
 #include <gpipe/options.h>
-
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -15,7 +14,7 @@ namespace gpipe {
 
 namespace detail {
 class Pipeline;
-} // namespace detail
+}  // namespace detail
 
 /// GPipe pipeline parallelism over a `torch::nn::Sequential`.
 ///
@@ -102,4 +101,4 @@ class GPipeImpl : public torch::nn::Module {
 /// A `ModuleHolder` for `GPipeImpl`.
 TORCH_MODULE(GPipe);
 
-} // namespace gpipe
+}  // namespace gpipe

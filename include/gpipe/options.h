@@ -61,4 +61,4 @@ struct GPipeOptions {
   TORCH_ARG(int64_t, threads_per_lane) = 0;
 };
 
-} // namespace gpipe
+}  // namespace gpipe

@@ -22,7 +22,7 @@ struct Cell {
 
   bool operator==(const Cell& other) const {
     return micro_batch == other.micro_batch && partition == other.partition &&
-        phase == other.phase;
+           phase == other.phase;
   }
 };
 
@@ -47,4 +47,4 @@ std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition);
 /// "F(0,1)" / "B(2,0)": for messages and test output.
 std::string to_string(const Cell& cell);
 
-} // namespace gpipe
+}  // namespace gpipe

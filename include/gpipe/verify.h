@@ -21,8 +21,7 @@ void verify_chunks(int64_t chunks);
 
 /// There is a device for every partition.
 void verify_devices(
-    const std::vector<torch::Device>& devices,
-    int64_t num_partitions);
+    const std::vector<torch::Device>& devices, int64_t num_partitions);
 
 /// No module appears twice and no parameter is shared between children.
 void verify_module(const torch::nn::Sequential& module);
@@ -30,4 +29,4 @@ void verify_module(const torch::nn::Sequential& module);
 /// A non-empty list of defined tensors sharing one non-zero batch size.
 void verify_batch(const std::vector<torch::Tensor>& inputs);
 
-} // namespace gpipe
+}  // namespace gpipe
