@@ -118,14 +118,6 @@ class Run {
     return std::move(slots_[i][k]);
   }
 
-  CellState& cell(int64_t i, int64_t j) {
-    return cells_[i][j];
-  }
-
-  const PassOptions& options() const {
-    return options_;
-  }
-
   int64_t micro_batches() const {
     return m_;
   }
