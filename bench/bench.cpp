@@ -106,6 +106,7 @@ int main(int argc, char** argv) {
   std::string json_path = "gpipe-bench.json";
   std::vector<int64_t> chunk_list{1, 2, 4, 8, 16, 32};
   bool quick = false;
+  std::vector<std::string> only;
   app.add_option("--blocks", blocks, "Linear+ReLU blocks of the speed model");
   app.add_option("--width", width, "Features of each Linear");
   app.add_option("--batch", batch, "Mini-batch size");
@@ -116,7 +117,14 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "Where to write the JSON results");
   app.add_flag(
       "--quick", quick, "Only chunks 8 and checkpoint never (smoke run)");
+  app.add_option(
+         "--only", only, "Run only these sections: speed, overhead, memory")
+      ->check(CLI::IsMember({"speed", "overhead", "memory"}));
   CLI11_PARSE(app, argc, argv);
+  auto want = [&only](const std::string& section) {
+    return only.empty() ||
+        std::find(only.begin(), only.end(), section) != only.end();
+  };
   if (quick) {
     chunk_list = {8};
   }
@@ -136,6 +144,7 @@ int main(int argc, char** argv) {
       (long long)batch);
 
   json out;
+  if (want("speed")) {
   std::vector<Row> rows;
 
   // The plain Sequential, with 1 and with 2 intra-op threads.
@@ -276,10 +285,11 @@ int main(int argc, char** argv) {
       {"batch", batch},
       {"parallel_capacity", capacity},
       {"configs", configs}};
+  }
 
   // Scheduling overhead: 32 tiny layers, chunks 32, against the plain model
   // running the same micro-batches one after the other.
-  {
+  if (want("overhead")) {
     at::set_num_threads(1);
     auto tiny = mlp(16, 64);
     const int64_t chunks = 32;
@@ -291,7 +301,6 @@ int main(int argc, char** argv) {
         tiny->forward(p).pow(2).mean().backward();
       }
     };
-    const double t_plain = time_median(plain_step, 5, 51);
     json overhead = json::array();
     std::printf(
         "\n# per-cell overhead: 16 x (Linear(64,64)+ReLU) = 32 layers, chunks "
@@ -312,7 +321,8 @@ int main(int argc, char** argv) {
               .checkpoint(Checkpoint::Never)
               .threads_per_lane(1));
       auto step = train_step(model, xt);
-      const double t = time_median(step, 5, 51);
+      const auto [t_plain, t] =
+          gpipe::bench::time_paired(plain_step, step, 5, 101);
       const int64_t cells = 2 * chunks * n;
       // One lane does all the plain model's work plus the engine's: the
       // difference per cell is the overhead. With two lanes the work is
@@ -336,7 +346,7 @@ int main(int argc, char** argv) {
   }
 
   // Memory: wide activations, 32 layers, chunks 8, per checkpoint mode.
-  {
+  if (want("memory")) {
     auto wide = mlp(16, 256);
     auto xw = torch::randn({4096, 256});
     json memory = json::array();

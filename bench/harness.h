@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gpipe::bench {
@@ -33,6 +34,35 @@ inline double time_median(
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+/// Median seconds of `a` and of `b`, timed in alternation (a, b, a, b, ...)
+/// so that a noisy neighbour slows both alike; for small differences.
+inline std::pair<double, double> time_paired(
+    const std::function<void()>& a,
+    const std::function<void()>& b,
+    int warmup,
+    int iterations) {
+  for (int k = 0; k < warmup; ++k) {
+    a();
+    b();
+  }
+  auto seconds = [](const std::function<void()>& fn) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    return std::chrono::duration<double>(
+               std::chrono::steady_clock::now() - start)
+        .count();
+  };
+  std::vector<double> ta;
+  std::vector<double> tb;
+  for (int k = 0; k < iterations; ++k) {
+    ta.push_back(seconds(a));
+    tb.push_back(seconds(b));
+  }
+  std::sort(ta.begin(), ta.end());
+  std::sort(tb.begin(), tb.end());
+  return {ta[ta.size() / 2], tb[tb.size() / 2]};
 }
 
 /// Prints what the numbers depend on: device, BLAS, threads.

@@ -43,7 +43,8 @@ class Run {
         m_(micro_batches),
         n_(pipeline.size()),
         options_(options),
-        cells_(m_, std::vector<CellState>(n_)) {}
+        cells_(m_, std::vector<CellState>(n_)),
+        column_cvs_(n_ + 1) {}
 
   struct CellState {
     Packet input;   // leaves; kept for backward when a graph is built
@@ -85,7 +86,7 @@ class Run {
             });
       }
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return pending_ == 0; });
+      done_cv_.wait(lock, [this] { return pending_ == 0; });
     }
     error_.rethrow_and_clear();
   }
@@ -97,20 +98,33 @@ class Run {
     std::lock_guard<std::mutex> lock(mutex_);
     slots_.assign(m_, std::vector<Packet>(n_ + 1));
     ready_.assign(m_, std::vector<char>(n_ + 1, 0));
+    waiting_.assign(n_ + 1, -1);
   }
 
+  // Each column k of slots has one taker per pass (lane k forward, lane k-1
+  // backward, the caller after the pass), so a put wakes at most the one
+  // thread waiting on that column, and only when it is waiting: waking
+  // threads that go back to sleep costs more than a small cell's work.
   void put(int64_t i, int64_t k, Packet packet) {
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       slots_[i][k] = std::move(packet);
       ready_[i][k] = 1;
+      wake = waiting_[k] == i;
     }
-    cv_.notify_all();
+    if (wake) {
+      column_cvs_[k].notify_one();
+    }
   }
 
   Packet take(int64_t i, int64_t k) {
     std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return ready_[i][k] || failed_; });
+    if (!ready_[i][k] && !failed_) {
+      waiting_[k] = i;
+      column_cvs_[k].wait(lock, [&] { return ready_[i][k] || failed_; });
+      waiting_[k] = -1;
+    }
     if (!ready_[i][k]) {
       throw Aborted{};
     }
@@ -153,7 +167,7 @@ class Run {
   void finish_lane() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (--pending_ == 0) {
-      cv_.notify_all();
+      done_cv_.notify_all();
     }
   }
 
@@ -168,7 +182,9 @@ class Run {
       std::lock_guard<std::mutex> lock(mutex_);
       failed_ = true;
     }
-    cv_.notify_all();
+    for (auto& cv : column_cvs_) {
+      cv.notify_all();
+    }
   }
 
   void forward_cell(int64_t i, int64_t j) {
@@ -304,9 +320,11 @@ class Run {
   std::vector<std::vector<CellState>> cells_;
 
   std::mutex mutex_;
-  std::condition_variable cv_;
-  std::vector<std::vector<Packet>> slots_;  // guarded by mutex_
-  std::vector<std::vector<char>> ready_;    // guarded by mutex_
+  std::condition_variable done_cv_;           // pending_ reached zero
+  std::vector<std::condition_variable> column_cvs_;  // a slot became ready
+  std::vector<std::vector<Packet>> slots_;    // guarded by mutex_
+  std::vector<std::vector<char>> ready_;      // guarded by mutex_
+  std::vector<int64_t> waiting_;  // per column: micro-batch awaited, or -1
   int64_t pending_ = 0;                     // guarded by mutex_
   bool failed_ = false;                     // guarded by mutex_
   FirstError error_;
