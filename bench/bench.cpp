@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   auto want = [&only](const std::string& section) {
     return only.empty() ||
-        std::find(only.begin(), only.end(), section) != only.end();
+           std::find(only.begin(), only.end(), section) != only.end();
   };
   if (quick) {
     chunk_list = {8};
@@ -145,146 +145,147 @@ int main(int argc, char** argv) {
 
   json out;
   if (want("speed")) {
-  std::vector<Row> rows;
+    std::vector<Row> rows;
 
-  // The plain Sequential, with 1 and with 2 intra-op threads.
-  for (int threads : {1, 2}) {
-    at::set_num_threads(threads);
-    auto step = train_step(net, x);
-    Row r{
-        "plain-" + std::to_string(threads) + "t",
-        1,
-        1,
-        "-",
-        time_median(step, 2, iters),
-        peak_mib(step)};
-    rows.push_back(r);
-  }
-  at::set_num_threads(1);
-
-  const double capacity = parallel_capacity(net, x, iters);
-
-  // GPipe with one partition on one lane, one thread: the baselines, at
-  // chunks 1 (the whole batch at once) and at every chunk count (the same
-  // micro-batches, one after the other).
-  std::map<int64_t, double> gpipe1;
-  for (auto chunks : chunk_list) {
-    gpipe::GPipe model(
-        net,
-        gpipe::GPipeOptions({layers})
-            .chunks(chunks)
-            .checkpoint(Checkpoint::Never)
-            .threads_per_lane(1));
-    auto step = train_step(model, x);
-    const double t = time_median(step, 2, iters);
-    gpipe1[chunks] = t;
-    rows.push_back({"gpipe-1p", 1, chunks, "never", t, peak_mib(step)});
-  }
-  if (!gpipe1.count(1)) {
-    gpipe::GPipe model(
-        net,
-        gpipe::GPipeOptions({layers})
-            .chunks(1)
-            .checkpoint(Checkpoint::Never)
-            .threads_per_lane(1));
-    gpipe1[1] = time_median(train_step(model, x), 2, iters);
-  }
-
-  for (auto mode :
-       {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
-    if (quick && mode != Checkpoint::Never) {
-      continue;
+    // The plain Sequential, with 1 and with 2 intra-op threads.
+    for (int threads : {1, 2}) {
+      at::set_num_threads(threads);
+      auto step = train_step(net, x);
+      Row r{
+          "plain-" + std::to_string(threads) + "t",
+          1,
+          1,
+          "-",
+          time_median(step, 2, iters),
+          peak_mib(step)};
+      rows.push_back(r);
     }
+    at::set_num_threads(1);
+
+    const double capacity = parallel_capacity(net, x, iters);
+
+    // GPipe with one partition on one lane, one thread: the baselines, at
+    // chunks 1 (the whole batch at once) and at every chunk count (the same
+    // micro-batches, one after the other).
+    std::map<int64_t, double> gpipe1;
     for (auto chunks : chunk_list) {
       gpipe::GPipe model(
           net,
-          gpipe::GPipeOptions({layers / 2, layers - layers / 2})
+          gpipe::GPipeOptions({layers})
               .chunks(chunks)
-              .checkpoint(mode)
+              .checkpoint(Checkpoint::Never)
               .threads_per_lane(1));
       auto step = train_step(model, x);
       const double t = time_median(step, 2, iters);
-      rows.push_back(
-          {"gpipe-2p", 2, chunks, gpipe::to_string(mode), t, peak_mib(step)});
+      gpipe1[chunks] = t;
+      rows.push_back({"gpipe-1p", 1, chunks, "never", t, peak_mib(step)});
     }
-  }
+    if (!gpipe1.count(1)) {
+      gpipe::GPipe model(
+          net,
+          gpipe::GPipeOptions({layers})
+              .chunks(1)
+              .checkpoint(Checkpoint::Never)
+              .threads_per_lane(1));
+      gpipe1[1] = time_median(train_step(model, x), 2, iters);
+    }
 
-  json configs = json::array();
-  const double plain1 = rows[0].seconds;
-  const double plain2 = rows[1].seconds;
-  std::printf(
-      "# parallel capacity of this machine (2 threads, half the layers each): "
-      "%.3f\n",
-      capacity);
-  std::printf(
-      "# speed-ups: vs_1p_c1 = over GPipe 1 partition chunks 1; vs_1p_cm = "
-      "over GPipe 1 partition\n"
-      "# with the same chunks (same micro-batches, one lane); attainable = "
-      "bound x capacity / 2;\n"
-      "# efficiency = vs_1p_cm / attainable\n");
-  std::printf(
-      "%-9s %2s %6s %-12s %9s %8s %8s %9s %9s %6s %6s %6s %9s\n",
-      "config",
-      "n",
-      "chunks",
-      "checkpoint",
-      "step_ms",
-      "vs_1p_c1",
-      "vs_1p_cm",
-      "vs_plain1",
-      "vs_plain2",
-      "bound",
-      "attain",
-      "effic",
-      "peak_MiB");
-  for (const auto& r : rows) {
-    const double n = r.partitions;
-    const double m = r.chunks;
-    const double bound = n * m / (m + n - 1);
-    const double attainable = r.partitions == 2 ? bound * capacity / 2 : 1.0;
-    const double vs_c1 = gpipe1[1] / r.seconds;
-    const double vs_cm =
-        r.partitions == 1 && r.name == "gpipe-1p"
-            ? 1.0
-            : (gpipe1.count(r.chunks) ? gpipe1[r.chunks] / r.seconds : vs_c1);
-    const double efficiency = r.name == "gpipe-2p" ? vs_cm / attainable : 0.0;
+    for (auto mode :
+         {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
+      if (quick && mode != Checkpoint::Never) {
+        continue;
+      }
+      for (auto chunks : chunk_list) {
+        gpipe::GPipe model(
+            net,
+            gpipe::GPipeOptions({layers / 2, layers - layers / 2})
+                .chunks(chunks)
+                .checkpoint(mode)
+                .threads_per_lane(1));
+        auto step = train_step(model, x);
+        const double t = time_median(step, 2, iters);
+        rows.push_back(
+            {"gpipe-2p", 2, chunks, gpipe::to_string(mode), t, peak_mib(step)});
+      }
+    }
+
+    json configs = json::array();
+    const double plain1 = rows[0].seconds;
+    const double plain2 = rows[1].seconds;
     std::printf(
-        "%-9s %2lld %6lld %-12s %9.1f %8.3f %8.3f %9.3f %9.3f %6.3f %6.3f "
-        "%6.3f %9.1f\n",
-        r.name.c_str(),
-        (long long)r.partitions,
-        (long long)r.chunks,
-        r.checkpoint.c_str(),
-        r.seconds * 1e3,
-        vs_c1,
-        vs_cm,
-        plain1 / r.seconds,
-        plain2 / r.seconds,
-        bound,
-        attainable,
-        efficiency,
-        r.peak_mib);
-    configs.push_back(
-        {{"config", r.name},
-         {"partitions", r.partitions},
-         {"chunks", r.chunks},
-         {"checkpoint", r.checkpoint},
-         {"step_seconds", r.seconds},
-         {"speedup_vs_gpipe_1p_chunks_1", vs_c1},
-         {"speedup_vs_gpipe_1p_same_chunks", vs_cm},
-         {"speedup_vs_plain_1t", plain1 / r.seconds},
-         {"speedup_vs_plain_2t", plain2 / r.seconds},
-         {"fill_drain_bound", bound},
-         {"attainable", attainable},
-         {"efficiency", efficiency},
-         {"peak_mib", r.peak_mib}});
-  }
-  out["speed"] = {
-      {"blocks", blocks},
-      {"width", width},
-      {"batch", batch},
-      {"parallel_capacity", capacity},
-      {"configs", configs}};
+        "# parallel capacity of this machine (2 threads, half the layers "
+        "each): "
+        "%.3f\n",
+        capacity);
+    std::printf(
+        "# speed-ups: vs_1p_c1 = over GPipe 1 partition chunks 1; vs_1p_cm = "
+        "over GPipe 1 partition\n"
+        "# with the same chunks (same micro-batches, one lane); attainable = "
+        "bound x capacity / 2;\n"
+        "# efficiency = vs_1p_cm / attainable\n");
+    std::printf(
+        "%-9s %2s %6s %-12s %9s %8s %8s %9s %9s %6s %6s %6s %9s\n",
+        "config",
+        "n",
+        "chunks",
+        "checkpoint",
+        "step_ms",
+        "vs_1p_c1",
+        "vs_1p_cm",
+        "vs_plain1",
+        "vs_plain2",
+        "bound",
+        "attain",
+        "effic",
+        "peak_MiB");
+    for (const auto& r : rows) {
+      const double n = r.partitions;
+      const double m = r.chunks;
+      const double bound = n * m / (m + n - 1);
+      const double attainable = r.partitions == 2 ? bound * capacity / 2 : 1.0;
+      const double vs_c1 = gpipe1[1] / r.seconds;
+      const double vs_cm =
+          r.partitions == 1 && r.name == "gpipe-1p"
+              ? 1.0
+              : (gpipe1.count(r.chunks) ? gpipe1[r.chunks] / r.seconds : vs_c1);
+      const double efficiency = r.name == "gpipe-2p" ? vs_cm / attainable : 0.0;
+      std::printf(
+          "%-9s %2lld %6lld %-12s %9.1f %8.3f %8.3f %9.3f %9.3f %6.3f %6.3f "
+          "%6.3f %9.1f\n",
+          r.name.c_str(),
+          (long long)r.partitions,
+          (long long)r.chunks,
+          r.checkpoint.c_str(),
+          r.seconds * 1e3,
+          vs_c1,
+          vs_cm,
+          plain1 / r.seconds,
+          plain2 / r.seconds,
+          bound,
+          attainable,
+          efficiency,
+          r.peak_mib);
+      configs.push_back(
+          {{"config", r.name},
+           {"partitions", r.partitions},
+           {"chunks", r.chunks},
+           {"checkpoint", r.checkpoint},
+           {"step_seconds", r.seconds},
+           {"speedup_vs_gpipe_1p_chunks_1", vs_c1},
+           {"speedup_vs_gpipe_1p_same_chunks", vs_cm},
+           {"speedup_vs_plain_1t", plain1 / r.seconds},
+           {"speedup_vs_plain_2t", plain2 / r.seconds},
+           {"fill_drain_bound", bound},
+           {"attainable", attainable},
+           {"efficiency", efficiency},
+           {"peak_mib", r.peak_mib}});
+    }
+    out["speed"] = {
+        {"blocks", blocks},
+        {"width", width},
+        {"batch", batch},
+        {"parallel_capacity", capacity},
+        {"configs", configs}};
   }
 
   // Scheduling overhead: 32 tiny layers, chunks 32, against the plain model

@@ -1,6 +1,7 @@
 #include <c10/util/irange.h>
 #include <gpipe/microbatch.h>
 #include <gpipe/module.h>
+#include <gpipe/skip.h>
 #include <gpipe/verify.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -92,6 +93,7 @@ detail::PassOptions pass_options(bool training, const GPipeOptions& options) {
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     : options(std::move(options_)) {
   verify_module(module);
+  verify_skippables(module);
   verify_chunks(options.chunks());
   verify_balance(options.balance(), static_cast<int64_t>(module->size()));
   TORCH_CHECK_VALUE(

@@ -49,6 +49,10 @@ class Run {
   struct CellState {
     Packet input;   // leaves; kept for backward when a graph is built
     Packet output;  // with graph; kept for backward unless checkpointed
+    // Skips from earlier partitions (leaves, in the order of the stage's
+    // skips_in) and to later ones (with graph, unless checkpointed).
+    std::vector<torch::Tensor> skip_inputs;
+    std::map<SkipKey, torch::Tensor> skip_outputs;
     bool checkpointed = false;
     uint64_t seed = 0;
   };
@@ -99,6 +103,7 @@ class Run {
     slots_.assign(m_, std::vector<Packet>(n_ + 1));
     ready_.assign(m_, std::vector<char>(n_ + 1, 0));
     waiting_.assign(n_ + 1, -1);
+    skip_slots_.assign(m_, {});
   }
 
   // Each column k of slots has one taker per pass (lane k forward, lane k-1
@@ -130,6 +135,25 @@ class Run {
     }
     ready_[i][k] = 0;
     return std::move(slots_[i][k]);
+  }
+
+  // A skip between partitions, for micro-batch i: the stashed tensor in
+  // forward, its gradient in backward. The schedule makes every skip ready
+  // before its taker runs: the stashing cell puts it before its boundary
+  // output, on which the taking cell depends.
+  void put_skip(int64_t i, const SkipKey& key, torch::Tensor tensor) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    skip_slots_[i].insert_or_assign(key, std::move(tensor));
+  }
+
+  torch::Tensor take_skip(int64_t i, const SkipKey& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = skip_slots_[i].find(key);
+    TORCH_INTERNAL_ASSERT(
+        it != skip_slots_[i].end(), "skip ", key, " is not ready");
+    auto tensor = std::move(it->second);
+    skip_slots_[i].erase(it);
+    return tensor;
   }
 
   int64_t micro_batches() const {
@@ -194,6 +218,22 @@ class Run {
       device_guard.reset_device(stage.device);
     }
     Packet in = take(i, j);
+    // A skip from an earlier partition is a leaf of this cell's graph, like
+    // the boundary input.
+    std::map<SkipKey, torch::Tensor> incoming;
+    std::vector<torch::Tensor> skip_inputs;
+    for (const auto& key : stage.skips_in) {
+      auto t = take_skip(i, key);
+      auto leaf = !t.defined()                 ? t
+                  : t.device() == stage.device ? t.detach()
+                                               : t.to(stage.device).detach();
+      if (needs_grad && is_differentiable(leaf)) {
+        leaf.requires_grad_(true);
+      }
+      incoming.emplace(key, leaf);
+      skip_inputs.push_back(std::move(leaf));
+    }
+    CellSkipTracker skips(stage.skips_out, std::move(incoming));
     Packet x{{}, in.atomic};
     x.tensors.reserve(in.tensors.size());
     for (auto& t : in.tensors) {
@@ -214,7 +254,10 @@ class Run {
     c.checkpointed = needs_grad && i < options_.checkpoint_stop;
     c.seed = seeded ? cell_seed(step_seed, i, j) : 0;
     Packet y;
-    auto body = [&] { y = call_partition(stage.module, x, j); };
+    auto body = [&] {
+      SkipTrackerGuard tracker(&skips);
+      y = call_partition(stage, x, j);
+    };
     if (c.checkpointed) {
       torch::NoGradGuard no_grad;
       CheckpointingGuard checkpointing;
@@ -228,12 +271,22 @@ class Run {
     for (const auto& t : y.tensors) {
       out.tensors.push_back(t.defined() ? t.detach() : t);
     }
+    auto& outgoing = skips.outgoing();
+    for (const auto& key : stage.skips_out) {
+      const auto& t = outgoing[key];
+      put_skip(i, key, t.defined() ? t.detach() : t);
+    }
     if (needs_grad) {
       c.input = std::move(x);
+      c.skip_inputs = std::move(skip_inputs);
       if (!c.checkpointed) {
         c.output = std::move(y);
+        c.skip_outputs = std::move(outgoing);
       }
     }
+    // Whatever this cell does not keep is let go before the next cell can
+    // run, so that a skip's last user frees it.
+    outgoing.clear();
     put(i, j + 1, std::move(out));
   }
 
@@ -249,6 +302,7 @@ class Run {
         c.input.tensors.size() > 0, "backward of a cell with no saved input");
 
     Packet y;
+    std::map<SkipKey, torch::Tensor> skip_outputs;
     // Recomputation must not update running statistics a second time; the
     // buffers are put back once the cell's backward, which may read them,
     // is done.
@@ -262,10 +316,20 @@ class Run {
       for (const auto& b : buffers) {
         saved.push_back(b.clone());
       }
-      auto body = [&] { y = call_partition(stage.module, c.input, j); };
+      std::map<SkipKey, torch::Tensor> incoming;
+      for (const auto k : c10::irange(stage.skips_in.size())) {
+        incoming.emplace(stage.skips_in[k], c.skip_inputs[k]);
+      }
+      CellSkipTracker skips(stage.skips_out, std::move(incoming));
+      auto body = [&] {
+        SkipTrackerGuard tracker(&skips);
+        y = call_partition(stage, c.input, j);
+      };
       stage.random.run_seeded(stage.device, options_.training, c.seed, body);
+      skip_outputs = std::move(skips.outgoing());
     } else {
       y = c.output;
+      skip_outputs = c.skip_outputs;
     }
 
     std::vector<torch::Tensor> roots;
@@ -280,11 +344,24 @@ class Run {
       }
     }
     dy.tensors.clear();
+    // The gradients of skips to later partitions came back from the cells
+    // that popped them.
+    for (const auto& key : stage.skips_out) {
+      auto g = take_skip(i, key);
+      const auto& s = skip_outputs[key];
+      if (g.defined() && s.defined() && s.requires_grad()) {
+        roots.push_back(s);
+        grads.push_back(g.device() == s.device() ? g : g.to(s.device()));
+      }
+    }
+    skip_outputs.clear();
     // Input leaves of a retained cell collect gradients again on the next
     // backward: start from nothing each time.
-    for (auto& x : c.input.tensors) {
-      if (x.defined() && x.grad().defined()) {
-        x.mutable_grad().reset();
+    for (auto* leaves : {&c.input.tensors, &c.skip_inputs}) {
+      for (auto& x : *leaves) {
+        if (x.defined() && x.grad().defined()) {
+          x.mutable_grad().reset();
+        }
       }
     }
     if (!roots.empty()) {
@@ -300,6 +377,14 @@ class Run {
       }
     }
 
+    for (const auto k : c10::irange(stage.skips_in.size())) {
+      const auto& leaf = c.skip_inputs[k];
+      put_skip(
+          i,
+          stage.skips_in[k],
+          leaf.defined() && leaf.requires_grad() ? leaf.grad()
+                                                 : torch::Tensor());
+    }
     Packet dx{{}, c.input.atomic};
     for (auto& x : c.input.tensors) {
       dx.tensors.push_back(
@@ -320,13 +405,14 @@ class Run {
   std::vector<std::vector<CellState>> cells_;
 
   std::mutex mutex_;
-  std::condition_variable done_cv_;           // pending_ reached zero
+  std::condition_variable done_cv_;                  // pending_ reached zero
   std::vector<std::condition_variable> column_cvs_;  // a slot became ready
-  std::vector<std::vector<Packet>> slots_;    // guarded by mutex_
-  std::vector<std::vector<char>> ready_;      // guarded by mutex_
+  std::vector<std::vector<Packet>> slots_;           // guarded by mutex_
+  std::vector<std::vector<char>> ready_;             // guarded by mutex_
   std::vector<int64_t> waiting_;  // per column: micro-batch awaited, or -1
-  int64_t pending_ = 0;                     // guarded by mutex_
-  bool failed_ = false;                     // guarded by mutex_
+  std::vector<std::map<SkipKey, torch::Tensor>> skip_slots_;  // by mutex_
+  int64_t pending_ = 0;  // guarded by mutex_
+  bool failed_ = false;  // guarded by mutex_
   FirstError error_;
 };
 
@@ -474,15 +560,25 @@ class PipelineBackward : public torch::autograd::Node {
 
 }  // namespace
 
-Packet call_partition(
-    torch::nn::Sequential& module, const Packet& input, int64_t partition) {
+Packet call_partition(Stage& stage, const Packet& input, int64_t partition) {
+  auto& module = stage.module;
   auto it = module->begin();
   TORCH_INTERNAL_ASSERT(it != module->end(), "empty partition ", partition);
-  torch::nn::AnyValue value = input.atomic
-                                  ? it->any_forward(input.tensors.at(0))
-                                  : it->any_forward(input.tensors);
+  size_t layer = 0;
+  auto call = [&](auto&& argument) {
+    const Skippable* skippable = stage.skippables[layer++];
+    if (skippable == nullptr) {
+      return it->any_forward(std::forward<decltype(argument)>(argument));
+    }
+    SkipUsageGuard usage(skippable);
+    auto output = it->any_forward(std::forward<decltype(argument)>(argument));
+    usage.check();
+    return output;
+  };
+  torch::nn::AnyValue value =
+      input.atomic ? call(input.tensors.at(0)) : call(input.tensors);
   for (++it; it != module->end(); ++it) {
-    value = it->any_forward(std::move(value));
+    value = call(std::move(value));
   }
   if (auto* t = value.try_get<torch::Tensor>()) {
     return Packet{{*t}, true};
@@ -508,8 +604,18 @@ Pipeline::Pipeline(
     auto stage = std::make_unique<Stage>();
     stage->module = partitions[j];
     stage->device = devices[j];
+    for (const auto& layer : partitions[j]->children()) {
+      stage->skippables.push_back(as_skippable(*layer));
+    }
     backward_inline_ = backward_inline_ || devices[j].is_cuda();
     stages_.push_back(std::move(stage));
+  }
+  skip_layout_ = SkipLayout(partitions);
+  for (const auto j : c10::irange(partitions.size())) {
+    for (const auto& route : skip_layout_.copy_policy(j)) {
+      stages_[j]->skips_in.push_back(route.second);
+    }
+    stages_[j]->skips_out = skip_layout_.routed_out(j);
   }
   for (const auto j : c10::irange(partitions.size())) {
     const bool cpu = devices[j].is_cpu();

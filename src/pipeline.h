@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "random.h"
+#include "skip.h"
 #include "worker.h"
 
 namespace gpipe::detail {
@@ -28,6 +29,13 @@ struct Stage {
   torch::nn::Sequential module;
   torch::Device device = torch::kCPU;
   RandomUse random;  // see Note [Random streams of concurrent cells]
+  /// Per layer: the layer as a Skippable, or nullptr.
+  std::vector<const Skippable*> skippables;
+  /// Skips popped here but stashed in an earlier partition, in the order
+  /// of the layout's copy policy.
+  std::vector<SkipKey> skips_in;
+  /// Skips stashed here and popped in a later partition.
+  std::set<SkipKey> skips_out;
 };
 
 /// How one forward pass runs.
@@ -73,18 +81,21 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   bool backward_inline() const {
     return backward_inline_;
   }
+  const SkipLayout& skip_layout() const {
+    return skip_layout_;
+  }
 
  private:
   std::vector<std::unique_ptr<Stage>> stages_;
   // Declared after stages_ so that lanes are joined before stages go away.
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;
+  SkipLayout skip_layout_;
 };
 
 /// Runs one partition on a micro-batch: the layers one after the other, a
 /// layer's output (torch::Tensor or std::vector<torch::Tensor>) being the
-/// next one's input.
-Packet call_partition(
-    torch::nn::Sequential& module, const Packet& input, int64_t partition);
+/// next one's input. A Skippable layer must use every name it declared.
+Packet call_partition(Stage& stage, const Packet& input, int64_t partition);
 
 }  // namespace gpipe::detail

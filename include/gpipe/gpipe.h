@@ -7,4 +7,5 @@
 #include <gpipe/module.h>
 #include <gpipe/options.h>
 #include <gpipe/schedule.h>
+#include <gpipe/skip.h>
 #include <gpipe/verify.h>
