@@ -1,4 +1,5 @@
 #include <c10/util/irange.h>
+#include <gpipe/batchnorm.h>
 #include <gpipe/microbatch.h>
 #include <gpipe/module.h>
 #include <gpipe/skip.h>
@@ -96,9 +97,9 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
   verify_skippables(module);
   verify_chunks(options.chunks());
   verify_balance(options.balance(), static_cast<int64_t>(module->size()));
-  TORCH_CHECK_VALUE(
-      !options.deferred_batch_norm(),
-      "deferred_batch_norm(true) is not supported yet");
+  if (options.deferred_batch_norm()) {
+    module = convert_deferred_batch_norm(module, options.chunks());
+  }
   const auto n = static_cast<int64_t>(options.balance().size());
   auto devices =
       options.devices().empty() ? default_devices(n) : options.devices();

@@ -4,6 +4,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
+#include <gpipe/batchnorm.h>
 #include <gpipe/checkpoint.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -607,6 +608,12 @@ Pipeline::Pipeline(
     for (const auto& layer : partitions[j]->children()) {
       stage->skippables.push_back(as_skippable(*layer));
     }
+    for (const auto& module : partitions[j]->modules()) {
+      if (auto* bn = module->as<DeferredBatchNormImpl>()) {
+        bn->engine_commits_ = true;
+        stage->deferred_batch_norms.push_back(bn);
+      }
+    }
     backward_inline_ = backward_inline_ || devices[j].is_cuda();
     stages_.push_back(std::move(stage));
   }
@@ -670,8 +677,25 @@ Packet Pipeline::forward(
     sizes.push_back(inputs[i].tensors.at(0).size(0));
     run->put(i, 0, std::move(inputs[i]));
   }
-  run->run_pass(clock_cycles(m, n), /*inline_cells=*/false, run);
+  try {
+    run->run_pass(clock_cycles(m, n), /*inline_cells=*/false, run);
+  } catch (...) {
+    // A failed mini-batch leaves no statistics behind.
+    for (const auto& stage : stages_) {
+      for (auto* bn : stage->deferred_batch_norms) {
+        bn->discard();
+      }
+    }
+    throw;
+  }
   generators.reset();
+  // The statistics of every micro-batch are in: update the running ones
+  // once for the mini-batch. See gpipe/batchnorm.h.
+  for (const auto& stage : stages_) {
+    for (auto* bn : stage->deferred_batch_norms) {
+      bn->commit();
+    }
+  }
 
   std::vector<Packet> outputs;
   for (const auto i : c10::irange(m)) {

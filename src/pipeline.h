@@ -15,6 +15,10 @@
 #include "skip.h"
 #include "worker.h"
 
+namespace gpipe {
+class DeferredBatchNormImpl;
+}  // namespace gpipe
+
 namespace gpipe::detail {
 
 /// A micro-batch at a partition boundary: its tensors, and whether they came
@@ -36,6 +40,8 @@ struct Stage {
   std::vector<SkipKey> skips_in;
   /// Skips stashed here and popped in a later partition.
   std::set<SkipKey> skips_out;
+  /// DeferredBatchNorm layers, committed after each training forward.
+  std::vector<DeferredBatchNormImpl*> deferred_batch_norms;
 };
 
 /// How one forward pass runs.

@@ -1,0 +1,124 @@
+#pragma once
+
+// DeferredBatchNorm: BatchNorm whose running statistics cover the whole
+// mini-batch rather than each micro-batch.
+//
+// Under GPipe a BatchNorm layer sees one micro-batch at a time. Normalising
+// each micro-batch with its own statistics is what GPipe does (making it see
+// the whole mini-batch would serialise the micro-batches), but updating the
+// running mean and variance once per micro-batch would make them drift from
+// what the plain model computes. DeferredBatchNorm accumulates the statistics
+// of every micro-batch and updates the running statistics once per
+// mini-batch, so that they equal those of BatchNorm run on the whole
+// mini-batch. It does not accumulate during recomputation.
+//
+// `GPipeOptions::deferred_batch_norm(true)` puts one in place of every
+// BatchNorm{1,2,3}d that tracks running statistics.
+//
+// Unlike torchgpipe, the running variance is updated with the unbiased
+// variance of the mini-batch, as LibTorch's (and PyTorch's) BatchNorm does;
+// torchgpipe uses the biased one.
+
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace gpipe {
+
+namespace detail {
+class Pipeline;
+}  // namespace detail
+
+/// Options for `gpipe::DeferredBatchNorm`; the same as BatchNorm's, plus
+/// `chunks`.
+struct DeferredBatchNormOptions {
+  /* implicit */ DeferredBatchNormOptions(int64_t num_features)
+      : num_features_(num_features) {}
+
+  /// Channels (dimension 1 of the input).
+  TORCH_ARG(int64_t, num_features);
+  /// Added to the variance for numerical stability.
+  TORCH_ARG(double, eps) = 1e-5;
+  /// Weight of the new statistics in the running ones; `c10::nullopt` for a
+  /// cumulative average.
+  TORCH_ARG(c10::optional<double>, momentum) = 0.1;
+  /// Learnable weight and bias.
+  TORCH_ARG(bool, affine) = true;
+  /// Micro-batches per mini-batch: the running statistics are updated after
+  /// this many training forwards (and by GPipe at the end of each mini-batch
+  /// when it had fewer micro-batches).
+  TORCH_ARG(int64_t, chunks) = 1;
+};
+
+class DeferredBatchNormImpl
+    : public torch::nn::Cloneable<DeferredBatchNormImpl> {
+ public:
+  explicit DeferredBatchNormImpl(DeferredBatchNormOptions options);
+
+  void reset() override;
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Training: normalises `input` with its own statistics and accumulates
+  /// them (unless recomputing). Evaluation: normalises with the running
+  /// statistics. `input` is (N, C, ...) with C = num_features.
+  torch::Tensor forward(torch::Tensor input);
+
+  /// Folds the statistics accumulated so far into the running statistics
+  /// and starts over. A no-op when nothing was accumulated.
+  void commit();
+  /// Drops the statistics accumulated so far (after a failed mini-batch).
+  void discard();
+  /// Micro-batches accumulated since the last commit.
+  int64_t tracked() const {
+    return tracked_;
+  }
+
+  DeferredBatchNormOptions options;
+  torch::Tensor weight;
+  torch::Tensor bias;
+  torch::Tensor running_mean;
+  torch::Tensor running_var;
+  torch::Tensor num_batches_tracked;
+
+ private:
+  friend torch::nn::Sequential convert_deferred_batch_norm(
+      const torch::nn::Sequential&, int64_t);
+  // Inside GPipe the engine commits once the whole mini-batch has passed, so
+  // that a failed mini-batch can be discarded.
+  friend class detail::Pipeline;
+  bool engine_commits_ = false;
+  // Shares `adopt` (weight, bias, running_mean, running_var,
+  // num_batches_tracked; undefined ones are made new).
+  DeferredBatchNormImpl(
+      DeferredBatchNormOptions options, std::vector<torch::Tensor> adopt);
+  // Parameters and buffers for the next reset() to register instead of new
+  // ones (a conversion shares those of the BatchNorm it replaces).
+  std::vector<torch::Tensor> adopt_;
+  // Per-channel mean and sum of squared deviations of the elements
+  // accumulated so far (merged per micro-batch, Chan et al.), and their
+  // count per channel.
+  torch::Tensor mean_;
+  torch::Tensor m2_;
+  int64_t count_ = 0;
+  int64_t tracked_ = 0;
+};
+
+/// A `ModuleHolder` for `DeferredBatchNormImpl`.
+TORCH_MODULE(DeferredBatchNorm);
+
+/// `module` with every BatchNorm{1,2,3}d child that tracks running
+/// statistics replaced by a DeferredBatchNorm sharing
+/// its parameters and buffers. Children keep their names. A
+/// DeferredBatchNorm with the same `chunks` is kept; one with other `chunks`
+/// is replaced. Throws `c10::ValueError` for a BatchNorm inside another kind
+/// of module, which cannot be replaced from outside.
+torch::nn::Sequential convert_deferred_batch_norm(
+    const torch::nn::Sequential& module, int64_t chunks = 1);
+
+}  // namespace gpipe
