@@ -6,6 +6,7 @@
 
 #include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <thread>
@@ -556,6 +557,44 @@ TEST_F(SkipGPipeTest, RetainGraphWithSkips) {
   auto once = x.grad().clone();
   y.backward();
   EXPECT_TRUE(torch::allclose(x.grad(), 2 * once));
+}
+
+// Needs a CUDA device: skipped on CPU-only machines (CI), run on a GPU host.
+TEST_F(SkipGPipeTest, SkipFromCpuToCudaPartition_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";  // CPU-only machines and CI
+  }
+  for (auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    auto net = skip_model();
+    (*net)[6]->as<torch::nn::Dropout>()->options.p(0.0);
+    net->to(torch::kFloat64);
+    auto copy = testing::copy_of(net);
+    // The skip goes from partition 0 on the CPU straight to partition 2 on
+    // the GPU, and its gradient back.
+    GPipe model(
+        copy,
+        GPipeOptions({2, 3, 4})
+            .devices(
+                {torch::kCPU, torch::Device("cuda:0"), torch::Device("cuda:0")})
+            .chunks(3)
+            .checkpoint(mode));
+    auto x = torch::randn({7, 4}, torch::kFloat64).requires_grad_(true);
+    auto x2 = x.detach().clone().requires_grad_(true);
+    auto expected = net->forward(x);
+    auto got = model->forward(x2);
+    ASSERT_TRUE(got.is_cuda());
+    ASSERT_TRUE(torch::allclose(got.cpu(), expected, 1e-10, 1e-12));
+    expected.pow(2).sum().backward();
+    got.pow(2).sum().backward();
+    ASSERT_TRUE(torch::allclose(x2.grad(), x.grad(), 1e-10, 1e-12));
+    auto g1 = testing::grads_of(*net);
+    auto g2 = testing::grads_of(*copy);
+    for (size_t k = 0; k < g1.size(); ++k) {
+      ASSERT_TRUE(torch::allclose(g2[k].cpu(), g1[k], 1e-10, 1e-12))
+          << "parameter " << k;
+    }
+  }
 }
 
 // A stashed tensor is freed once its last use is done.
