@@ -45,7 +45,9 @@ class Run {
         n_(pipeline.size()),
         options_(options),
         cells_(m_, std::vector<CellState>(n_)),
-        column_cvs_(n_ + 1) {}
+        column_cvs_{
+            std::vector<std::condition_variable>(n_ + 1),
+            std::vector<std::condition_variable>(n_ + 1)} {}
 
   struct CellState {
     Packet input;   // leaves; kept for backward when a graph is built
@@ -101,59 +103,68 @@ class Run {
   // (i, k-1).
   void reset_slots() {
     std::lock_guard<std::mutex> lock(mutex_);
-    slots_.assign(m_, std::vector<Packet>(n_ + 1));
-    ready_.assign(m_, std::vector<char>(n_ + 1, 0));
-    waiting_.assign(n_ + 1, -1);
-    skip_slots_.assign(m_, {});
+    for (const auto d : c10::irange(2)) {
+      slots_[d].assign(m_, std::vector<Packet>(n_ + 1));
+      ready_[d].assign(m_, std::vector<char>(n_ + 1, 0));
+      waiting_[d].assign(n_ + 1, -1);
+      skip_slots_[d].assign(m_, {});
+    }
   }
 
-  // Each column k of slots has one taker per pass (lane k forward, lane k-1
-  // backward, the caller after the pass), so a put wakes at most the one
-  // thread waiting on that column, and only when it is waiting: waking
-  // threads that go back to sleep costs more than a small cell's work.
-  void put(int64_t i, int64_t k, Packet packet) {
+  // Forward and backward slots are apart (a training step runs both in one
+  // pass). Each column k of one direction has one taker (forward: lane k,
+  // backward: lane k-1, or the caller after the pass), so a put wakes at
+  // most the one thread waiting on that column, and only when it is
+  // waiting: waking threads that go back to sleep costs more than a small
+  // cell's work.
+  void put(Phase phase, int64_t i, int64_t k, Packet packet) {
+    const auto d = static_cast<size_t>(phase);
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      slots_[i][k] = std::move(packet);
-      ready_[i][k] = 1;
-      wake = waiting_[k] == i;
+      slots_[d][i][k] = std::move(packet);
+      ready_[d][i][k] = 1;
+      wake = waiting_[d][k] == i;
     }
     if (wake) {
-      column_cvs_[k].notify_one();
+      column_cvs_[d][k].notify_one();
     }
   }
 
-  Packet take(int64_t i, int64_t k) {
+  Packet take(Phase phase, int64_t i, int64_t k) {
+    const auto d = static_cast<size_t>(phase);
     std::unique_lock<std::mutex> lock(mutex_);
-    if (!ready_[i][k] && !failed_) {
-      waiting_[k] = i;
-      column_cvs_[k].wait(lock, [&] { return ready_[i][k] || failed_; });
-      waiting_[k] = -1;
+    auto& ready = ready_[d];
+    if (!ready[i][k] && !failed_) {
+      waiting_[d][k] = i;
+      column_cvs_[d][k].wait(lock, [&] { return ready[i][k] || failed_; });
+      waiting_[d][k] = -1;
     }
-    if (!ready_[i][k]) {
+    if (!ready[i][k]) {
       throw Aborted{};
     }
-    ready_[i][k] = 0;
-    return std::move(slots_[i][k]);
+    ready[i][k] = 0;
+    return std::move(slots_[d][i][k]);
   }
 
   // A skip between partitions, for micro-batch i: the stashed tensor in
   // forward, its gradient in backward. The schedule makes every skip ready
   // before its taker runs: the stashing cell puts it before its boundary
   // output, on which the taking cell depends.
-  void put_skip(int64_t i, const SkipKey& key, torch::Tensor tensor) {
+  void put_skip(
+      Phase phase, int64_t i, const SkipKey& key, torch::Tensor tensor) {
     std::lock_guard<std::mutex> lock(mutex_);
-    skip_slots_[i].insert_or_assign(key, std::move(tensor));
+    skip_slots_[static_cast<size_t>(phase)][i].insert_or_assign(
+        key, std::move(tensor));
   }
 
-  torch::Tensor take_skip(int64_t i, const SkipKey& key) {
+  torch::Tensor take_skip(Phase phase, int64_t i, const SkipKey& key) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = skip_slots_[i].find(key);
-    TORCH_INTERNAL_ASSERT(
-        it != skip_slots_[i].end(), "skip ", key, " is not ready");
+    auto& slots = skip_slots_[static_cast<size_t>(phase)][i];
+    auto it = slots.find(key);
+    TORCH_INTERNAL_ASSERT(it != slots.end(), "skip ", key, " is not ready");
     auto tensor = std::move(it->second);
-    skip_slots_[i].erase(it);
+    slots.erase(it);
     return tensor;
   }
 
@@ -207,8 +218,10 @@ class Run {
       std::lock_guard<std::mutex> lock(mutex_);
       failed_ = true;
     }
-    for (auto& cv : column_cvs_) {
-      cv.notify_all();
+    for (auto& column : column_cvs_) {
+      for (auto& cv : column) {
+        cv.notify_all();
+      }
     }
   }
 
@@ -218,13 +231,13 @@ class Run {
     if (stage.device.type() != torch::kCPU) {
       device_guard.reset_device(stage.device);
     }
-    Packet in = take(i, j);
+    Packet in = take(Phase::Forward, i, j);
     // A skip from an earlier partition is a leaf of this cell's graph, like
     // the boundary input.
     std::map<SkipKey, torch::Tensor> incoming;
     std::vector<torch::Tensor> skip_inputs;
     for (const auto& key : stage.skips_in) {
-      auto t = take_skip(i, key);
+      auto t = take_skip(Phase::Forward, i, key);
       auto leaf = !t.defined()                 ? t
                   : t.device() == stage.device ? t.detach()
                                                : t.to(stage.device).detach();
@@ -275,7 +288,7 @@ class Run {
     auto& outgoing = skips.outgoing();
     for (const auto& key : stage.skips_out) {
       const auto& t = outgoing[key];
-      put_skip(i, key, t.defined() ? t.detach() : t);
+      put_skip(Phase::Forward, i, key, t.defined() ? t.detach() : t);
     }
     if (needs_grad) {
       c.input = std::move(x);
@@ -288,7 +301,7 @@ class Run {
     // Whatever this cell does not keep is let go before the next cell can
     // run, so that a skip's last user frees it.
     outgoing.clear();
-    put(i, j + 1, std::move(out));
+    put(Phase::Forward, i, j + 1, std::move(out));
   }
 
   void backward_cell(int64_t i, int64_t j) {
@@ -297,7 +310,7 @@ class Run {
     if (stage.device.type() != torch::kCPU) {
       device_guard.reset_device(stage.device);
     }
-    Packet dy = take(i, j + 1);
+    Packet dy = take(Phase::Backward, i, j + 1);
     auto& c = cells_[i][j];
     TORCH_INTERNAL_ASSERT(
         c.input.tensors.size() > 0, "backward of a cell with no saved input");
@@ -348,7 +361,7 @@ class Run {
     // The gradients of skips to later partitions came back from the cells
     // that popped them.
     for (const auto& key : stage.skips_out) {
-      auto g = take_skip(i, key);
+      auto g = take_skip(Phase::Backward, i, key);
       const auto& s = skip_outputs[key];
       if (g.defined() && s.defined() && s.requires_grad()) {
         roots.push_back(s);
@@ -381,6 +394,7 @@ class Run {
     for (const auto k : c10::irange(stage.skips_in.size())) {
       const auto& leaf = c.skip_inputs[k];
       put_skip(
+          Phase::Backward,
           i,
           stage.skips_in[k],
           leaf.defined() && leaf.requires_grad() ? leaf.grad()
@@ -394,7 +408,7 @@ class Run {
     if (!retain_cells) {
       c = CellState{};
     }
-    put(i, j, std::move(dx));
+    put(Phase::Backward, i, j, std::move(dx));
   }
 
   Pipeline& pipeline_;
@@ -407,11 +421,13 @@ class Run {
 
   std::mutex mutex_;
   std::condition_variable done_cv_;                  // pending_ reached zero
-  std::vector<std::condition_variable> column_cvs_;  // a slot became ready
-  std::vector<std::vector<Packet>> slots_;           // guarded by mutex_
-  std::vector<std::vector<char>> ready_;             // guarded by mutex_
-  std::vector<int64_t> waiting_;  // per column: micro-batch awaited, or -1
-  std::vector<std::map<SkipKey, torch::Tensor>> skip_slots_;  // by mutex_
+  // Indexed by direction (Phase), then micro-batch, then column.
+  std::vector<std::condition_variable> column_cvs_[2];  // a slot is ready
+  std::vector<std::vector<Packet>> slots_[2];           // guarded by mutex_
+  std::vector<std::vector<char>> ready_[2];             // guarded by mutex_
+  // Per column: the micro-batch its taker waits for, or -1.
+  std::vector<int64_t> waiting_[2];                                // mutex_
+  std::vector<std::map<SkipKey, torch::Tensor>> skip_slots_[2];  // mutex_
   int64_t pending_ = 0;  // guarded by mutex_
   bool failed_ = false;  // guarded by mutex_
   FirstError error_;
@@ -485,7 +501,7 @@ class PipelineBackward : public torch::autograd::Node {
       }
     }
     for (const auto i : c10::irange(m)) {
-      run.put(i, n, std::move(dys[i]));
+      run.put(Phase::Backward, i, n, std::move(dys[i]));
     }
 
     run.retain_cells = torch::autograd::get_current_graph_task_keep_graph();
@@ -512,7 +528,7 @@ class PipelineBackward : public torch::autograd::Node {
 
     std::vector<Packet> dx(m);
     for (const auto i : c10::irange(m)) {
-      dx[i] = run.take(i, 0);
+      dx[i] = run.take(Phase::Backward, i, 0);
     }
     torch::autograd::variable_list dxs;
     for (const auto k : c10::irange(inputs_.size())) {
@@ -675,7 +691,7 @@ Packet Pipeline::forward(
   run->reset_slots();
   for (const auto i : c10::irange(m)) {
     sizes.push_back(inputs[i].tensors.at(0).size(0));
-    run->put(i, 0, std::move(inputs[i]));
+    run->put(Phase::Forward, i, 0, std::move(inputs[i]));
   }
   try {
     run->run_pass(clock_cycles(m, n), /*inline_cells=*/false, run);
@@ -699,7 +715,7 @@ Packet Pipeline::forward(
 
   std::vector<Packet> outputs;
   for (const auto i : c10::irange(m)) {
-    outputs.push_back(run->take(i, n));
+    outputs.push_back(run->take(Phase::Forward, i, n));
   }
 
   // One node stands behind each whole output tensor.
