@@ -189,6 +189,42 @@ std::vector<torch::Tensor> GPipeImpl::forward(
       .tensors;
 }
 
+torch::Tensor GPipeImpl::train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    Schedule schedule) {
+  verify_batch({input});
+  TORCH_CHECK_VALUE(
+      static_cast<bool>(loss_fn), "train_step expects a loss_fn, but got none");
+  TORCH_CHECK_TYPE(
+      target.defined(), "train_step expects a target tensor, but got none");
+  TORCH_CHECK_VALUE(
+      target.dim() > 0 && target.size(0) == input.size(0),
+      "train_step expects a target with the input's batch size ",
+      input.size(0),
+      " in dimension 0, but got shape ",
+      target.sizes());
+  TORCH_CHECK_VALUE(
+      pipeline_ != nullptr,
+      "train_step needs at least one partition, but the model is empty");
+  auto micro = scatter({input}, options.chunks());
+  auto targets = scatter({target.to(devices_.back())}, options.chunks());
+  std::vector<detail::Packet> packets;
+  std::vector<torch::Tensor> target_pieces;
+  for (const auto i : c10::irange(micro.size())) {
+    packets.push_back(detail::Packet{std::move(micro[i]), /*atomic=*/true});
+    target_pieces.push_back(targets[i][0]);
+  }
+  return pipeline_->train(
+      std::move(packets),
+      std::move(target_pieces),
+      {input},
+      loss_fn,
+      schedule,
+      pass_options(is_training(), options));
+}
+
 void GPipeImpl::to(
     torch::Device device, torch::Dtype dtype, bool non_blocking) {
   TORCH_CHECK_TYPE(

@@ -36,6 +36,8 @@ struct Aborted {};
 // run on the node's thread, in schedule order, as reentrant backward calls;
 // the GPU still overlaps partitions because kernel launches are asynchronous.
 
+}  // namespace
+
 // The per-pass state shared by the caller and the lanes.
 class Run {
  public:
@@ -56,6 +58,7 @@ class Run {
     // skips_in) and to later ones (with graph, unless checkpointed).
     std::vector<torch::Tensor> skip_inputs;
     std::map<SkipKey, torch::Tensor> skip_outputs;
+    torch::Tensor loss;  // training step, last partition, not checkpointed
     bool checkpointed = false;
     uint64_t seed = 0;
   };
@@ -173,6 +176,13 @@ class Run {
   }
 
   bool needs_grad = false;
+  // Set for a training step: the last partition computes the loss of each
+  // micro-batch, scaled by its share of the batch, and backward starts from
+  // it (no gradient comes in from outside).
+  const LossFunction* loss_fn = nullptr;
+  std::vector<torch::Tensor> targets;
+  std::vector<double> loss_scales;
+  std::vector<torch::Tensor> losses;  // detached values, per micro-batch
   bool seeded = false;
   uint64_t step_seed = 0;
   bool retain_cells = false;  // backward keeps cells (retain_graph)
@@ -301,7 +311,41 @@ class Run {
     // Whatever this cell does not keep is let go before the next cell can
     // run, so that a skip's last user frees it.
     outgoing.clear();
+    if (loss_fn != nullptr && j == n_ - 1) {
+      torch::Tensor loss;
+      {
+        c10::optional<torch::NoGradGuard> no_grad;
+        if (c.checkpointed) {
+          no_grad.emplace();
+        }
+        loss = loss_of(i, needs_grad && !c.checkpointed ? c.output : y);
+      }
+      losses[i] = loss.detach();
+      if (needs_grad && !c.checkpointed) {
+        c.loss = std::move(loss);
+        c.output = Packet{};
+      }
+      return;
+    }
     put(Phase::Forward, i, j + 1, std::move(out));
+  }
+
+  // The loss of micro-batch i from the last partition's output, scaled by
+  // the micro-batch's share of the batch.
+  torch::Tensor loss_of(int64_t i, const Packet& y) {
+    TORCH_CHECK_TYPE(
+        y.atomic && y.tensors.size() == 1,
+        "train_step expects the last layer to return one tensor, but it "
+        "returned ",
+        y.tensors.size(),
+        " tensors");
+    auto loss = (*loss_fn)(y.tensors[0], targets[i]);
+    TORCH_CHECK_VALUE(
+        loss.defined() && loss.numel() == 1,
+        "train_step expects loss_fn to return a scalar, but it returned a "
+        "tensor of shape ",
+        loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+    return loss.reshape({}) * loss_scales[i];
   }
 
   void backward_cell(int64_t i, int64_t j) {
@@ -310,7 +354,8 @@ class Run {
     if (stage.device.type() != torch::kCPU) {
       device_guard.reset_device(stage.device);
     }
-    Packet dy = take(Phase::Backward, i, j + 1);
+    const bool from_loss = loss_fn != nullptr && j == n_ - 1;
+    Packet dy = from_loss ? Packet{} : take(Phase::Backward, i, j + 1);
     auto& c = cells_[i][j];
     TORCH_INTERNAL_ASSERT(
         c.input.tensors.size() > 0, "backward of a cell with no saved input");
@@ -348,6 +393,14 @@ class Run {
 
     std::vector<torch::Tensor> roots;
     std::vector<torch::Tensor> grads;
+    if (from_loss) {
+      torch::AutoGradMode grad_mode(true);
+      auto loss = c.checkpointed ? loss_of(i, y) : c.loss;
+      if (loss.requires_grad()) {
+        grads.push_back(torch::ones_like(loss));
+        roots.push_back(std::move(loss));
+      }
+    }
     for (const auto k : c10::irange(y.tensors.size())) {
       const auto& yk = y.tensors[k];
       if (k < dy.tensors.size() && dy.tensors[k].defined() && yk.defined() &&
@@ -420,18 +473,20 @@ class Run {
   std::vector<std::vector<CellState>> cells_;
 
   std::mutex mutex_;
-  std::condition_variable done_cv_;                  // pending_ reached zero
+  std::condition_variable done_cv_;  // pending_ reached zero
   // Indexed by direction (Phase), then micro-batch, then column.
   std::vector<std::condition_variable> column_cvs_[2];  // a slot is ready
   std::vector<std::vector<Packet>> slots_[2];           // guarded by mutex_
   std::vector<std::vector<char>> ready_[2];             // guarded by mutex_
   // Per column: the micro-batch its taker waits for, or -1.
-  std::vector<int64_t> waiting_[2];                                // mutex_
+  std::vector<int64_t> waiting_[2];                              // mutex_
   std::vector<std::map<SkipKey, torch::Tensor>> skip_slots_[2];  // mutex_
   int64_t pending_ = 0;  // guarded by mutex_
   bool failed_ = false;  // guarded by mutex_
   FirstError error_;
 };
+
+namespace {
 
 // The autograd node of a GPipe output. Its backward is the pipelined
 // backward of every cell.
@@ -655,46 +710,45 @@ Pipeline::Pipeline(
 
 Pipeline::~Pipeline() = default;
 
-Packet Pipeline::forward(
-    std::vector<Packet> inputs,
-    const Batch& original_inputs,
-    const PassOptions& options) {
-  const int64_t m = static_cast<int64_t>(inputs.size());
-  const int64_t n = size();
-  auto run = std::make_shared<Run>(*this, m, options);
+namespace {
 
+// What every pass starts with: the run, whether a graph is built, and the
+// per-cell seeds with the user's generators saved (see Note [Random streams
+// of concurrent cells]).
+std::shared_ptr<Run> start_run(
+    Pipeline& pipeline,
+    int64_t m,
+    const Batch& original_inputs,
+    const PassOptions& options,
+    std::unique_ptr<GeneratorStateGuard>& generators) {
+  auto run = std::make_shared<Run>(pipeline, m, options);
   bool any_requires_grad = false;
   for (const auto& x : original_inputs) {
     any_requires_grad = any_requires_grad || x.requires_grad();
   }
-  for (const auto& stage : stages_) {
-    for (const auto& p : stage->module->parameters()) {
+  std::vector<torch::Device> devices;
+  for (const auto j : c10::irange(pipeline.size())) {
+    auto& stage = pipeline.stage(j);
+    for (const auto& p : stage.module->parameters()) {
       any_requires_grad = any_requires_grad || p.requires_grad();
     }
+    run->seeded = run->seeded || stage.random.may_draw(options.training);
+    devices.push_back(stage.device);
   }
   run->needs_grad = torch::GradMode::is_enabled() && any_requires_grad;
-
-  std::unique_ptr<GeneratorStateGuard> generators;
-  for (const auto& stage : stages_) {
-    run->seeded = run->seeded || stage->random.may_draw(options.training);
-  }
   if (run->seeded) {
     run->step_seed = draw_step_seed();
-    std::vector<torch::Device> devices;
-    for (const auto& stage : stages_) {
-      devices.push_back(stage->device);
-    }
     generators = std::make_unique<GeneratorStateGuard>(devices);
   }
+  return run;
+}
 
-  std::vector<int64_t> sizes;
-  run->reset_slots();
-  for (const auto i : c10::irange(m)) {
-    sizes.push_back(inputs[i].tensors.at(0).size(0));
-    run->put(Phase::Forward, i, 0, std::move(inputs[i]));
-  }
+}  // namespace
+
+void Pipeline::run_and_commit(
+    const std::shared_ptr<Run>& run, const Steps& steps) {
   try {
-    run->run_pass(clock_cycles(m, n), /*inline_cells=*/false, run);
+    run->run_pass(steps, /*inline_cells=*/false, run);
   } catch (...) {
     // A failed mini-batch leaves no statistics behind.
     for (const auto& stage : stages_) {
@@ -704,7 +758,6 @@ Packet Pipeline::forward(
     }
     throw;
   }
-  generators.reset();
   // The statistics of every micro-batch are in: update the running ones
   // once for the mini-batch. See gpipe/batchnorm.h.
   for (const auto& stage : stages_) {
@@ -712,6 +765,25 @@ Packet Pipeline::forward(
       bn->commit();
     }
   }
+}
+
+Packet Pipeline::forward(
+    std::vector<Packet> inputs,
+    const Batch& original_inputs,
+    const PassOptions& options) {
+  const int64_t m = static_cast<int64_t>(inputs.size());
+  const int64_t n = size();
+  std::unique_ptr<GeneratorStateGuard> generators;
+  auto run = start_run(*this, m, original_inputs, options, generators);
+
+  std::vector<int64_t> sizes;
+  run->reset_slots();
+  for (const auto i : c10::irange(m)) {
+    sizes.push_back(inputs[i].tensors.at(0).size(0));
+    run->put(Phase::Forward, i, 0, std::move(inputs[i]));
+  }
+  run_and_commit(run, clock_cycles(m, n));
+  generators.reset();
 
   std::vector<Packet> outputs;
   for (const auto i : c10::irange(m)) {
@@ -754,6 +826,67 @@ Packet Pipeline::forward(
   }
   node->set_output_slots(std::move(slots));
   return gathered;
+}
+
+torch::Tensor Pipeline::train(
+    std::vector<Packet> inputs,
+    std::vector<torch::Tensor> targets,
+    const Batch& original_inputs,
+    const LossFunction& loss_fn,
+    Schedule schedule,
+    const PassOptions& options) {
+  const int64_t m = static_cast<int64_t>(inputs.size());
+  const int64_t n = size();
+  std::unique_ptr<GeneratorStateGuard> generators;
+  auto run = start_run(*this, m, original_inputs, options, generators);
+  TORCH_CHECK(
+      run->needs_grad,
+      "train_step needs grad mode on and something that requires grad (a "
+      "parameter or the input)");
+  int64_t total = 0;
+  std::vector<int64_t> sizes;
+  for (const auto i : c10::irange(m)) {
+    sizes.push_back(inputs[i].tensors.at(0).size(0));
+    total += sizes.back();
+  }
+  run->loss_fn = &loss_fn;
+  run->targets = std::move(targets);
+  run->losses.resize(m);
+  for (const auto i : c10::irange(m)) {
+    run->loss_scales.push_back(
+        static_cast<double>(sizes[i]) / static_cast<double>(total));
+  }
+  run->reset_slots();
+  for (const auto i : c10::irange(m)) {
+    run->put(Phase::Forward, i, 0, std::move(inputs[i]));
+  }
+  run_and_commit(run, training_steps(schedule, m, n));
+  generators.reset();
+
+  // Gradients of inputs that require grad continue into their graph.
+  std::vector<Packet> dx(m);
+  for (const auto i : c10::irange(m)) {
+    dx[i] = run->take(Phase::Backward, i, 0);
+  }
+  for (const auto k : c10::irange(original_inputs.size())) {
+    const auto& x = original_inputs[k];
+    if (!x.requires_grad()) {
+      continue;
+    }
+    std::vector<torch::Tensor> pieces;
+    bool any = false;
+    for (const auto i : c10::irange(m)) {
+      auto g = dx[i].tensors.at(k);
+      any = any || g.defined();
+      pieces.push_back(
+          g.defined() ? g.to(x.device())
+                      : torch::zeros_like(x.narrow(0, 0, sizes[i])));
+    }
+    if (any) {
+      torch::autograd::backward({x}, {torch::cat(pieces, 0)});
+    }
+  }
+  return torch::stack(run->losses).sum();
 }
 
 }  // namespace gpipe::detail

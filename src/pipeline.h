@@ -4,6 +4,7 @@
 // backward, and ties the pipeline into autograd with one node.
 
 #include <gpipe/microbatch.h>
+#include <gpipe/options.h>
 #include <gpipe/schedule.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
@@ -52,6 +53,8 @@ struct PassOptions {
   int64_t checkpoint_stop = 0;
 };
 
+class Run;  // one pass's state, in pipeline.cpp
+
 class Pipeline : public std::enable_shared_from_this<Pipeline> {
  public:
   /// One lane per partition; CPU lanes get `threads_per_lane` intra-op threads.
@@ -73,6 +76,19 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       const Batch& original_inputs,
       const PassOptions& options);
 
+  /// A training step in one pass: every micro-batch forward, its loss
+  /// (`loss_fn(output, target)` times its share of the batch) on the last
+  /// partition, and backward, in the order `schedule` gives. Gradients
+  /// accumulate into the parameters' `.grad` (and flow into inputs that
+  /// require grad). Returns the batch's loss, detached.
+  torch::Tensor train(
+      std::vector<Packet> inputs,
+      std::vector<torch::Tensor> targets,
+      const Batch& original_inputs,
+      const LossFunction& loss_fn,
+      Schedule schedule,
+      const PassOptions& options);
+
   int64_t size() const {
     return static_cast<int64_t>(stages_.size());
   }
@@ -92,6 +108,10 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   }
 
  private:
+  // Runs `steps` on `run`, then commits (or, on error, discards)
+  // DeferredBatchNorm statistics.
+  void run_and_commit(const std::shared_ptr<Run>& run, const Steps& steps);
+
   std::vector<std::unique_ptr<Stage>> stages_;
   // Declared after stages_ so that lanes are joined before stages go away.
   std::vector<std::unique_ptr<Lane>> lanes_;

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <gpipe/options.h>
+#include <gpipe/schedule.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -47,6 +48,24 @@ class GPipeImpl : public torch::nn::Module {
   /// Runs a tuple batch: every tensor is cut into micro-batches along dim 0,
   /// and the first layer receives a `std::vector<torch::Tensor>`.
   std::vector<torch::Tensor> forward(std::vector<torch::Tensor> inputs);
+
+  /// One training step with the loss inside the pipeline: each micro-batch's
+  /// loss `loss_fn(output, target)` is computed on the last partition as
+  /// soon as its forward is done, and backward runs in the order `schedule`
+  /// gives (`OneFOneB` starts a micro-batch's backward as soon as its loss
+  /// is known, so partition j keeps at most n - j micro-batches of
+  /// activations instead of all of them). `target` is cut into
+  /// micro-batches like `input` and moved to the last device. `loss_fn`
+  /// must average over its micro-batch (LibTorch's default reduction): each
+  /// micro-batch's loss is weighted by its share of the batch, so the
+  /// gradients accumulated into `.grad` equal those of
+  /// `loss_fn(forward(input), target).backward()`. Returns that loss
+  /// (detached, on the last device).
+  torch::Tensor train_step(
+      torch::Tensor input,
+      torch::Tensor target,
+      const LossFunction& loss_fn,
+      Schedule schedule = Schedule::FillDrain);
 
   /// Refused: GPipe owns device placement.
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)

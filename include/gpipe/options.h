@@ -4,6 +4,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,10 @@ std::string to_string(Checkpoint checkpoint);
 
 /// Parses torchgpipe's spelling; throws `c10::ValueError` on anything else.
 Checkpoint checkpoint_from_string(const std::string& name);
+
+/// A loss for `GPipe::train_step`: `(output, target) -> scalar`, a mean
+/// over the micro-batch it is given (as LibTorch's losses by default).
+using LossFunction = std::function<torch::Tensor(torch::Tensor, torch::Tensor)>;
 
 /// Options for `gpipe::GPipe`.
 ///

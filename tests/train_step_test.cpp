@@ -1,0 +1,175 @@
+// GPipe::train_step: the loss inside the pipeline, under both schedules.
+
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "common.h"
+
+namespace gpipe {
+namespace {
+
+using testing::SeededTest;
+
+struct StashImpl : torch::nn::Cloneable<StashImpl>, Skippable {
+  StashImpl() : Skippable({"skip"}, {}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    stash("skip", x.tanh());
+    return x;
+  }
+};
+TORCH_MODULE(Stash);
+
+struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
+  PopAddImpl() : Skippable({}, {"skip"}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    return x + pop("skip");
+  }
+};
+TORCH_MODULE(PopAdd);
+
+// 8 layers; with skips, one from layer 1 to layer 6.
+torch::nn::Sequential model_of(bool skips) {
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(5, 6));
+  net->push_back(
+      skips ? torch::nn::AnyModule(Stash())
+            : torch::nn::AnyModule(torch::nn::Identity()));
+  net->push_back(torch::nn::Linear(6, 6));
+  net->push_back(torch::nn::Tanh());
+  net->push_back(torch::nn::Linear(6, 6));
+  net->push_back(torch::nn::Tanh());
+  net->push_back(
+      skips ? torch::nn::AnyModule(PopAdd())
+            : torch::nn::AnyModule(torch::nn::Identity()));
+  net->push_back(torch::nn::Linear(6, 4));
+  return net;
+}
+
+class TrainStepTest
+    : public SeededTest,
+      public ::testing::WithParamInterface<
+          std::tuple<Schedule, Checkpoint, bool, std::vector<int64_t>>> {};
+
+TEST_P(TrainStepTest, GradientsEqualThePlainModel) {
+  const auto& [schedule, mode, skips, balance] = GetParam();
+  auto net = model_of(skips);
+  net->to(torch::kFloat64);
+  auto copy = testing::copy_of(net);
+  GPipe model(copy, GPipeOptions(balance).chunks(3).checkpoint(mode));
+  // 7 rows in 3 chunks: micro-batches of 3, 3 and 1, weighted 3/7, 3/7,
+  // 1/7.
+  auto x = torch::randn({7, 5}, torch::kFloat64).requires_grad_(true);
+  auto x2 = x.detach().clone().requires_grad_(true);
+  auto target = torch::randint(0, 4, {7}, torch::kLong);
+  auto loss_fn = [](torch::Tensor y, torch::Tensor t) {
+    return torch::nn::functional::cross_entropy(y, t);
+  };
+
+  auto expected = loss_fn(net->forward(x), target);
+  expected.backward();
+  auto got = model->train_step(x2, target, loss_fn, schedule);
+  EXPECT_EQ(got.dim(), 0);
+  EXPECT_FALSE(got.requires_grad());
+  EXPECT_NEAR(got.item<double>(), expected.item<double>(), 1e-12);
+  ASSERT_TRUE(x2.grad().defined());
+  EXPECT_TRUE(torch::allclose(x2.grad(), x.grad(), 1e-10, 1e-13));
+  auto g1 = testing::grads_of(*net);
+  auto g2 = testing::grads_of(*copy);
+  ASSERT_EQ(g1.size(), g2.size());
+  for (size_t k = 0; k < g1.size(); ++k) {
+    ASSERT_TRUE(g2[k].defined()) << "parameter " << k;
+    EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13))
+        << "parameter " << k << ", max difference "
+        << (g2[k] - g1[k]).abs().max().item<double>();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table,
+    TrainStepTest,
+    ::testing::Combine(
+        ::testing::Values(Schedule::FillDrain, Schedule::OneFOneB),
+        ::testing::Values(
+            Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never),
+        ::testing::Bool(),
+        ::testing::Values(
+            std::vector<int64_t>{8},
+            std::vector<int64_t>{4, 4},
+            std::vector<int64_t>{2, 2, 2, 2})));
+
+TEST_F(TrainStepTest, SgdStepsEqualThePlainModel) {
+  auto net = model_of(true);
+  auto copy = testing::copy_of(net);
+  GPipe model(copy, GPipeOptions({3, 5}).chunks(4));
+  torch::optim::SGD opt1(net->parameters(), 0.1);
+  torch::optim::SGD opt2(model->parameters(), 0.1);
+  auto loss_fn = [](torch::Tensor y, torch::Tensor t) {
+    return torch::mse_loss(y, t);
+  };
+  for (int step = 0; step < 5; ++step) {
+    auto x = torch::randn({8, 5});
+    auto t = torch::randn({8, 4});
+    opt1.zero_grad();
+    loss_fn(net->forward(x), t).backward();
+    opt1.step();
+    opt2.zero_grad();
+    model->train_step(x, t, loss_fn, Schedule::OneFOneB);
+    opt2.step();
+  }
+  auto p1 = net->parameters();
+  auto p2 = model->parameters();
+  for (size_t k = 0; k < p1.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(p1[k], p2[k], 1e-5, 1e-6));
+  }
+}
+
+TEST_F(TrainStepTest, BadArguments) {
+  auto net = model_of(false);
+  GPipe model(net, GPipeOptions({4, 4}).chunks(2));
+  auto x = torch::randn({4, 5});
+  auto t = torch::randint(0, 4, {4}, torch::kLong);
+  auto ce = [](torch::Tensor y, torch::Tensor t) {
+    return torch::nn::functional::cross_entropy(y, t);
+  };
+  EXPECT_THROW(
+      model->train_step(x, torch::randint(0, 4, {3}, torch::kLong), ce),
+      c10::ValueError);
+  auto not_scalar = [](torch::Tensor y, torch::Tensor) { return y; };
+  EXPECT_THROW(model->train_step(x, t, not_scalar), c10::ValueError);
+  EXPECT_THROW(model->train_step(x, t, LossFunction()), c10::ValueError);
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_THROW(model->train_step(x, t, ce), c10::Error);
+  }
+  // A loss that throws on one micro-batch: reported with its place. (Under
+  // Never, the second call is micro-batch 1's forward; a checkpointed
+  // micro-batch would call the loss again in its recomputation.)
+  GPipe never(
+      model_of(false),
+      GPipeOptions({4, 4}).chunks(2).checkpoint(Checkpoint::Never));
+  int calls = 0;
+  auto flaky = [&calls, &ce](torch::Tensor y, torch::Tensor t) {
+    if (++calls == 2) {
+      throw std::runtime_error("flaky loss");
+    }
+    return ce(y, t);
+  };
+  try {
+    never->train_step(x, t, flaky, Schedule::OneFOneB);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("flaky loss"), std::string::npos);
+    EXPECT_NE(
+        std::string(e.what()).find("partition 1, micro-batch 1, forward"),
+        std::string::npos)
+        << e.what();
+  }
+  // The model still works.
+  EXPECT_NO_THROW(never->train_step(x, t, ce, Schedule::OneFOneB));
+}
+
+}  // namespace
+}  // namespace gpipe
