@@ -189,6 +189,16 @@ std::vector<torch::Tensor> GPipeImpl::forward(
       .tensors;
 }
 
+void GPipeImpl::set_trace(std::shared_ptr<Trace> trace) {
+  if (pipeline_) {
+    pipeline_->set_trace(std::move(trace));
+  }
+}
+
+std::shared_ptr<Trace> GPipeImpl::trace() const {
+  return pipeline_ ? pipeline_->trace() : nullptr;
+}
+
 torch::Tensor GPipeImpl::train_step(
     torch::Tensor input,
     torch::Tensor target,

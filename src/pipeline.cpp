@@ -6,12 +6,14 @@
 #include <c10/util/irange.h>
 #include <gpipe/batchnorm.h>
 #include <gpipe/checkpoint.h>
+#include <gpipe/trace.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 
@@ -42,7 +44,8 @@ struct Aborted {};
 class Run {
  public:
   Run(Pipeline& pipeline, int64_t micro_batches, PassOptions options)
-      : pipeline_(pipeline),
+      : trace_(pipeline.trace()),
+        pipeline_(pipeline),
         m_(micro_batches),
         n_(pipeline.size()),
         options_(options),
@@ -235,6 +238,12 @@ class Run {
     }
   }
 
+  using Clock = std::chrono::steady_clock;
+  // Now, when tracing; the engine pays only this test otherwise.
+  Clock::time_point stamp() const {
+    return trace_ ? Clock::now() : Clock::time_point();
+  }
+
   void forward_cell(int64_t i, int64_t j) {
     Stage& stage = pipeline_.stage(j);
     c10::OptionalDeviceGuard device_guard;
@@ -242,12 +251,15 @@ class Run {
       device_guard.reset_device(stage.device);
     }
     Packet in = take(Phase::Forward, i, j);
+    const auto started = stamp();
+    bool copied = false;
     // A skip from an earlier partition is a leaf of this cell's graph, like
     // the boundary input.
     std::map<SkipKey, torch::Tensor> incoming;
     std::vector<torch::Tensor> skip_inputs;
     for (const auto& key : stage.skips_in) {
       auto t = take_skip(Phase::Forward, i, key);
+      copied = copied || (t.defined() && t.device() != stage.device);
       auto leaf = !t.defined()                 ? t
                   : t.device() == stage.device ? t.detach()
                                                : t.to(stage.device).detach();
@@ -261,6 +273,7 @@ class Run {
     Packet x{{}, in.atomic};
     x.tensors.reserve(in.tensors.size());
     for (auto& t : in.tensors) {
+      copied = copied || (t.defined() && t.device() != stage.device);
       auto leaf = !t.defined()                 ? t
                   : t.device() == stage.device ? t.detach()
                                                : t.to(stage.device).detach();
@@ -272,6 +285,12 @@ class Run {
         leaf.requires_grad_(true);
       }
       x.tensors.push_back(std::move(leaf));
+    }
+
+    auto computing = started;
+    if (trace_ && copied) {
+      computing = Clock::now();
+      trace_->record(j, i, TraceKind::Copy, started, computing);
     }
 
     auto& c = cells_[i][j];
@@ -325,7 +344,13 @@ class Run {
         c.loss = std::move(loss);
         c.output = Packet{};
       }
+      if (trace_) {
+        trace_->record(j, i, TraceKind::Forward, computing, Clock::now());
+      }
       return;
+    }
+    if (trace_) {
+      trace_->record(j, i, TraceKind::Forward, computing, Clock::now());
     }
     put(Phase::Forward, i, j + 1, std::move(out));
   }
@@ -356,10 +381,12 @@ class Run {
     }
     const bool from_loss = loss_fn != nullptr && j == n_ - 1;
     Packet dy = from_loss ? Packet{} : take(Phase::Backward, i, j + 1);
+    const auto started = stamp();
     auto& c = cells_[i][j];
     TORCH_INTERNAL_ASSERT(
         c.input.tensors.size() > 0, "backward of a cell with no saved input");
 
+    auto backward_started = started;
     Packet y;
     std::map<SkipKey, torch::Tensor> skip_outputs;
     // Recomputation must not update running statistics a second time; the
@@ -386,6 +413,10 @@ class Run {
       };
       stage.random.run_seeded(stage.device, options_.training, c.seed, body);
       skip_outputs = std::move(skips.outgoing());
+      if (trace_) {
+        backward_started = Clock::now();
+        trace_->record(j, i, TraceKind::Recompute, started, backward_started);
+      }
     } else {
       y = c.output;
       skip_outputs = c.skip_outputs;
@@ -461,9 +492,13 @@ class Run {
     if (!retain_cells) {
       c = CellState{};
     }
+    if (trace_) {
+      trace_->record(j, i, TraceKind::Backward, backward_started, Clock::now());
+    }
     put(Phase::Backward, i, j, std::move(dx));
   }
 
+  const std::shared_ptr<Trace> trace_;  // null when not tracing
   Pipeline& pipeline_;
   const int64_t m_;
   const int64_t n_;

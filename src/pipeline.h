@@ -10,6 +10,7 @@
 #include <torch/types.h>
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "random.h"
@@ -18,6 +19,7 @@
 
 namespace gpipe {
 class DeferredBatchNormImpl;
+class Trace;
 }  // namespace gpipe
 
 namespace gpipe::detail {
@@ -106,6 +108,15 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   const SkipLayout& skip_layout() const {
     return skip_layout_;
   }
+  /// Where passes record their cells; null for none. Set between passes.
+  void set_trace(std::shared_ptr<Trace> trace) {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    trace_ = std::move(trace);
+  }
+  std::shared_ptr<Trace> trace() const {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    return trace_;
+  }
 
  private:
   // Runs `steps` on `run`, then commits (or, on error, discards)
@@ -117,6 +128,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;
   SkipLayout skip_layout_;
+  mutable std::mutex trace_mutex_;
+  std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_
 };
 
 /// Runs one partition on a micro-batch: the layers one after the other, a

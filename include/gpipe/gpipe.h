@@ -9,4 +9,5 @@
 #include <gpipe/options.h>
 #include <gpipe/schedule.h>
 #include <gpipe/skip.h>
+#include <gpipe/trace.h>
 #include <gpipe/verify.h>

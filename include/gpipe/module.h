@@ -13,6 +13,8 @@
 
 namespace gpipe {
 
+class Trace;
+
 namespace detail {
 class Pipeline;
 }  // namespace detail
@@ -74,6 +76,12 @@ class GPipeImpl : public torch::nn::Module {
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   /// Refused: GPipe owns device placement.
   void to(torch::Device device, bool non_blocking = false) override;
+
+  /// Records every cell of later passes into `trace` (see gpipe/trace.h);
+  /// nullptr stops recording. Call between passes.
+  void set_trace(std::shared_ptr<Trace> trace);
+  /// The trace being recorded into, or nullptr.
+  std::shared_ptr<Trace> trace() const;
 
   /// `gpipe::GPipe(balance=[2, 2], chunks=4, checkpoint=except_last)`.
   void pretty_print(std::ostream& stream) const override;

@@ -1,0 +1,82 @@
+#pragma once
+
+// Timelines of the pipeline as it really ran: every cell's lane,
+// micro-batch, kind, start and end, written as Chrome trace JSON (Perfetto,
+// chrome://tracing) or as a self-contained SVG picture.
+//
+// ```
+// auto trace = std::make_shared<gpipe::Trace>();
+// model->set_trace(trace);          // record from now on
+// model->train_step(x, y, loss_fn);
+// model->set_trace(nullptr);        // stop recording
+// trace->write_chrome_json("steps.json");
+// trace->write_svg("steps.svg");
+// ```
+//
+// With no trace set, the engine pays one pointer test per cell.
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace gpipe {
+
+/// What a traced interval was.
+enum class TraceKind {
+  Forward,    // a cell's forward (checkpointed or not)
+  Backward,   // a cell's backward (after its recomputation, if any)
+  Recompute,  // the recomputation of a checkpointed cell in backward
+  Copy,       // moving a cell's inputs to its device
+};
+
+/// "forward", "backward", "recompute", "copy".
+std::string to_string(TraceKind kind);
+
+/// One interval on one lane. Times are microseconds since the trace began.
+struct TraceEvent {
+  int64_t lane = 0;
+  int64_t micro_batch = 0;
+  TraceKind kind = TraceKind::Forward;
+  double start_us = 0;
+  double end_us = 0;
+};
+
+/// A thread-safe recording of pipeline events.
+class Trace {
+ public:
+  Trace();
+
+  /// Adds an event (called by the engine's lanes).
+  void record(
+      int64_t lane,
+      int64_t micro_batch,
+      TraceKind kind,
+      std::chrono::steady_clock::time_point start,
+      std::chrono::steady_clock::time_point end);
+
+  /// The events so far, by start time.
+  std::vector<TraceEvent> events() const;
+  /// Forgets every event and restarts the clock.
+  void clear();
+
+  /// Chrome trace JSON: one complete ("X") event per interval, one thread
+  /// per lane.
+  std::string chrome_json() const;
+  /// An SVG timeline: one row per lane, one box per interval coloured by
+  /// kind and labelled with its micro-batch; idle time (the bubble) stays
+  /// white.
+  std::string svg() const;
+  /// Write those to `path`; throw `c10::Error` if the file cannot be
+  /// written.
+  void write_chrome_json(const std::string& path) const;
+  void write_svg(const std::string& path) const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::chrono::steady_clock::time_point origin_;
+  std::vector<TraceEvent> events_;  // guarded by mutex_
+};
+
+}  // namespace gpipe

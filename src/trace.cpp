@@ -1,0 +1,204 @@
+#include <c10/util/Exception.h>
+#include <gpipe/trace.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace gpipe {
+
+namespace {
+
+const char* colour_of(TraceKind kind) {
+  switch (kind) {
+    case TraceKind::Forward:
+      return "#4e79a7";
+    case TraceKind::Backward:
+      return "#59a14f";
+    case TraceKind::Recompute:
+      return "#f28e2b";
+    case TraceKind::Copy:
+      return "#9c9c9c";
+  }
+  return "#000000";
+}
+
+std::string fixed(double value, int digits = 3) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
+  return buffer;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  TORCH_CHECK(out.good(), "cannot open '", path, "' for writing");
+  out << text;
+  out.close();
+  TORCH_CHECK(out.good(), "cannot write '", path, "'");
+}
+
+}  // namespace
+
+std::string to_string(TraceKind kind) {
+  switch (kind) {
+    case TraceKind::Forward:
+      return "forward";
+    case TraceKind::Backward:
+      return "backward";
+    case TraceKind::Recompute:
+      return "recompute";
+    case TraceKind::Copy:
+      return "copy";
+  }
+  return "unknown";
+}
+
+Trace::Trace() : origin_(std::chrono::steady_clock::now()) {}
+
+void Trace::record(
+    int64_t lane,
+    int64_t micro_batch,
+    TraceKind kind,
+    std::chrono::steady_clock::time_point start,
+    std::chrono::steady_clock::time_point end) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  using us = std::chrono::duration<double, std::micro>;
+  events_.push_back(TraceEvent{
+      lane,
+      micro_batch,
+      kind,
+      us(start - origin_).count(),
+      us(end - origin_).count()});
+}
+
+std::vector<TraceEvent> Trace::events() const {
+  std::vector<TraceEvent> events;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    events = events_;
+  }
+  std::stable_sort(
+      events.begin(), events.end(), [](const auto& a, const auto& b) {
+        return a.start_us < b.start_us;
+      });
+  return events;
+}
+
+void Trace::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  events_.clear();
+  origin_ = std::chrono::steady_clock::now();
+}
+
+std::string Trace::chrome_json() const {
+  const auto events = this->events();
+  int64_t lanes = 0;
+  for (const auto& e : events) {
+    lanes = std::max(lanes, e.lane + 1);
+  }
+  std::ostringstream out;
+  out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
+  bool first = true;
+  auto comma = [&] {
+    out << (first ? "\n" : ",\n");
+    first = false;
+  };
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    comma();
+    out << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << lane
+        << ",\"args\":{\"name\":\"lane " << lane << "\"}}";
+  }
+  for (const auto& e : events) {
+    comma();
+    const char kind_letter = to_string(e.kind)[0] - ('a' - 'A');
+    out << "{\"name\":\"" << kind_letter << e.micro_batch << "\",\"cat\":\""
+        << to_string(e.kind) << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.lane
+        << ",\"ts\":" << fixed(e.start_us)
+        << ",\"dur\":" << fixed(e.end_us - e.start_us)
+        << ",\"args\":{\"micro_batch\":" << e.micro_batch << "}}";
+  }
+  out << "\n]}\n";
+  return out.str();
+}
+
+std::string Trace::svg() const {
+  const auto events = this->events();
+  int64_t lanes = 0;
+  double begin = events.empty() ? 0 : events.front().start_us;
+  double end = begin;
+  for (const auto& e : events) {
+    lanes = std::max(lanes, e.lane + 1);
+    end = std::max(end, e.end_us);
+  }
+  const double span = std::max(end - begin, 1.0);
+  const double left = 70, top = 30, row = 28, width = 1000;
+  const double height = top + row * static_cast<double>(lanes) + 50;
+  auto x_of = [&](double t) { return left + (t - begin) / span * width; };
+
+  std::ostringstream out;
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
+      << fixed(left + width + 20, 0) << "\" height=\"" << fixed(height, 0)
+      << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
+  out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  out << "<text x=\"" << left << "\" y=\"18\" font-size=\"13\">gpipe "
+      << "timeline: " << events.size() << " intervals on " << lanes
+      << " lanes, " << fixed(span / 1000.0, 2) << " ms</text>\n";
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    const double y = top + row * static_cast<double>(lane);
+    out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">lane "
+        << lane << "</text>\n";
+    out << "<rect x=\"" << left << "\" y=\"" << fixed(y + 2, 1) << "\" width=\""
+        << width << "\" height=\"" << row - 4
+        << "\" fill=\"none\" stroke=\"#dddddd\"/>\n";
+  }
+  for (const auto& e : events) {
+    const double x0 = x_of(e.start_us);
+    const double w = std::max(x_of(e.end_us) - x0, 0.5);
+    const double y = top + row * static_cast<double>(e.lane);
+    out << "<rect x=\"" << fixed(x0, 2) << "\" y=\"" << fixed(y + 3, 1)
+        << "\" width=\"" << fixed(w, 2) << "\" height=\"" << row - 6
+        << "\" fill=\"" << colour_of(e.kind) << "\"><title>"
+        << to_string(e.kind) << " micro-batch " << e.micro_batch << ", "
+        << fixed(e.start_us / 1000.0) << "-" << fixed(e.end_us / 1000.0)
+        << " ms</title></rect>\n";
+    if (w > 14) {
+      out << "<text x=\"" << fixed(x0 + w / 2, 2) << "\" y=\""
+          << fixed(y + row * 0.65, 1)
+          << "\" fill=\"white\" text-anchor=\"middle\">" << e.micro_batch
+          << "</text>\n";
+    }
+  }
+  // Time axis and legend.
+  const double axis = top + row * static_cast<double>(lanes) + 14;
+  for (int k = 0; k <= 4; ++k) {
+    const double t = span * k / 4;
+    out << "<text x=\"" << fixed(left + width * k / 4, 1) << "\" y=\""
+        << fixed(axis, 1) << "\" text-anchor=\"middle\">"
+        << fixed(t / 1000.0, 2) << " ms</text>\n";
+  }
+  double lx = left;
+  for (auto kind :
+       {TraceKind::Forward,
+        TraceKind::Backward,
+        TraceKind::Recompute,
+        TraceKind::Copy}) {
+    out << "<rect x=\"" << fixed(lx, 1) << "\" y=\"" << fixed(axis + 10, 1)
+        << "\" width=\"12\" height=\"12\" fill=\"" << colour_of(kind)
+        << "\"/><text x=\"" << fixed(lx + 16, 1) << "\" y=\""
+        << fixed(axis + 20, 1) << "\">" << to_string(kind) << "</text>\n";
+    lx += 100;
+  }
+  out << "</svg>\n";
+  return out.str();
+}
+
+void Trace::write_chrome_json(const std::string& path) const {
+  write_file(path, chrome_json());
+}
+
+void Trace::write_svg(const std::string& path) const {
+  write_file(path, svg());
+}
+
+}  // namespace gpipe

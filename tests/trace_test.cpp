@@ -1,0 +1,133 @@
+// gpipe::Trace: what the engine records, and the JSON and SVG it writes.
+
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common.h"
+
+namespace gpipe {
+namespace {
+
+using testing::SeededTest;
+
+class TraceTest : public SeededTest {};
+
+torch::nn::Sequential linears() {
+  return torch::nn::Sequential(
+      torch::nn::Linear(8, 8),
+      torch::nn::Tanh(),
+      torch::nn::Linear(8, 8),
+      torch::nn::Tanh());
+}
+
+int64_t count(const std::vector<TraceEvent>& events, TraceKind kind) {
+  return std::count_if(events.begin(), events.end(), [kind](const auto& e) {
+    return e.kind == kind;
+  });
+}
+
+TEST_F(TraceTest, RecordsEveryCellOfATrainingStep) {
+  GPipe model(
+      linears(),
+      GPipeOptions({2, 2}).chunks(4).checkpoint(Checkpoint::ExceptLast));
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  EXPECT_EQ(model->trace(), trace);
+  auto x = torch::randn({8, 8});
+  model->forward(x).sum().backward();
+  model->set_trace(nullptr);
+  model->forward(x).sum().backward();  // not recorded
+
+  const auto events = trace->events();
+  EXPECT_EQ(count(events, TraceKind::Forward), 8);
+  EXPECT_EQ(count(events, TraceKind::Backward), 8);
+  EXPECT_EQ(count(events, TraceKind::Recompute), 6);  // 3 per partition
+  EXPECT_EQ(count(events, TraceKind::Copy), 0);       // all on the CPU
+  for (const auto& e : events) {
+    EXPECT_GE(e.end_us, e.start_us);
+    EXPECT_TRUE(e.lane == 0 || e.lane == 1);
+    EXPECT_TRUE(e.micro_batch >= 0 && e.micro_batch < 4);
+  }
+  // A lane runs one cell at a time, and a micro-batch's forward on lane 1
+  // starts after it ended on lane 0.
+  for (int64_t lane : {0, 1}) {
+    double last_end = -1;
+    for (const auto& e : events) {
+      if (e.lane == lane) {
+        EXPECT_GE(e.start_us, last_end);
+        last_end = e.end_us;
+      }
+    }
+  }
+  for (int64_t i = 0; i < 4; ++i) {
+    double end0 = -1, start1 = -1;
+    for (const auto& e : events) {
+      if (e.kind == TraceKind::Forward && e.micro_batch == i) {
+        (e.lane == 0 ? end0 : start1) = e.lane == 0 ? e.end_us : e.start_us;
+      }
+    }
+    EXPECT_GE(start1, end0) << "micro-batch " << i;
+  }
+}
+
+TEST_F(TraceTest, ChromeJsonHasOneCompleteEventPerInterval) {
+  GPipe model(linears(), GPipeOptions({1, 3}).chunks(2));
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  model->train_step(
+      torch::randn({4, 8}),
+      torch::randn({4, 8}),
+      [](torch::Tensor y, torch::Tensor t) { return torch::mse_loss(y, t); },
+      Schedule::OneFOneB);
+  const auto events = trace->events();
+  auto json = nlohmann::json::parse(trace->chrome_json());
+  int64_t complete = 0;
+  int64_t names = 0;
+  for (const auto& e : json["traceEvents"]) {
+    if (e["ph"] == "X") {
+      ++complete;
+      EXPECT_GE(e["dur"].get<double>(), 0.0);
+      EXPECT_TRUE(e["args"].contains("micro_batch"));
+    } else if (e["ph"] == "M") {
+      ++names;
+    }
+  }
+  EXPECT_EQ(complete, static_cast<int64_t>(events.size()));
+  EXPECT_EQ(names, 2);  // one per lane
+}
+
+TEST_F(TraceTest, SvgDrawsEveryIntervalAndWritesFiles) {
+  GPipe model(linears(), GPipeOptions({2, 2}).chunks(3));
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  model->forward(torch::randn({6, 8})).sum().backward();
+  const auto svg = trace->svg();
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  size_t titles = 0;
+  for (size_t at = svg.find("<title>"); at != std::string::npos;
+       at = svg.find("<title>", at + 1)) {
+    ++titles;
+  }
+  EXPECT_EQ(titles, trace->events().size());
+
+  const std::string path = ::testing::TempDir() + "gpipe_trace_test.svg";
+  trace->write_svg(path);
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(text.str(), svg);
+  std::remove(path.c_str());
+  EXPECT_THROW(trace->write_chrome_json("/nonexistent/dir/x.json"), c10::Error);
+
+  trace->clear();
+  EXPECT_TRUE(trace->events().empty());
+}
+
+}  // namespace
+}  // namespace gpipe
