@@ -129,15 +129,21 @@ void DeferredBatchNormImpl::commit() {
     return;
   }
   torch::NoGradGuard no_grad;
-  num_batches_tracked.add_(1);
+  num_batches_tracked.variable_data().add_(1);
   const double factor =
       options.momentum()
           ? *options.momentum()
           : 1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
   // The unbiased variance, as BatchNorm's running_var.
   auto var = m2_ / static_cast<double>(std::max<int64_t>(count_ - 1, 1));
-  running_mean.mul_(1.0 - factor).add_(mean_.to(running_mean.dtype()), factor);
-  running_var.mul_(1.0 - factor).add_(var.to(running_var.dtype()), factor);
+  // variable_data(): as BatchNorm's own update, this must not bump the
+  // version counter of buffers that a pending backward may have saved.
+  running_mean.variable_data()
+      .mul_(1.0 - factor)
+      .add_(mean_.to(running_mean.dtype()), factor);
+  running_var.variable_data()
+      .mul_(1.0 - factor)
+      .add_(var.to(running_var.dtype()), factor);
   discard();
 }
 

@@ -469,9 +469,13 @@ class Run {
     roots.clear();
     y = Packet{};
     if (!buffers.empty()) {
+      // Through variable_data(), which has its own version counter: a
+      // version bump would fail the backward of a cell that saved these
+      // buffers and has not run its backward yet (BatchNorm saves its
+      // running statistics; 1F1B interleaves such cells with this one).
       torch::NoGradGuard no_grad;
       for (const auto k : c10::irange(buffers.size())) {
-        buffers[k].copy_(saved[k]);
+        buffers[k].variable_data().copy_(saved[k]);
       }
     }
 

@@ -126,6 +126,50 @@ TEST_F(TrainStepTest, SgdStepsEqualThePlainModel) {
   }
 }
 
+// BatchNorm saves its running statistics for backward; 1F1B runs the
+// recomputation of one micro-batch (which puts the statistics back) between
+// the forward and backward of another. Regression test: that put-back must
+// not look like an in-place change to the pending backward.
+TEST_F(TrainStepTest, BatchNormUnderOneFOneBWithCheckpointing) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(5, 6),
+      torch::nn::BatchNorm1d(6),
+      torch::nn::Tanh(),
+      torch::nn::Linear(6, 6),
+      torch::nn::BatchNorm1d(6),
+      torch::nn::Linear(6, 4));
+  net->to(torch::kFloat64);
+  auto copy = testing::copy_of(net);
+  GPipe model(
+      copy, GPipeOptions({3, 3}).chunks(4).checkpoint(Checkpoint::ExceptLast));
+  auto x = torch::randn({8, 5}, torch::kFloat64);
+  auto target = torch::randint(0, 4, {8}, torch::kLong);
+  auto loss_fn = [](torch::Tensor y, torch::Tensor t) {
+    return torch::nn::functional::cross_entropy(y, t);
+  };
+  // BatchNorm normalises each micro-batch on its own: the reference is the
+  // plain model run micro-batch by micro-batch.
+  auto xs = x.chunk(4);
+  auto ts = target.chunk(4);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    (loss_fn(net->forward(xs[i]), ts[i]) * 0.25).backward();
+  }
+  ASSERT_NO_THROW(model->train_step(x, target, loss_fn, Schedule::OneFOneB));
+  auto g1 = testing::grads_of(*net);
+  auto g2 = testing::grads_of(*copy);
+  for (size_t k = 0; k < g1.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13)) << k;
+  }
+  // Running statistics updated once per micro-batch, as the reference.
+  auto b1 = net->buffers();
+  auto b2 = copy->buffers();
+  for (size_t k = 0; k < b1.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(
+        b2[k].to(torch::kFloat64), b1[k].to(torch::kFloat64), 1e-10, 1e-13))
+        << k;
+  }
+}
+
 TEST_F(TrainStepTest, BadArguments) {
   auto net = model_of(false);
   GPipe model(net, GPipeOptions({4, 4}).chunks(2));

@@ -140,6 +140,10 @@ int main(int argc, char** argv) {
   int64_t log_every = 100;
   uint64_t seed = 0;
   bool json = false;
+  std::string schedule = "autograd";
+  std::string trace_path;
+  std::string timeline_path;
+  int64_t trace_steps = 3;
   app.add_option("--data-dir", data_dir, "Folder with the gzipped IDX files");
   app.add_option("--partitions", partitions, "Number of pipeline partitions");
   app.add_option(
@@ -160,6 +164,20 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", log_every, "Print progress every N steps");
   app.add_option("--seed", seed, "Random seed");
   app.add_flag("--json", json, "Print one final JSON summary line");
+  app.add_option(
+         "--schedule",
+         schedule,
+         "autograd: forward, then loss.backward(); fill_drain | 1f1b: "
+         "train_step with the loss inside the pipeline")
+      ->check(CLI::IsMember({"autograd", "fill_drain", "1f1b"}));
+  app.add_option(
+      "--trace", trace_path, "Write a Chrome trace JSON of a few steps here");
+  app.add_option(
+      "--timeline", timeline_path, "Write an SVG timeline of a few steps here");
+  app.add_option(
+      "--trace-steps",
+      trace_steps,
+      "Steps to record for --trace/--timeline (from the second step)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -190,6 +208,15 @@ int main(int argc, char** argv) {
               << " train=" << train_x.size(0) << " test=" << test_x.size(0)
               << std::endl;
 
+    // Record steps 2 .. trace_steps + 1 (the first one warms up).
+    std::shared_ptr<gpipe::Trace> trace;
+    if (!trace_path.empty() || !timeline_path.empty()) {
+      trace = std::make_shared<gpipe::Trace>();
+    }
+    auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+      return torch::nn::functional::cross_entropy(out, target);
+    };
+
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
     const int64_t n = train_x.size(0);
@@ -205,11 +232,39 @@ int main(int argc, char** argv) {
         auto idx = order.narrow(0, begin, std::min(batch_size, n - begin));
         auto x = train_x.index_select(0, idx);
         auto y = train_y.index_select(0, idx).to(out_device);
+        if (trace && step == 1) {
+          trace->clear();
+          model->set_trace(trace);
+        }
         optimizer.zero_grad();
-        auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
-        loss.backward();
+        torch::Tensor loss;
+        if (schedule == "autograd") {
+          loss = loss_fn(model->forward(x), y);
+          loss.backward();
+        } else {
+          loss = model->train_step(
+              x, y, loss_fn, gpipe::schedule_from_string(schedule));
+        }
         optimizer.step();
         ++step;
+        if (trace && step == 1 + trace_steps) {
+          model->set_trace(nullptr);
+          if (!trace_path.empty()) {
+            trace->write_chrome_json(trace_path);
+          }
+          if (!timeline_path.empty()) {
+            trace->write_svg(timeline_path);
+          }
+          std::printf(
+              "wrote %zu traced intervals of steps 2-%lld%s%s%s%s\n",
+              trace->events().size(),
+              static_cast<long long>(step),
+              trace_path.empty() ? "" : " to ",
+              trace_path.c_str(),
+              timeline_path.empty() ? "" : " and ",
+              timeline_path.c_str());
+          trace.reset();
+        }
         window_samples += idx.size(0);
         last_loss = loss.item<double>();
         if (step % log_every == 0) {
@@ -257,6 +312,7 @@ int main(int argc, char** argv) {
               {"balance", balance},
               {"chunks", chunks},
               {"checkpoint", checkpoint},
+              {"schedule", schedule},
               {"threads_per_lane", model->threads_per_lane()},
               {"epochs", epochs},
               {"batch_size", batch_size},
