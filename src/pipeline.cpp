@@ -38,6 +38,47 @@ struct Aborted {};
 // run on the node's thread, in schedule order, as reentrant backward calls;
 // the GPU still overlaps partitions because kernel launches are asynchronous.
 
+// Puts a partition's buffers back to the values they had when saved, on
+// restore() or on destruction (a failing backward).
+class BufferRestore {
+ public:
+  BufferRestore() = default;
+  BufferRestore(const BufferRestore&) = delete;
+  BufferRestore& operator=(const BufferRestore&) = delete;
+  ~BufferRestore() {
+    try {
+      restore();
+    } catch (...) {
+      // Already failing; the first error is the one reported.
+    }
+  }
+
+  void save(std::vector<torch::Tensor> buffers) {
+    buffers_ = std::move(buffers);
+    saved_.clear();
+    for (const auto& b : buffers_) {
+      saved_.push_back(b.clone());
+    }
+  }
+
+  void restore() {
+    // Through variable_data(), which has its own version counter: a version
+    // bump would fail the backward of a cell that saved these buffers and
+    // has not run its backward yet (BatchNorm saves its running statistics;
+    // 1F1B interleaves such cells with this one).
+    torch::NoGradGuard no_grad;
+    for (const auto k : c10::irange(buffers_.size())) {
+      buffers_[k].variable_data().copy_(saved_[k]);
+    }
+    buffers_.clear();
+    saved_.clear();
+  }
+
+ private:
+  std::vector<torch::Tensor> buffers_;
+  std::vector<torch::Tensor> saved_;
+};
+
 }  // namespace
 
 // The per-pass state shared by the caller and the lanes.
@@ -391,17 +432,12 @@ class Run {
     std::map<SkipKey, torch::Tensor> skip_outputs;
     // Recomputation must not update running statistics a second time; the
     // buffers are put back once the cell's backward, which may read them,
-    // is done.
-    std::vector<torch::Tensor> buffers;
-    std::vector<torch::Tensor> saved;
+    // is done, also when it fails.
+    BufferRestore buffers;
     if (c.checkpointed) {
       torch::AutoGradMode grad_mode(true);
       RecomputingGuard recomputing;
-      buffers = stage.module->buffers();
-      saved.reserve(buffers.size());
-      for (const auto& b : buffers) {
-        saved.push_back(b.clone());
-      }
+      buffers.save(stage.module->buffers());
       std::map<SkipKey, torch::Tensor> incoming;
       for (const auto k : c10::irange(stage.skips_in.size())) {
         incoming.emplace(stage.skips_in[k], c.skip_inputs[k]);
@@ -468,16 +504,7 @@ class Run {
     }
     roots.clear();
     y = Packet{};
-    if (!buffers.empty()) {
-      // Through variable_data(), which has its own version counter: a
-      // version bump would fail the backward of a cell that saved these
-      // buffers and has not run its backward yet (BatchNorm saves its
-      // running statistics; 1F1B interleaves such cells with this one).
-      torch::NoGradGuard no_grad;
-      for (const auto k : c10::irange(buffers.size())) {
-        buffers[k].variable_data().copy_(saved[k]);
-      }
-    }
+    buffers.restore();
 
     for (const auto k : c10::irange(stage.skips_in.size())) {
       const auto& leaf = c.skip_inputs[k];

@@ -253,6 +253,31 @@ TEST_F(GPipeTest, ExceptionInBackwardReachesTheCaller) {
   EXPECT_EQ(z.size(0), 4);
 }
 
+TEST_F(GPipeTest, FailedBackwardLeavesRunningStatsAsForwardLeftThem) {
+  // The recomputation updates BatchNorm's running statistics again; they
+  // must be put back even when the cell's backward then fails.
+  auto fail = lambda([](torch::Tensor x) {
+    auto y = x * 1.0;
+    if (y.requires_grad()) {  // only in the recomputation
+      y.register_hook([](torch::Tensor g) -> torch::Tensor {
+        TORCH_CHECK_VALUE(false, "backward failed");
+      });
+    }
+    return y;
+  });
+  torch::nn::BatchNorm1d bn(2);
+  torch::nn::Sequential net(
+      torch::nn::Linear(2, 2), bn, fail, torch::nn::Linear(2, 2));
+  GPipe model(
+      net, GPipeOptions({3, 1}).chunks(2).checkpoint(Checkpoint::Always));
+  auto y = model->forward(torch::randn({4, 2}));
+  const auto mean = bn->running_mean.clone();
+  const auto var = bn->running_var.clone();
+  EXPECT_THROW(y.sum().backward(), c10::ValueError);
+  EXPECT_TRUE(torch::equal(bn->running_mean, mean));
+  EXPECT_TRUE(torch::equal(bn->running_var, var));
+}
+
 TEST_F(GPipeTest, TupleBatchesFlowThroughPartitions) {
   struct PairImpl : torch::nn::Module {
     std::vector<torch::Tensor> forward(std::vector<torch::Tensor> xs) {
