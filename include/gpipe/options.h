@@ -58,7 +58,9 @@ struct GPipeOptions {
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::ExceptLast;
 
   /// Track BatchNorm running statistics over the whole mini-batch rather than
-  /// per micro-batch. Default: false.
+  /// per micro-batch: every BatchNorm{1,2,3}d child that tracks them is
+  /// replaced by a `gpipe::DeferredBatchNorm` sharing its parameters and
+  /// buffers (see gpipe/batchnorm.h). Default: false.
   TORCH_ARG(bool, deferred_batch_norm) = false;
 
   /// Intra-op threads of each CPU lane; 0 picks max(1, cores / CPU lanes).
