@@ -25,6 +25,38 @@ bool is_differentiable(const torch::Tensor& t) {
   return t.defined() && (t.is_floating_point() || t.is_complex());
 }
 
+// `t` detached and on `device`: a leaf of the graph of the cell that takes it.
+torch::Tensor leaf_on(const torch::Tensor& t, torch::Device device) {
+  if (!t.defined()) {
+    return t;
+  }
+  return t.device() == device ? t.detach() : t.to(device).detach();
+}
+
+// The gradient of input k joined from every micro-batch's input gradients
+// (`sizes` rows each), on `options`' device; a micro-batch whose gradient did
+// not reach the input contributes zeros. Undefined when none did.
+torch::Tensor join_input_grad(
+    const std::vector<Packet>& dx,
+    size_t k,
+    const std::vector<int64_t>& sizes,
+    std::vector<int64_t> shape,
+    const torch::TensorOptions& options) {
+  std::vector<torch::Tensor> pieces;
+  bool any = false;
+  for (const auto i : c10::irange(dx.size())) {
+    const auto& g = dx[i].tensors.at(k);
+    if (g.defined()) {
+      any = true;
+      pieces.push_back(g.to(options.device()));
+    } else {
+      shape[0] = sizes[i];
+      pieces.push_back(torch::zeros(shape, options));
+    }
+  }
+  return any ? torch::cat(pieces, 0) : torch::Tensor();
+}
+
 // Thrown by a cell that finds the pass already failed; never reaches a user.
 struct Aborted {};
 
@@ -301,9 +333,7 @@ class Run {
     for (const auto& key : stage.skips_in) {
       auto t = take_skip(Phase::Forward, i, key);
       copied = copied || (t.defined() && t.device() != stage.device);
-      auto leaf = !t.defined()                 ? t
-                  : t.device() == stage.device ? t.detach()
-                                               : t.to(stage.device).detach();
+      auto leaf = leaf_on(t, stage.device);
       if (needs_grad && is_differentiable(leaf)) {
         leaf.requires_grad_(true);
       }
@@ -315,9 +345,7 @@ class Run {
     x.tensors.reserve(in.tensors.size());
     for (auto& t : in.tensors) {
       copied = copied || (t.defined() && t.device() != stage.device);
-      auto leaf = !t.defined()                 ? t
-                  : t.device() == stage.device ? t.detach()
-                                               : t.to(stage.device).detach();
+      auto leaf = leaf_on(t, stage.device);
       // A boundary input is a leaf of the cell's own graph: it requires grad
       // when the tensor it stands for does (the user's input on partition
       // 0, every differentiable activation after it).
@@ -654,29 +682,11 @@ class PipelineBackward : public torch::autograd::Node {
     torch::autograd::variable_list dxs;
     for (const auto k : c10::irange(inputs_.size())) {
       const auto& input = inputs_[k];
-      if (!input.requires_grad) {
-        dxs.emplace_back();
-        continue;
-      }
-      std::vector<torch::Tensor> pieces;
-      bool any = false;
-      for (const auto i : c10::irange(m)) {
-        auto& g = dx[i].tensors.at(k);
-        any = any || g.defined();
-        if (!g.defined()) {
-          // This micro-batch did not reach the input: its gradient is zero.
-          auto shape = input.shape;
-          shape[0] = micro_batch_sizes_[i];
-          g = torch::zeros(
-              shape, input.options.device(pipeline_->stage(0).device));
-        }
-        pieces.push_back(g);
-      }
-      if (!any) {
-        dxs.emplace_back();
-        continue;
-      }
-      dxs.push_back(torch::cat(pieces, 0).to(input.options.device()));
+      dxs.push_back(
+          input.requires_grad
+              ? join_input_grad(
+                    dx, k, micro_batch_sizes_, input.shape, input.options)
+              : torch::Tensor());
     }
     return dxs;
   }
@@ -939,17 +949,9 @@ torch::Tensor Pipeline::train(
     if (!x.requires_grad()) {
       continue;
     }
-    std::vector<torch::Tensor> pieces;
-    bool any = false;
-    for (const auto i : c10::irange(m)) {
-      auto g = dx[i].tensors.at(k);
-      any = any || g.defined();
-      pieces.push_back(
-          g.defined() ? g.to(x.device())
-                      : torch::zeros_like(x.narrow(0, 0, sizes[i])));
-    }
-    if (any) {
-      torch::autograd::backward({x}, {torch::cat(pieces, 0)});
+    auto g = join_input_grad(dx, k, sizes, x.sizes().vec(), x.options());
+    if (g.defined()) {
+      torch::autograd::backward({x}, {g});
     }
   }
   return torch::stack(run->losses).sum();
