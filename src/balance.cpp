@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "packet.h"
 #include "skip.h"
 
 namespace gpipe {
@@ -248,18 +249,14 @@ bool has_empty_block(const std::vector<int64_t>& splits) {
 // ---------------------------------------------------------------------------
 // Running layers one by one.
 
-// What flows between layers: one tensor, or a tuple of them.
-struct Activation {
-  std::vector<torch::Tensor> tensors;
-  bool atomic = true;
-};
+using detail::Packet;
 
 torch::Tensor detach_keeping_requires_grad(const torch::Tensor& t) {
   return t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t;
 }
 
-Activation detached(const Activation& a) {
-  Activation out{{}, a.atomic};
+Packet detached(const Packet& a) {
+  Packet out{{}, a.atomic};
   out.tensors.reserve(a.tensors.size());
   for (const auto& t : a.tensors) {
     out.tensors.push_back(detach_keeping_requires_grad(t));
@@ -267,24 +264,13 @@ Activation detached(const Activation& a) {
   return out;
 }
 
-Activation call_layer(
-    torch::nn::AnyModule& layer, const Activation& input, size_t index) {
-  torch::nn::AnyValue value = input.atomic
-                                  ? layer.any_forward(input.tensors.at(0))
-                                  : layer.any_forward(input.tensors);
-  if (auto* t = value.try_get<torch::Tensor>()) {
-    return Activation{{*t}, true};
-  }
-  if (auto* ts = value.try_get<std::vector<torch::Tensor>>()) {
-    return Activation{*ts, false};
-  }
-  TORCH_CHECK_TYPE(
-      false,
-      "expected layer ",
-      index,
-      " to return torch::Tensor or std::vector<torch::Tensor>, but it "
-      "returned ",
-      c10::demangle(value.type_info().name()));
+Packet call_layer(
+    torch::nn::AnyModule& layer, const Packet& input, size_t index) {
+  return detail::packet_of(
+      input.atomic ? layer.any_forward(input.tensors.at(0))
+                   : layer.any_forward(input.tensors),
+      "layer",
+      static_cast<int64_t>(index));
 }
 
 // Skips while profiling: each stash is kept detached (requiring grad as the
@@ -601,8 +587,8 @@ void check_partitions(int64_t partitions, const torch::nn::Sequential& module) {
       partitions);
 }
 
-// `sample` as an Activation; every tensor defined and non-empty.
-Activation sample_of(const std::vector<torch::Tensor>& sample, bool atomic) {
+// `sample` as an Packet; every tensor defined and non-empty.
+Packet sample_of(const std::vector<torch::Tensor>& sample, bool atomic) {
   TORCH_CHECK_VALUE(
       !sample.empty(),
       "sample must hold at least one tensor, but got an empty list");
@@ -619,13 +605,13 @@ Activation sample_of(const std::vector<torch::Tensor>& sample, bool atomic) {
         " has shape ",
         shape_of(sample[k]));
   }
-  return Activation{sample, atomic};
+  return Packet{sample, atomic};
 }
 
 // Tensors on `device`, fit for autograd: an inference tensor (made under
 // c10::InferenceMode) cannot be saved for backward, so it is copied.
-Activation prepared(const Activation& a, const torch::Device& device) {
-  Activation out{{}, a.atomic};
+Packet prepared(const Packet& a, const torch::Device& device) {
+  Packet out{{}, a.atomic};
   for (const auto& t : a.tensors) {
     auto moved = t.to(device);
     if (moved.is_inference()) {
@@ -637,7 +623,7 @@ Activation prepared(const Activation& a, const torch::Device& device) {
 }
 
 std::vector<torch::Tensor> backward_roots(
-    const Activation& output, std::vector<torch::Tensor> roots) {
+    const Packet& output, std::vector<torch::Tensor> roots) {
   for (const auto& y : output.tensors) {
     if (y.defined() && y.requires_grad()) {
       roots.push_back(y);
@@ -650,7 +636,7 @@ using Clock = std::chrono::steady_clock;
 
 std::vector<double> profile_times_impl(
     const torch::nn::Sequential& module,
-    const Activation& sample,
+    const Packet& sample,
     double timeout,
     torch::Device device) {
   check_module(module);
@@ -671,7 +657,7 @@ std::vector<double> profile_times_impl(
   }
   CpuRngStateGuard rng;
 
-  const Activation start = prepared(sample, device);
+  const Packet start = prepared(sample, device);
   Sandbox sandbox(module, device);
   const auto n = sandbox.size();
   std::vector<double> first(n, 0.0);
@@ -682,14 +668,14 @@ std::vector<double> profile_times_impl(
     auto& times = passes == 0 ? first : rest;
     ProfileSkipTracker tracker;
     detail::SkipTrackerGuard tracker_guard(&tracker);
-    Activation x = start;
+    Packet x = start;
     for (const auto k : c10::irange(n)) {
       ProfiledLayer layer(sandbox, k);
       x = detached(x);
       tracker.begin_layer(static_cast<int64_t>(k));
       synchronize(device);
       const auto tick = Clock::now();
-      Activation y;
+      Packet y;
       try {
         y = call_layer(layer.module(), x, k);
         auto roots = backward_roots(y, tracker.end_layer());
@@ -925,7 +911,7 @@ int64_t parameter_bytes(const torch::nn::Module& layer) {
 
 std::vector<double> profile_sizes_impl(
     const torch::nn::Sequential& module,
-    const Activation& input,
+    const Packet& input,
     int64_t chunks,
     double param_scale,
     const torch::Device& device) {
@@ -978,11 +964,11 @@ std::vector<double> profile_sizes_impl(
   torch::AutoGradMode grad_mode(/*enabled=*/true);
   CpuRngStateGuard rng;
 
-  Activation micro{{}, input.atomic};
+  Packet micro{{}, input.atomic};
   for (const auto& t : input.tensors) {
     micro.tensors.push_back(t.narrow(0, 0, rows));
   }
-  Activation x = prepared(micro, device);
+  Packet x = prepared(micro, device);
   Sandbox sandbox(module, device);
   std::vector<double> sizes;
   ProfileSkipTracker tracker;
@@ -996,7 +982,7 @@ std::vector<double> profile_sizes_impl(
     int64_t latent = 0;
     try {
       CountingWindow window;
-      Activation y = call_layer(layer.module(), x, k);
+      Packet y = call_layer(layer.module(), x, k);
       latent = window.bytes();
       x = std::move(y);
     } catch (c10::Error& e) {

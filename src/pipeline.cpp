@@ -728,19 +728,7 @@ Packet call_partition(Stage& stage, const Packet& input, int64_t partition) {
   for (++it; it != module->end(); ++it) {
     value = call(std::move(value));
   }
-  if (auto* t = value.try_get<torch::Tensor>()) {
-    return Packet{{*t}, true};
-  }
-  if (auto* ts = value.try_get<std::vector<torch::Tensor>>()) {
-    return Packet{*ts, false};
-  }
-  TORCH_CHECK_TYPE(
-      false,
-      "expected partition ",
-      partition,
-      " to return torch::Tensor or std::vector<torch::Tensor>, but its last "
-      "layer returned ",
-      c10::demangle(value.type_info().name()));
+  return packet_of(std::move(value), "partition", partition);
 }
 
 Pipeline::Pipeline(

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <vector>
 
+#include "packet.h"
 #include "random.h"
 #include "skip.h"
 #include "worker.h"
@@ -23,13 +24,6 @@ class Trace;
 }  // namespace gpipe
 
 namespace gpipe::detail {
-
-/// A micro-batch at a partition boundary: its tensors, and whether they came
-/// as one tensor (`atomic`) or as a std::vector<torch::Tensor>.
-struct Packet {
-  Batch tensors;
-  bool atomic = true;
-};
 
 /// One partition as the engine sees it.
 struct Stage {
