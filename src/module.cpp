@@ -10,7 +10,8 @@
 #include <algorithm>
 #include <thread>
 
-#include "pipeline.h"
+#include "device.h"
+#include "engine/pipeline.h"
 
 namespace gpipe {
 
@@ -45,31 +46,6 @@ Checkpoint checkpoint_from_string(const std::string& name) {
 
 namespace {
 
-std::vector<torch::Device> default_devices(int64_t partitions) {
-  const auto cuda = static_cast<int64_t>(torch::cuda::device_count());
-  std::vector<torch::Device> devices;
-  if (cuda > 0) {
-    for (const auto d : c10::irange(cuda)) {
-      devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(d));
-    }
-  } else {
-    devices.assign(partitions, torch::Device(torch::kCPU));
-  }
-  return devices;
-}
-
-// "cuda" means the current CUDA device; a guard below needs the index.
-torch::Device normalize(torch::Device device) {
-  if (device.is_cuda() && !device.has_index()) {
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(0));
-  }
-  return device;
-}
-
-}  // namespace
-
-namespace {
-
 detail::PassOptions pass_options(bool training, const GPipeOptions& options) {
   detail::PassOptions pass;
   pass.training = training;
@@ -94,6 +70,17 @@ detail::PassOptions pass_options(bool training, const GPipeOptions& options) {
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     : options(std::move(options_)) {
   verify_module(module);
+  // A GPipe among the layers would run its own pipeline from inside a cell
+  // of this one; see Note [Random streams of concurrent cells].
+  for (const auto& named : module->named_modules("", /*include_self=*/false)) {
+    TORCH_CHECK_VALUE(
+        named.value()->as<GPipeImpl>() == nullptr,
+        "gpipe::GPipe cannot hold another gpipe::GPipe (layer '",
+        named.key(),
+        "' is one): nested pipelines are not supported; pass the inner "
+        "model's Sequential instead, its layers become partitions of this "
+        "pipeline");
+  }
   verify_skippables(module);
   verify_chunks(options.chunks());
   verify_balance(options.balance(), static_cast<int64_t>(module->size()));
@@ -101,8 +88,8 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     module = convert_deferred_batch_norm(module, options.chunks());
   }
   const auto n = static_cast<int64_t>(options.balance().size());
-  auto devices =
-      options.devices().empty() ? default_devices(n) : options.devices();
+  auto devices = options.devices().empty() ? detail::default_devices(n)
+                                           : options.devices();
   verify_devices(devices, n);
   TORCH_CHECK_VALUE(
       options.threads_per_lane() >= 0,
@@ -110,20 +97,11 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
       options.threads_per_lane());
   devices.erase(devices.begin() + n, devices.end());
   for (auto& d : devices) {
-    d = normalize(d);
+    d = detail::normalize_device(d);
   }
   devices_ = devices;
-
-  int64_t cpu_lanes = 0;
-  for (const auto& d : devices_) {
-    cpu_lanes += d.is_cpu() ? 1 : 0;
-  }
-  const int64_t cores =
-      std::max<int64_t>(1, std::thread::hardware_concurrency());
   threads_per_lane_ =
-      options.threads_per_lane() > 0
-          ? options.threads_per_lane()
-          : std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_lanes));
+      detail::threads_per_lane(options.threads_per_lane(), devices_);
 
   // Split the layers; each keeps its name in the Sequential.
   partitions_ = register_module("partitions", torch::nn::ModuleList());

@@ -5,7 +5,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <gpipe/microbatch.h>
-#include <torch/nn/modules/container/any_value.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <utility>

@@ -2,20 +2,14 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
-#include <torch/torch.h>
+#include <c10/util/Exception.h>
 
-#include <mutex>
+#include <algorithm>
+#include <cstring>
 
 namespace gpipe::detail {
 
 namespace {
-
-// The lease is process-wide because the generators are. See Note [Random
-// streams of concurrent cells].
-std::mutex& lease() {
-  static std::mutex mutex;
-  return mutex;
-}
 
 std::vector<torch::Device> generator_devices(torch::Device device) {
   std::vector<torch::Device> devices{torch::kCPU};
@@ -29,15 +23,12 @@ at::Generator generator_of(torch::Device device) {
   return at::globalContext().defaultGenerator(device);
 }
 
-std::vector<torch::Tensor> states_of(
-    const std::vector<torch::Device>& devices) {
-  std::vector<torch::Tensor> states;
-  for (const auto& d : devices) {
+void seed_generators(torch::Device device, uint64_t seed) {
+  for (const auto& d : generator_devices(device)) {
     auto gen = generator_of(d);
     std::lock_guard<std::mutex> lock(gen.mutex());
-    states.push_back(gen.get_state());
+    gen.set_current_seed(seed);
   }
-  return states;
 }
 
 uint64_t splitmix64(uint64_t x) {
@@ -47,54 +38,175 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+struct Shared {
+  Shared() {
+    RandomLease::get().lock_shared();
+  }
+  ~Shared() {
+    RandomLease::get().unlock_shared();
+  }
+};
+
+struct Exclusive {
+  Exclusive() {
+    RandomLease::get().lock();
+  }
+  ~Exclusive() {
+    RandomLease::get().unlock();
+  }
+};
+
+// Runs `body` exclusively with the generators seeded; returns whether it
+// drew and where the generators ended.
+RandomOutcome run_exclusive(
+    torch::Device device, uint64_t seed, const std::function<void()>& body) {
+  Exclusive hold;
+  seed_generators(device, seed);
+  const GeneratorSnapshot before(device);
+  body();
+  auto end = std::make_shared<GeneratorSnapshot>(device);
+  RandomOutcome outcome;
+  outcome.drew = *end != before;
+  if (outcome.drew) {
+    outcome.end = std::move(end);
+  }
+  return outcome;
+}
+
 }  // namespace
 
-void RandomUse::run_seeded(
+RandomLease& RandomLease::get() {
+  static RandomLease lease;
+  return lease;
+}
+
+void RandomLease::lock_shared() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return !writer_ && writers_waiting_ == 0; });
+  ++readers_;
+}
+
+void RandomLease::unlock_shared() {
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last = --readers_ == 0;
+  }
+  if (last) {
+    cv_.notify_all();
+  }
+}
+
+void RandomLease::lock() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  ++writers_waiting_;
+  cv_.wait(lock, [this] { return !writer_ && readers_ == 0; });
+  --writers_waiting_;
+  writer_ = true;
+}
+
+void RandomLease::unlock() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    writer_ = false;
+  }
+  cv_.notify_all();
+}
+
+GeneratorSnapshot::GeneratorSnapshot(torch::Device device) {
+  for (const auto& d : generator_devices(device)) {
+    auto gen = generator_of(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    states_.push_back(gen.get_state());
+  }
+}
+
+bool GeneratorSnapshot::operator==(const GeneratorSnapshot& other) const {
+  if (states_.size() != other.states_.size()) {
+    return false;
+  }
+  for (size_t k = 0; k < states_.size(); ++k) {
+    const auto& a = states_[k];
+    const auto& b = other.states_[k];
+    if (a.nbytes() != b.nbytes() ||
+        std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void RandomUse::observe(bool training, bool drew, bool seeded) {
+  auto& credits = credits_[training ? 1 : 0];
+  if (drew) {
+    credits.store(kPatience, std::memory_order_relaxed);
+  } else if (seeded) {
+    const int c = credits.load(std::memory_order_relaxed);
+    credits.store(std::max(0, c - 1), std::memory_order_relaxed);
+  }
+}
+
+RandomOutcome run_seeded(
+    RandomUse& use,
     torch::Device device,
     bool training,
     uint64_t seed,
-    const std::function<void()>& fn) {
-  auto& state = state_[training ? 1 : 0];
-  const int known = state.load();
-  if (known == kNever) {
-    fn();
-    return;
+    const std::function<void()>& body,
+    const std::function<void()>& rerun) {
+  if (use.expect_draws(training)) {
+    auto outcome = run_exclusive(device, seed, body);
+    use.observe(training, outcome.drew, /*seeded=*/true);
+    return outcome;
   }
-  std::lock_guard<std::mutex> hold(lease());
-  const auto devices = generator_devices(device);
-  for (const auto& d : devices) {
-    auto gen = generator_of(d);
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_current_seed(seed);
+  bool moved = false;
+  {
+    Shared hold;
+    const GeneratorSnapshot before(device);
+    body();
+    moved = GeneratorSnapshot(device) != before;
   }
-  if (known == kDraws) {
-    fn();
-    return;
+  if (!moved) {
+    return RandomOutcome{};
   }
-  const auto before = states_of(devices);
-  fn();
-  const auto after = states_of(devices);
-  bool drew = false;
-  for (size_t k = 0; k < before.size(); ++k) {
-    drew = drew || !torch::equal(before[k], after[k]);
-  }
-  state.store(drew ? kDraws : kNever);
+  // This cell, or another of the shared group, drew unseeded: run again,
+  // seeded. See Note [Random streams of concurrent cells].
+  auto outcome = run_exclusive(device, seed, rerun);
+  use.observe(training, outcome.drew, /*seeded=*/true);
+  return outcome;
 }
 
-uint64_t draw_step_seed() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
+void replay_seeded(
+    torch::Device device,
+    uint64_t seed,
+    const RandomOutcome& forward,
+    const std::function<void()>& body) {
+  if (forward.drew) {
+    auto outcome = run_exclusive(device, seed, body);
+    TORCH_CHECK(
+        outcome.end && *outcome.end == *forward.end,
+        "the recomputation of a checkpointed cell drew other random numbers "
+        "than its forward (did another thread draw from the default "
+        "generator while the pipeline ran, or does a layer draw differently "
+        "when gpipe::is_recomputing()?); its gradients would be wrong");
+    return;
+  }
+  Shared hold;
+  const GeneratorSnapshot before(device);
+  body();
+  TORCH_CHECK(
+      GeneratorSnapshot(device) == before,
+      "the recomputation of a checkpointed cell drew random numbers although "
+      "its forward drew none (did a layer's randomness change between "
+      "forward and backward?); its gradients would be wrong");
 }
 
-uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t partition) {
+uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage) {
   return splitmix64(
       splitmix64(step_seed ^ static_cast<uint64_t>(micro_batch)) ^
-      (static_cast<uint64_t>(partition) << 32));
+      (static_cast<uint64_t>(stage) << 32));
 }
 
-GeneratorStateGuard::GeneratorStateGuard(
-    const std::vector<torch::Device>& devices) {
+StepSeed::StepSeed(const std::vector<torch::Device>& devices, bool draw) {
   devices_.push_back(torch::kCPU);
   for (const auto& d : devices) {
     if (d.type() != torch::kCPU &&
@@ -102,10 +214,24 @@ GeneratorStateGuard::GeneratorStateGuard(
       devices_.push_back(d);
     }
   }
-  states_ = states_of(devices_);
+  Exclusive hold;
+  for (const auto& d : devices_) {
+    auto gen = generator_of(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    states_.push_back(gen.get_state());
+  }
+  if (draw) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    seed_ = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
+    // The saved state already counts this draw: restoring it leaves the
+    // user's stream advanced by the step seed alone.
+    states_[0] = gen.get_state();
+  }
 }
 
-GeneratorStateGuard::~GeneratorStateGuard() {
+StepSeed::~StepSeed() {
+  Exclusive hold;
   for (size_t k = 0; k < devices_.size(); ++k) {
     auto gen = generator_of(devices_[k]);
     std::lock_guard<std::mutex> lock(gen.mutex());

@@ -10,69 +10,154 @@
 // generator state (torchgpipe's way, safe there only because its CPU
 // partitions share one thread) would disturb the other lanes.
 //
-// Instead every cell gets its own seed, derived from a step seed drawn once
-// per forward on the caller's thread and the cell's (micro-batch, partition).
-// A partition that draws random numbers runs while holding a process-wide
-// lease, with the default generators of the CPU and of its device seeded with
-// the cell seed; the recomputation reseeds with the same seed and so replays
-// the same masks. Whether a partition draws at all is found out on its first
-// run in each mode (training / eval) by comparing the generator states before
-// and after; partitions that never draw run without the lease, in parallel.
-// The caller saves the generator states before a pipeline pass and restores
-// them afterwards, so the user's random stream only advances by the step
-// seed.
+// So every cell gets its own seed, derived from a step seed (drawn once per
+// pass from the user's generator) and the cell's (micro-batch, stage); a
+// cell that draws runs with the default generators seeded with it, holding
+// a process-wide lease *exclusively*, and its recomputation reseeds with the
+// same seed and so replays the same numbers.
+//
+// Whether a cell draws cannot be known before it runs, and cannot be decided
+// once per stage for ever: a dropout probability scheduled up from 0, or a
+// DropPath switched on later, makes a stage that never drew start drawing.
+// Serialising every cell would cost the lanes their parallelism, so a cell
+// that is expected not to draw runs optimistically, holding the lease
+// *shared* (with other such cells, never with a seeded one), and checks that
+// the generators are where they were when it started. If they moved, some
+// cell of the shared group drew from an unseeded generator: every cell that
+// saw the move runs again, exclusively and seeded, marked
+// `is_recomputing()` and with its buffers put back afterwards, so side
+// effects (running statistics, counters) happen once; its outputs replace
+// the first run's. This is correct for any layer, whatever its randomness
+// does from one step to the next, and costs a shared-lock and two generator
+// snapshots per cell (measured by gpipe-bench's `random` section); a re-run
+// happens only on the step where a stage starts drawing.
+//
+// What a stage is expected to do is learnt per mode (training / eval): a
+// cell that drew makes the next cells of its stage run seeded; after
+// `kPatience` seeded cells in a row that drew nothing, the stage goes back
+// to the shared lease.
+//
+// Recomputation replays exactly what the forward did: seeded and exclusive
+// when the forward drew (and then checks that the generators end where the
+// forward's ended, so another thread drawing from the default generator in
+// the middle is an error, not a silently wrong gradient), shared otherwise
+// (and then it is an error if it draws).
+//
+// The caller draws the step seed and saves the user's generator states
+// before a pass, and restores them afterwards, under the exclusive lease, so
+// the user's random stream only advances by the step seed. A cell never
+// starts a pipeline (that is refused), so the lease is never held across
+// one.
 
 #include <torch/types.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 namespace gpipe::detail {
 
-/// What is known about one partition's use of the random generators.
-class RandomUse {
+/// The process-wide lease on the default generators: shared or exclusive,
+/// writer-preferring (a seeded cell waits only for the shared cells already
+/// running).
+class RandomLease {
  public:
-  /// Runs `fn` so that its random draws depend on `seed` alone.
-  void run_seeded(
-      torch::Device device,
-      bool training,
-      uint64_t seed,
-      const std::function<void()>& fn);
+  static RandomLease& get();
+  void lock_shared();
+  void unlock_shared();
+  void lock();
+  void unlock();
 
-  /// False once a run in this mode drew nothing.
-  bool may_draw(bool training) const {
-    return state_[training ? 1 : 0].load() != kNever;
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int64_t readers_ = 0;          // guarded by mutex_
+  int64_t writers_waiting_ = 0;  // guarded by mutex_
+  bool writer_ = false;          // guarded by mutex_
+};
+
+/// The states of the default generators of the CPU and of `device`.
+class GeneratorSnapshot {
+ public:
+  explicit GeneratorSnapshot(torch::Device device);
+  bool operator==(const GeneratorSnapshot& other) const;
+  bool operator!=(const GeneratorSnapshot& other) const {
+    return !(*this == other);
   }
 
  private:
-  static constexpr int kUnknown = 0;
-  static constexpr int kDraws = 1;
-  static constexpr int kNever = 2;
-  // Written by the partition's lane, read by the caller between passes.
-  std::atomic<int> state_[2] = {{kUnknown}, {kUnknown}};
+  std::vector<torch::Tensor> states_;
 };
 
-/// A seed for one step of the pipeline, drawn from the default CPU generator.
-uint64_t draw_step_seed();
+/// What a cell's forward did with random numbers, for its recomputation.
+struct RandomOutcome {
+  bool drew = false;
+  /// Where the generators ended, when it drew.
+  std::shared_ptr<GeneratorSnapshot> end;
+};
+
+/// What is known of one stage's draws, per mode. Touched by the stage's lane
+/// only.
+class RandomUse {
+ public:
+  static constexpr int kPatience = 8;
+  /// True when the next cell in this mode should run seeded.
+  bool expect_draws(bool training) const {
+    return credits_[training ? 1 : 0].load(std::memory_order_relaxed) > 0;
+  }
+  /// Records whether a cell drew.
+  void observe(bool training, bool drew, bool seeded);
+
+ private:
+  // Seeded cells to run before trusting the shared lease again; 1 at
+  // first, so that the first cell in each mode finds out.
+  std::atomic<int> credits_[2] = {{1}, {1}};
+};
+
+/// Runs `body` so that the random numbers it draws depend on `seed` alone
+/// (see the Note above). When `body` turns out to have drawn unseeded,
+/// `rerun` runs instead under the exclusive lease with the generators
+/// seeded; it must redo `body`'s work, replacing its results.
+RandomOutcome run_seeded(
+    RandomUse& use,
+    torch::Device device,
+    bool training,
+    uint64_t seed,
+    const std::function<void()>& body,
+    const std::function<void()>& rerun);
+
+/// Runs `body` (a recomputation) drawing what the forward whose outcome is
+/// `forward` drew. Throws `c10::Error` when it cannot: the numbers differ.
+void replay_seeded(
+    torch::Device device,
+    uint64_t seed,
+    const RandomOutcome& forward,
+    const std::function<void()>& body);
 
 /// Mixes a step seed with a cell's coordinates.
-uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t partition);
+uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage);
 
-/// Saves the default generators of the CPU and of `devices` on construction
-/// and restores them on destruction (see Note [Random streams of concurrent
-/// cells]).
-class GeneratorStateGuard {
+/// Under the exclusive lease: saves the default generators of the CPU and
+/// of `devices` and, when `draw`, draws a step seed from the CPU one; on
+/// destruction puts the saved states back (see the Note above).
+class StepSeed {
  public:
-  explicit GeneratorStateGuard(const std::vector<torch::Device>& devices);
-  ~GeneratorStateGuard();
-  GeneratorStateGuard(const GeneratorStateGuard&) = delete;
-  GeneratorStateGuard& operator=(const GeneratorStateGuard&) = delete;
+  StepSeed(const std::vector<torch::Device>& devices, bool draw);
+  ~StepSeed();
+  StepSeed(const StepSeed&) = delete;
+  StepSeed& operator=(const StepSeed&) = delete;
+  uint64_t seed() const {
+    return seed_;
+  }
 
  private:
   std::vector<torch::Device> devices_;
   std::vector<torch::Tensor> states_;
+  uint64_t seed_ = 0;
 };
 
 }  // namespace gpipe::detail

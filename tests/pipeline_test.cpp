@@ -1,6 +1,8 @@
 // The pipeline as it runs: lanes in parallel, cells in schedule order.
 
-#include "pipeline.h"
+#include "engine/pipeline.h"
+
+#include <ATen/Parallel.h>
 
 #include <chrono>
 #include <mutex>

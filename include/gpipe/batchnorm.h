@@ -31,10 +31,6 @@
 
 namespace gpipe {
 
-namespace detail {
-class Pipeline;
-}  // namespace detail
-
 /// Options for `gpipe::DeferredBatchNorm`; the same as BatchNorm's, plus
 /// `chunks`.
 struct DeferredBatchNormOptions {
@@ -74,6 +70,14 @@ class DeferredBatchNormImpl
   void commit();
   /// Drops the statistics accumulated so far (after a failed mini-batch).
   void discard();
+  /// When true, statistics accumulate until `commit()` (or `discard()`) is
+  /// called, however many micro-batches pass; when false (the default) they
+  /// are committed after every `chunks` micro-batches. GPipe sets it on the
+  /// layers it runs, and commits once per mini-batch, so that a failed
+  /// mini-batch can be discarded.
+  void set_manual_commit(bool manual) {
+    engine_commits_ = manual;
+  }
   /// Micro-batches accumulated since the last commit.
   int64_t tracked() const {
     return tracked_;
@@ -89,10 +93,7 @@ class DeferredBatchNormImpl
  private:
   friend torch::nn::Sequential convert_deferred_batch_norm(
       const torch::nn::Sequential&, int64_t);
-  // Inside GPipe the engine commits once the whole mini-batch has passed, so
-  // that a failed mini-batch can be discarded.
-  friend class detail::Pipeline;
-  bool engine_commits_ = false;
+  bool engine_commits_ = false;  // see set_manual_commit()
   // Shares `adopt` (weight, bias, running_mean, running_var,
   // num_batches_tracked; undefined ones are made new).
   DeferredBatchNormImpl(

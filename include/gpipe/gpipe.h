@@ -8,6 +8,7 @@
 #include <gpipe/microbatch.h>
 #include <gpipe/module.h>
 #include <gpipe/options.h>
+#include <gpipe/plan.h>
 #include <gpipe/schedule.h>
 #include <gpipe/skip.h>
 #include <gpipe/trace.h>

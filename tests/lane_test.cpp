@@ -1,4 +1,4 @@
-#include "worker.h"
+#include "engine/lane.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

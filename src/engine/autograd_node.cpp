@@ -1,0 +1,219 @@
+#include "engine/autograd_node.h"
+
+#include <c10/util/irange.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include "engine/pipeline.h"
+#include "engine/runner.h"
+
+namespace gpipe::detail {
+
+namespace {
+
+// The autograd node of a GPipe output. Its backward is the pipelined
+// backward of every cell of the pass that made the output.
+class PipelineBackward : public torch::autograd::Node {
+ public:
+  struct Output {
+    int64_t slot = -1;          // this node's input number, or -1: no gradient
+    std::vector<int64_t> rows;  // per micro-batch
+  };
+
+  PipelineBackward(
+      std::shared_ptr<Pipeline> pipeline,
+      std::shared_ptr<Pass> pass,
+      std::vector<Output> outputs,
+      const Batch& inputs,
+      std::vector<int64_t> input_rows)
+      : pipeline_(std::move(pipeline)),
+        pass_(std::move(pass)),
+        outputs_(std::move(outputs)),
+        input_rows_(std::move(input_rows)) {
+    for (const auto& x : inputs) {
+      inputs_.push_back(
+          InputInfo{x.sizes().vec(), x.options(), x.requires_grad()});
+    }
+  }
+
+  std::string name() const override {
+    return "gpipe::PipelineBackward";
+  }
+
+  void release_variables() override {
+    pass_.reset();
+  }
+
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override {
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    TORCH_CHECK(
+        exec_info == nullptr || exec_info->empty(),
+        "gpipe::GPipe supports only backward() over all leaves: the pipelined "
+        "backward accumulates every parameter's .grad, so "
+        "torch::autograd::grad "
+        "and backward(inputs=...) through a GPipe output are not supported");
+    // The engine runs a node with grad mode on exactly when the backward
+    // builds a graph of its own.
+    TORCH_CHECK(
+        !torch::GradMode::is_enabled(),
+        "gpipe::GPipe does not support backward with create_graph=true "
+        "(double backward, gradient penalties): its cells are separate "
+        "graphs, so the gradients would carry no graph through the pipeline; "
+        "call backward() without create_graph");
+    TORCH_CHECK(
+        pass_ && !pass_->consumed,
+        "trying to backward through a gpipe::GPipe output a second time, but "
+        "its saved activations have been freed; pass retain_graph=true to the "
+        "first backward, or run forward again");
+    auto held = pipeline_->begin_pass();
+    Pass& pass = *pass_;
+    const int64_t m = pass.micro_batches();
+    const int64_t n = pipeline_->size();
+
+    // The gradient of output k, cut by the rows each micro-batch gave: a
+    // last layer may change dim 0 (a [B, T, V] -> [B*T, V] flatten).
+    pass.reset_transport();
+    std::vector<Packet> dys(m);
+    for (const auto& out : outputs_) {
+      const auto g = out.slot >= 0 ? grads[out.slot] : torch::Tensor();
+      int64_t offset = 0;
+      for (const auto i : c10::irange(m)) {
+        dys[i].tensors.push_back(
+            g.defined() ? g.narrow(0, offset, out.rows[i]) : torch::Tensor());
+        offset += out.rows[i];
+      }
+    }
+    for (const auto i : c10::irange(m)) {
+      pass.transport().send(Phase::Backward, i, n, std::move(dys[i]));
+    }
+    pass.retain = torch::autograd::get_current_graph_task_keep_graph();
+    try {
+      pipeline_->backward(pass_);
+    } catch (...) {
+      pass.consumed = true;
+      throw;
+    }
+    pass.consumed = !pass.retain;
+
+    std::vector<Packet> dx(m);
+    for (const auto i : c10::irange(m)) {
+      dx[i] = pass.transport().recv(Phase::Backward, i, 0);
+    }
+    torch::autograd::variable_list dxs;
+    for (const auto k : c10::irange(inputs_.size())) {
+      const auto& input = inputs_[k];
+      dxs.push_back(
+          input.requires_grad
+              ? join_input_grad(dx, k, input_rows_, input.shape, input.options)
+              : torch::Tensor());
+    }
+    return dxs;
+  }
+
+ private:
+  std::shared_ptr<Pipeline> pipeline_;
+  std::shared_ptr<Pass> pass_;
+  std::vector<Output> outputs_;
+  struct InputInfo {
+    std::vector<int64_t> shape;
+    torch::TensorOptions options;
+    bool requires_grad = false;
+  };
+  std::vector<InputInfo> inputs_;
+  std::vector<int64_t> input_rows_;
+};
+
+bool is_differentiable(const torch::Tensor& t) {
+  return t.defined() && (t.is_floating_point() || t.is_complex());
+}
+
+}  // namespace
+
+torch::Tensor join_input_grad(
+    const std::vector<Packet>& dx,
+    size_t k,
+    const std::vector<int64_t>& rows,
+    std::vector<int64_t> shape,
+    const torch::TensorOptions& options) {
+  std::vector<torch::Tensor> pieces;
+  bool any = false;
+  for (const auto i : c10::irange(dx.size())) {
+    const auto& tensors = dx[i].tensors;
+    const auto g = k < tensors.size() ? tensors[k] : torch::Tensor();
+    if (g.defined()) {
+      any = true;
+      pieces.push_back(g.to(options.device()));
+    } else {
+      shape[0] = rows[i];
+      pieces.push_back(torch::zeros(shape, options));
+    }
+  }
+  return any ? torch::cat(pieces, 0) : torch::Tensor();
+}
+
+Packet connect_outputs(
+    std::shared_ptr<Pipeline> pipeline,
+    std::shared_ptr<Pass> pass,
+    std::vector<Packet> outputs,
+    const Batch& original_inputs,
+    std::vector<int64_t> input_rows) {
+  const auto width = outputs.at(0).tensors.size();
+  std::vector<PipelineBackward::Output> slots(width);
+  std::vector<bool> requires(width, false);
+  std::vector<Batch> pieces;
+  for (auto& packet : outputs) {
+    TORCH_CHECK_VALUE(
+        packet.tensors.size() == width,
+        "every micro-batch must give the same number of output tensors, but "
+        "one gave ",
+        width,
+        " and another ",
+        packet.tensors.size());
+    for (const auto k : c10::irange(width)) {
+      const auto& t = packet.tensors[k];
+      slots[k].rows.push_back(t.defined() && t.dim() > 0 ? t.size(0) : 0);
+      requires[k] = requires[k] || (t.defined() && t.requires_grad());
+    }
+    pieces.push_back(std::move(packet.tensors));
+  }
+  Packet gathered{gather(pieces), outputs[0].atomic};
+  if (!pass->grad) {
+    return gathered;
+  }
+  // The micro-batch outputs are leaves that only carry the flag; the whole
+  // outputs are what autograd sees.
+  for (auto& t : gathered.tensors) {
+    if (t.defined() && t.requires_grad()) {
+      t = t.detach();
+    }
+  }
+  int64_t next_slot = 0;
+  for (const auto k : c10::irange(width)) {
+    if (requires[k] && is_differentiable(gathered.tensors[k])) {
+      slots[k].slot = next_slot++;
+    }
+  }
+  if (next_slot == 0) {
+    return gathered;
+  }
+  auto node = std::shared_ptr<PipelineBackward>(
+      new PipelineBackward(
+          std::move(pipeline),
+          pass,
+          std::move(slots),
+          original_inputs,
+          std::move(input_rows)),
+      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(original_inputs));
+  for (const auto k : c10::irange(width)) {
+    if (requires[k] && is_differentiable(gathered.tensors[k])) {
+      torch::autograd::set_history(gathered.tensors[k], node);
+    }
+  }
+  return gathered;
+}
+
+}  // namespace gpipe::detail

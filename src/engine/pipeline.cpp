@@ -1,0 +1,183 @@
+#include "engine/pipeline.h"
+
+#include <c10/util/irange.h>
+#include <gpipe/plan.h>
+#include <torch/autograd.h>
+
+#include "device.h"
+#include "engine/autograd_node.h"
+#include "random.h"
+
+namespace gpipe::detail {
+
+// Note [Backward on CUDA lanes]
+// The pipeline's autograd node runs on the thread the autograd engine gives
+// it. For CPU tensors that is the thread that called backward(), and lanes
+// calling torch::autograd::backward run their own graph tasks on their own
+// threads. For CUDA tensors the engine runs every node on one shared thread
+// per device; our node would occupy it while lanes queue their work on it, a
+// deadlock. With a CUDA device in the pipeline the backward cells therefore
+// run on the node's thread, in plan order, as reentrant backward calls; the
+// GPU still overlaps partitions because kernel launches are asynchronous.
+
+Pipeline::Pipeline(
+    std::vector<torch::nn::Sequential> partitions,
+    std::vector<torch::Device> devices,
+    int64_t threads_per_lane)
+    : devices_(std::move(devices)), skip_layout_(partitions) {
+  TORCH_INTERNAL_ASSERT(partitions.size() == devices_.size());
+  for (const auto j : c10::irange(partitions.size())) {
+    stages_.push_back(std::make_unique<Stage>(
+        static_cast<int64_t>(j), partitions[j], devices_[j], skip_layout_));
+    backward_inline_ = backward_inline_ || devices_[j].is_cuda();
+    lanes_.push_back(
+        std::make_unique<Lane>(lane_init(devices_[j], threads_per_lane)));
+  }
+}
+
+Pipeline::~Pipeline() = default;
+
+std::unique_lock<std::mutex> Pipeline::begin_pass() {
+  TORCH_CHECK(
+      !inside_cell(),
+      "gpipe::GPipe was called from inside a cell of a pipeline (a layer's "
+      "forward or a train_step loss running on a lane): nested pipelines are "
+      "not supported; run the inner model as plain layers of the outer one");
+  return std::unique_lock<std::mutex>(pass_mutex_);
+}
+
+std::shared_ptr<Pass> Pipeline::start_pass(
+    int64_t m, const Batch& original_inputs, const PassOptions& options) {
+  auto pass = std::make_shared<Pass>(*this, m, options);
+  bool any_requires_grad = false;
+  for (const auto& x : original_inputs) {
+    any_requires_grad = any_requires_grad || x.requires_grad();
+  }
+  for (auto& stage : stages_) {
+    stage->refresh();
+    any_requires_grad = any_requires_grad || stage->trainable();
+  }
+  pass->grad = torch::GradMode::is_enabled() && any_requires_grad;
+  return pass;
+}
+
+void Pipeline::commit_batch_norms(bool ok) {
+  for (auto& stage : stages_) {
+    if (ok) {
+      stage->commit_batch_norms();
+    } else {
+      stage->discard_batch_norms();
+    }
+  }
+}
+
+void Pipeline::run_and_commit(
+    const std::shared_ptr<Pass>& pass, const Plan& plan) {
+  try {
+    pass->run(plan, /*inline_cells=*/false, pass);
+  } catch (...) {
+    // A failed mini-batch leaves no statistics behind.
+    commit_batch_norms(false);
+    throw;
+  }
+  // The statistics of every micro-batch are in: update the running ones
+  // once for the mini-batch. See gpipe/batchnorm.h.
+  commit_batch_norms(true);
+}
+
+Packet Pipeline::forward(
+    std::vector<Packet> inputs,
+    const Batch& original_inputs,
+    const PassOptions& options) {
+  auto held = begin_pass();
+  const auto m = static_cast<int64_t>(inputs.size());
+  const auto n = size();
+  auto pass = start_pass(m, original_inputs, options);
+  std::vector<int64_t> rows;
+  {
+    StepSeed seeds(devices_, /*draw=*/true);
+    pass->step_seed = seeds.seed();
+    for (const auto i : c10::irange(m)) {
+      rows.push_back(inputs[i].tensors.at(0).size(0));
+      pass->transport().send(Phase::Forward, i, 0, std::move(inputs[i]));
+    }
+    run_and_commit(pass, forward_plan(m, n));
+  }
+  std::vector<Packet> outputs;
+  for (const auto i : c10::irange(m)) {
+    outputs.push_back(pass->transport().recv(Phase::Forward, i, n));
+  }
+  return connect_outputs(
+      shared_from_this(),
+      pass,
+      std::move(outputs),
+      original_inputs,
+      std::move(rows));
+}
+
+void Pipeline::backward(const std::shared_ptr<Pass>& pass) {
+  // Recomputation reseeds the generators; the user's streams must not
+  // notice. See Note [Random streams of concurrent cells].
+  StepSeed seeds(devices_, /*draw=*/false);
+  pass->run(
+      backward_plan(pass->micro_batches(), size()), backward_inline_, pass);
+}
+
+torch::Tensor Pipeline::train(
+    std::vector<Packet> inputs,
+    std::vector<torch::Tensor> targets,
+    const Batch& original_inputs,
+    const LossFunction& loss_fn,
+    Schedule schedule,
+    const PassOptions& options) {
+  auto held = begin_pass();
+  const auto m = static_cast<int64_t>(inputs.size());
+  const auto n = size();
+  auto pass = start_pass(m, original_inputs, options);
+  TORCH_CHECK(
+      pass->grad,
+      "train_step needs grad mode on and something that requires grad (a "
+      "parameter or the input)");
+  int64_t total = 0;
+  std::vector<int64_t> sizes;
+  for (const auto i : c10::irange(m)) {
+    sizes.push_back(inputs[i].tensors.at(0).size(0));
+    total += sizes.back();
+  }
+  pass->loss_fn = &loss_fn;
+  pass->targets = std::move(targets);
+  pass->losses.resize(m);
+  for (const auto i : c10::irange(m)) {
+    pass->loss_scales.push_back(
+        static_cast<double>(sizes[i]) / static_cast<double>(total));
+  }
+  {
+    StepSeed seeds(devices_, /*draw=*/true);
+    pass->step_seed = seeds.seed();
+    for (const auto i : c10::irange(m)) {
+      pass->transport().send(Phase::Forward, i, 0, std::move(inputs[i]));
+    }
+    run_and_commit(pass, training_plan(schedule, m, n));
+  }
+  std::vector<Packet> dx(m);
+  for (const auto i : c10::irange(m)) {
+    dx[i] = pass->transport().recv(Phase::Backward, i, 0);
+  }
+  auto loss = torch::stack(pass->losses).sum();
+  // Gradients of inputs that require grad continue into their graph, which
+  // may hold this very pipeline's output: let go of the pipeline first.
+  held.unlock();
+  for (const auto k : c10::irange(original_inputs.size())) {
+    const auto& x = original_inputs[k];
+    if (!x.requires_grad()) {
+      continue;
+    }
+    auto g = join_input_grad(dx, k, sizes, x.sizes().vec(), x.options());
+    if (g.defined()) {
+      torch::autograd::backward({x}, {g});
+    }
+  }
+  return loss;
+}
+
+}  // namespace gpipe::detail

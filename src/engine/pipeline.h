@@ -1,0 +1,123 @@
+#pragma once
+
+// The pipeline: stages, their lanes, and the three passes GPipe runs over
+// them (forward, train, and through the autograd node, backward), each a
+// plan run by the plan runner. Passes of one pipeline are serialised.
+
+#include <gpipe/microbatch.h>
+#include <gpipe/options.h>
+#include <gpipe/schedule.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "engine/lane.h"
+#include "engine/runner.h"
+#include "engine/stage.h"
+#include "packet.h"
+#include "skip.h"
+
+namespace gpipe {
+class Trace;
+}  // namespace gpipe
+
+namespace gpipe::detail {
+
+class Pipeline : public std::enable_shared_from_this<Pipeline> {
+ public:
+  /// One lane per partition; CPU lanes get `threads_per_lane` intra-op
+  /// threads.
+  Pipeline(
+      std::vector<torch::nn::Sequential> partitions,
+      std::vector<torch::Device> devices,
+      int64_t threads_per_lane);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  /// Runs `inputs` (already scattered) through every stage and returns the
+  /// last stage's outputs gathered into one packet. When a graph is built
+  /// the returned tensors that require grad are connected to autograd:
+  /// their backward runs the pipelined backward, and gradients reach
+  /// `original_inputs` and the parameters.
+  Packet forward(
+      std::vector<Packet> inputs,
+      const Batch& original_inputs,
+      const PassOptions& options);
+
+  /// A training step in one pass: every micro-batch's forward, its loss
+  /// (`loss_fn(output, target)` times its share of the batch) on the last
+  /// stage, and backward, in the order `schedule` gives. Gradients
+  /// accumulate into `.grad` (and flow into inputs that require grad).
+  /// Returns the batch's loss, detached.
+  torch::Tensor train(
+      std::vector<Packet> inputs,
+      std::vector<torch::Tensor> targets,
+      const Batch& original_inputs,
+      const LossFunction& loss_fn,
+      Schedule schedule,
+      const PassOptions& options);
+
+  /// Holds this pipeline for one pass: passes from several threads run one
+  /// after the other. Refused from inside a cell (a nested pipeline).
+  std::unique_lock<std::mutex> begin_pass();
+
+  /// Runs a backward pass of `pass`'s cells, on the lanes (or inline: see
+  /// Note [Backward on CUDA lanes]). Called by the autograd node with the
+  /// pass held.
+  void backward(const std::shared_ptr<Pass>& pass);
+
+  /// DeferredBatchNorm statistics after a run: folded in, or (`ok` false)
+  /// dropped.
+  void commit_batch_norms(bool ok);
+
+  int64_t size() const {
+    return static_cast<int64_t>(stages_.size());
+  }
+  Stage& stage(int64_t j) {
+    return *stages_[j];
+  }
+  Lane& lane(int64_t l) {
+    return *lanes_[l];
+  }
+  const std::vector<torch::Device>& devices() const {
+    return devices_;
+  }
+  /// True when backward runs on the autograd engine's thread rather than on
+  /// the lanes. See Note [Backward on CUDA lanes].
+  bool backward_inline() const {
+    return backward_inline_;
+  }
+  const SkipLayout& skip_layout() const {
+    return skip_layout_;
+  }
+  /// Where passes record their cells; null for none. Set between passes.
+  void set_trace(std::shared_ptr<Trace> trace) {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    trace_ = std::move(trace);
+  }
+  std::shared_ptr<Trace> trace() const {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    return trace_;
+  }
+
+ private:
+  std::shared_ptr<Pass> start_pass(
+      int64_t m, const Batch& original_inputs, const PassOptions& options);
+  void run_and_commit(const std::shared_ptr<Pass>& pass, const Plan& plan);
+
+  std::vector<torch::Device> devices_;
+  SkipLayout skip_layout_;
+  std::vector<std::unique_ptr<Stage>> stages_;
+  // Declared after stages_ so that lanes are joined before stages go away.
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  bool backward_inline_ = false;
+  std::mutex pass_mutex_;
+  mutable std::mutex trace_mutex_;
+  std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_
+};
+
+}  // namespace gpipe::detail

@@ -1,0 +1,165 @@
+#include "engine/runner.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <c10/util/irange.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+
+#include "engine/in_process_transport.h"
+#include "engine/pipeline.h"
+
+namespace gpipe::detail {
+
+namespace {
+
+// Counts lanes that have not finished their row.
+class Countdown {
+ public:
+  explicit Countdown(int64_t count) : count_(count) {}
+  void done() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--count_ == 0) {
+      cv_.notify_all();
+    }
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return count_ == 0; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int64_t count_;
+};
+
+}  // namespace
+
+Pass::Pass(Pipeline& pipeline, int64_t m, PassOptions options)
+    : pipeline_(pipeline),
+      m_(m),
+      n_(pipeline.size()),
+      options_(options),
+      trace_(pipeline.trace()),
+      cells_(m_, std::vector<CellState>(n_)) {
+  reset_transport();
+}
+
+void Pass::reset_transport() {
+  transport_ = std::make_unique<InProcessTransport>(m_, n_);
+}
+
+void Pass::run(
+    const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self) {
+  at::ThreadLocalState tls;
+  if (inline_cells) {
+    for (const auto& step : plan.steps()) {
+      for (const auto& cell : step) {
+        run_cell(cell, plan.lane_of(cell.partition));
+      }
+    }
+  } else {
+    const auto lanes = static_cast<int64_t>(plan.lanes.size());
+    auto countdown = std::make_shared<Countdown>(lanes);
+    for (const auto l : c10::irange(lanes)) {
+      // One task per lane and run: the lane's row in plan order. The task
+      // holds the pass, so the caller may drop its own reference once the
+      // countdown is done.
+      pipeline_.lane(l).post([self, countdown, cells = plan.lanes[l], tls, l] {
+        {
+          at::ThreadLocalStateGuard guard(tls);
+          for (const auto& cell : cells) {
+            self->run_cell(cell, l);
+          }
+        }
+        countdown->done();
+      });
+    }
+    countdown->wait();
+  }
+  error_.rethrow_and_clear();
+}
+
+CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
+  CellContext ctx;
+  ctx.micro_batch = i;
+  ctx.training = options_.training;
+  ctx.grad = grad;
+  ctx.checkpoint = i < options_.checkpoint_stop;
+  ctx.seed = cell_seed(step_seed, i, j);
+  if (loss_fn != nullptr && j == n_ - 1) {
+    ctx.loss_fn = loss_fn;
+    ctx.target = targets[i];
+    ctx.loss_scale = loss_scales[i];
+  }
+  ctx.retain = retain;
+  ctx.trace = trace_.get();
+  ctx.lane = lane;
+  return ctx;
+}
+
+void Pass::run_cell(const Cell& cell, int64_t lane) {
+  try {
+    if (transport_->aborted()) {
+      return;  // a cell that depends on a failed one never starts
+    }
+    if (cell.phase == Phase::Forward) {
+      forward_cell(cell.micro_batch, cell.partition, lane);
+    } else {
+      backward_cell(cell.micro_batch, cell.partition, lane);
+    }
+  } catch (const Aborted&) {
+    // The error that aborted the pass is recorded already.
+  } catch (...) {
+    error_.set(with_context(
+        std::current_exception(),
+        "partition " + std::to_string(cell.partition) + ", micro-batch " +
+            std::to_string(cell.micro_batch) +
+            (cell.phase == Phase::Forward ? ", forward" : ", backward")));
+    transport_->abort();
+  }
+}
+
+void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
+  Stage& stage = pipeline_.stage(j);
+  auto& t = *transport_;
+  Flow in;
+  in.boundary = t.recv(Phase::Forward, i, j);
+  for (const auto& key : stage.skips_in()) {
+    in.skips.push_back(t.recv_skip(Phase::Forward, i, key));
+  }
+  auto& c = cells_[i][j];
+  auto out = stage.forward(c, std::move(in), context(i, j, lane));
+  for (const auto k : c10::irange(stage.skips_out().size())) {
+    t.send_skip(
+        Phase::Forward, i, stage.skips_out()[k], std::move(out.skips[k]));
+  }
+  if (loss_fn != nullptr && j == n_ - 1) {
+    losses[i] = c.loss_value;
+    c.loss_value = torch::Tensor();
+  } else {
+    t.send(Phase::Forward, i, j + 1, std::move(out.boundary));
+  }
+}
+
+void Pass::backward_cell(int64_t i, int64_t j, int64_t lane) {
+  Stage& stage = pipeline_.stage(j);
+  auto& t = *transport_;
+  Flow dy;
+  if (loss_fn == nullptr || j < n_ - 1) {
+    dy.boundary = t.recv(Phase::Backward, i, j + 1);
+  }
+  for (const auto& key : stage.skips_out()) {
+    dy.skips.push_back(t.recv_skip(Phase::Backward, i, key));
+  }
+  auto dx = stage.backward(cells_[i][j], std::move(dy), context(i, j, lane));
+  for (const auto k : c10::irange(stage.skips_in().size())) {
+    t.send_skip(
+        Phase::Backward, i, stage.skips_in()[k], std::move(dx.skips[k]));
+  }
+  t.send(Phase::Backward, i, j, std::move(dx.boundary));
+}
+
+}  // namespace gpipe::detail

@@ -1,0 +1,85 @@
+#pragma once
+
+// The plan runner: one pass (forward, backward or a training step) of a plan
+// over the pipeline's lanes. Each lane runs its plan row in order; a cell
+// takes its inputs from the transport, runs on its stage, and sends its
+// outputs on. The first error wins: it aborts the transport, cells already
+// running finish, nothing new starts, and every lane has finished its row
+// before the error reaches the caller.
+
+#include <gpipe/options.h>
+#include <gpipe/plan.h>
+
+#include <memory>
+#include <vector>
+
+#include "engine/lane.h"
+#include "engine/stage.h"
+#include "engine/transport.h"
+
+namespace gpipe::detail {
+
+class Pipeline;
+
+/// How one pass runs.
+struct PassOptions {
+  bool training = true;
+  /// Micro-batches `i < checkpoint_stop` are checkpointed (when a graph is
+  /// built at all).
+  int64_t checkpoint_stop = 0;
+};
+
+/// One forward (and its later backward), or one training step: the cells'
+/// saved state and what every cell of the pass shares.
+class Pass {
+ public:
+  Pass(Pipeline& pipeline, int64_t micro_batches, PassOptions options);
+
+  /// A fresh transport for the next run (forward, then backward).
+  void reset_transport();
+  Transport& transport() {
+    return *transport_;
+  }
+
+  /// Runs `plan` on the lanes (or on this thread, in plan order, when
+  /// `inline_cells`), and rethrows the first error once every lane is done.
+  /// `self` keeps the pass alive in the lanes' tasks.
+  void run(
+      const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self);
+
+  int64_t micro_batches() const {
+    return m_;
+  }
+
+  /// Grad mode was on and something required grad: cells build graphs.
+  bool grad = false;
+  uint64_t step_seed = 0;
+  /// Set for a training step: the last stage computes the loss of each
+  /// micro-batch, scaled by its share of the batch, and backward starts
+  /// from it.
+  const LossFunction* loss_fn = nullptr;
+  std::vector<torch::Tensor> targets;
+  std::vector<double> loss_scales;
+  std::vector<torch::Tensor> losses;  // detached, per micro-batch
+  bool retain = false;                // backward keeps the cells (retain_graph)
+  bool consumed = false;              // a backward freed the cells
+
+ private:
+  void run_cell(const Cell& cell, int64_t lane);
+  void forward_cell(int64_t i, int64_t j, int64_t lane);
+  void backward_cell(int64_t i, int64_t j, int64_t lane);
+  CellContext context(int64_t i, int64_t j, int64_t lane) const;
+
+  Pipeline& pipeline_;
+  const int64_t m_;
+  const int64_t n_;
+  const PassOptions options_;
+  std::shared_ptr<Trace> trace_;  // null when not tracing
+  std::unique_ptr<Transport> transport_;
+  // Cell (i, j) is touched by its stage's lane only while a run is on, by
+  // the caller between runs.
+  std::vector<std::vector<CellState>> cells_;
+  FirstError error_;
+};
+
+}  // namespace gpipe::detail

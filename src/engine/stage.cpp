@@ -1,0 +1,443 @@
+#include "engine/stage.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/irange.h>
+#include <gpipe/batchnorm.h>
+#include <gpipe/checkpoint.h>
+#include <gpipe/trace.h>
+#include <torch/autograd.h>
+#include <torch/nn/module.h>
+
+#include <chrono>
+#include <optional>
+
+namespace gpipe::detail {
+
+namespace {
+
+thread_local int cell_depth = 0;
+
+// Marks this thread as inside a cell while alive.
+struct InsideCell {
+  InsideCell() {
+    ++cell_depth;
+  }
+  ~InsideCell() {
+    --cell_depth;
+  }
+};
+
+bool is_differentiable(const torch::Tensor& t) {
+  return t.defined() && (t.is_floating_point() || t.is_complex());
+}
+
+// `t` detached and on `device`: a leaf of the graph of the cell that takes
+// it, requiring grad when the tensor it stands for does and a graph is built.
+torch::Tensor leaf_of(const torch::Tensor& t, torch::Device device, bool grad) {
+  if (!t.defined()) {
+    return t;
+  }
+  auto leaf = t.device() == device ? t.detach() : t.to(device).detach();
+  if (grad && t.requires_grad() && is_differentiable(leaf)) {
+    leaf.requires_grad_(true);
+  }
+  return leaf;
+}
+
+// What a cell sends on: `t` detached, requiring grad when `requires` (the
+// receiver makes its leaf require grad from it).
+torch::Tensor sendable(const torch::Tensor& t, bool requires) {
+  if (!t.defined()) {
+    return t;
+  }
+  auto out = t.detach();
+  if (requires && is_differentiable(out)) {
+    out.requires_grad_(true);
+  }
+  return out;
+}
+
+// Puts a partition's buffers back to the values they had when saved, on
+// restore() or on destruction (a failing backward).
+class BufferRestore {
+ public:
+  BufferRestore() = default;
+  BufferRestore(const BufferRestore&) = delete;
+  BufferRestore& operator=(const BufferRestore&) = delete;
+  ~BufferRestore() {
+    try {
+      restore();
+    } catch (...) {
+      // Already failing; the first error is the one reported.
+    }
+  }
+
+  void save(std::vector<torch::Tensor> buffers) {
+    buffers_ = std::move(buffers);
+    saved_.clear();
+    for (const auto& b : buffers_) {
+      saved_.push_back(b.clone());
+    }
+  }
+
+  void restore() {
+    // Through variable_data(), which has its own version counter: a version
+    // bump would fail the backward of a cell that saved these buffers and
+    // has not run its backward yet (BatchNorm saves its running statistics;
+    // 1F1B interleaves such cells with this one).
+    torch::NoGradGuard no_grad;
+    for (const auto k : c10::irange(buffers_.size())) {
+      buffers_[k].variable_data().copy_(saved_[k]);
+    }
+    buffers_.clear();
+    saved_.clear();
+  }
+
+ private:
+  std::vector<torch::Tensor> buffers_;
+  std::vector<torch::Tensor> saved_;
+};
+
+using Clock = std::chrono::steady_clock;
+
+// Now, when tracing; a stage pays only this test otherwise.
+Clock::time_point stamp(const CellContext& ctx) {
+  return ctx.trace ? Clock::now() : Clock::time_point();
+}
+
+void record(
+    const CellContext& ctx,
+    TraceKind kind,
+    Clock::time_point start,
+    Clock::time_point end) {
+  if (ctx.trace) {
+    ctx.trace->record(ctx.lane, ctx.micro_batch, kind, start, end);
+  }
+}
+
+}  // namespace
+
+bool inside_cell() {
+  return cell_depth > 0;
+}
+
+Stage::Stage(
+    int64_t index,
+    torch::nn::Sequential module,
+    torch::Device device,
+    const SkipLayout& layout)
+    : index_(index), module_(std::move(module)), device_(device) {
+  for (const auto& layer : module_->children()) {
+    skippables_.push_back(as_skippable(*layer));
+  }
+  for (const auto& m : module_->modules()) {
+    if (auto* bn = m->as<DeferredBatchNormImpl>()) {
+      bn->set_manual_commit(true);
+      deferred_batch_norms_.push_back(bn);
+    }
+  }
+  for (const auto& route : layout.copy_policy(index_)) {
+    skips_in_.push_back(route.second);
+  }
+  skips_out_set_ = layout.routed_out(index_);
+  skips_out_.assign(skips_out_set_.begin(), skips_out_set_.end());
+}
+
+void Stage::refresh() {
+  trainable_ = false;
+  for (const auto& p : module_->parameters()) {
+    trainable_ = trainable_ || p.requires_grad();
+  }
+}
+
+Packet Stage::call(const Packet& input) {
+  auto it = module_->begin();
+  TORCH_INTERNAL_ASSERT(it != module_->end(), "empty partition ", index_);
+  size_t layer = 0;
+  auto call_layer = [&](auto&& argument) {
+    const Skippable* skippable = skippables_[layer++];
+    if (skippable == nullptr) {
+      return it->any_forward(std::forward<decltype(argument)>(argument));
+    }
+    SkipUsageGuard usage(skippable);
+    auto output = it->any_forward(std::forward<decltype(argument)>(argument));
+    usage.check();
+    return output;
+  };
+  torch::nn::AnyValue value = input.atomic ? call_layer(input.tensors.at(0))
+                                           : call_layer(input.tensors);
+  for (++it; it != module_->end(); ++it) {
+    value = call_layer(std::move(value));
+  }
+  return packet_of(std::move(value), "partition", index_);
+}
+
+torch::Tensor Stage::loss_of(const Packet& y, const CellContext& ctx) const {
+  TORCH_CHECK_TYPE(
+      y.atomic && y.tensors.size() == 1,
+      "train_step expects the last layer to return one tensor, but it "
+      "returned ",
+      y.tensors.size(),
+      " tensors");
+  auto loss = (*ctx.loss_fn)(y.tensors[0], ctx.target);
+  TORCH_CHECK_VALUE(
+      loss.defined() && loss.numel() == 1,
+      "train_step expects loss_fn to return a scalar, but it returned a "
+      "tensor of shape ",
+      loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  return loss.reshape({}) * ctx.loss_scale;
+}
+
+void Stage::run(
+    const Packet& x,
+    const std::map<SkipKey, torch::Tensor>& incoming,
+    const CellContext& ctx,
+    Packet& y,
+    std::vector<torch::Tensor>& outgoing,
+    torch::Tensor& loss) {
+  CellSkipTracker skips(skips_out_set_, incoming);
+  {
+    SkipTrackerGuard tracker(&skips);
+    y = call(x);
+  }
+  outgoing.clear();
+  for (const auto& key : skips_out_) {
+    outgoing.push_back(skips.outgoing()[key]);
+  }
+  // The loss runs inside the seeded body, so that a loss that samples
+  // draws the same numbers when the cell is recomputed.
+  if (ctx.loss_fn != nullptr) {
+    loss = loss_of(y, ctx);
+  }
+}
+
+Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
+  InsideCell inside;
+  c10::OptionalDeviceGuard device_guard;
+  if (!device_.is_cpu()) {
+    device_guard.reset_device(device_);
+  }
+  const auto started = stamp(ctx);
+  bool copied = false;
+  bool any_input_grad = false;
+  auto take = [&](const torch::Tensor& t) {
+    copied = copied || (t.defined() && t.device() != device_);
+    auto leaf = leaf_of(t, device_, ctx.grad);
+    any_input_grad = any_input_grad || (leaf.defined() && leaf.requires_grad());
+    return leaf;
+  };
+  // A skip from an earlier stage is a leaf of this cell's graph, like the
+  // boundary input.
+  std::map<SkipKey, torch::Tensor> incoming;
+  std::vector<torch::Tensor> skip_inputs;
+  for (const auto k : c10::irange(skips_in_.size())) {
+    auto leaf = take(in.skips.at(k));
+    incoming.emplace(skips_in_[k], leaf);
+    skip_inputs.push_back(std::move(leaf));
+  }
+  Packet x{{}, in.boundary.atomic};
+  x.tensors.reserve(in.boundary.tensors.size());
+  for (const auto& t : in.boundary.tensors) {
+    x.tensors.push_back(take(t));
+  }
+  in = Flow{};
+  auto computing = started;
+  if (ctx.trace && copied) {
+    computing = Clock::now();
+    record(ctx, TraceKind::Copy, started, computing);
+  }
+
+  // A cell whose inputs need no gradient on a stage whose parameters need
+  // none (a frozen backbone) has nothing to back-propagate: it keeps
+  // nothing, is never recomputed, and its outputs require no grad, as in
+  // the plain model.
+  const bool graph = ctx.grad && (any_input_grad || trainable_);
+  c.has_graph = graph;
+  c.checkpointed = graph && ctx.checkpoint;
+  c.seed = ctx.seed;
+  Packet y;
+  std::vector<torch::Tensor> outgoing;
+  torch::Tensor loss;
+  auto body = [&] { run(x, incoming, ctx, y, outgoing, loss); };
+  // A second run, when the first drew unseeded: a recomputation whose
+  // results replace the first run's, side effects kept single.
+  auto rerun = [&] {
+    RecomputingGuard recomputing;
+    BufferRestore buffers;
+    buffers.save(module_->buffers());
+    body();
+  };
+  {
+    std::optional<torch::NoGradGuard> no_grad;
+    std::optional<CheckpointingGuard> checkpointing;
+    if (c.checkpointed) {
+      no_grad.emplace();
+      checkpointing.emplace();
+    }
+    c.random = run_seeded(random_, device_, ctx.training, c.seed, body, rerun);
+  }
+
+  // Outputs require grad where the plain model's would: as computed, or,
+  // for a checkpointed cell (computed without graph), wherever a graph
+  // could reach them.
+  auto requires = [&](const torch::Tensor& t) {
+    return graph && (c.checkpointed || (t.defined() && t.requires_grad()));
+  };
+  Flow out;
+  out.boundary.atomic = y.atomic;
+  if (ctx.loss_fn == nullptr) {
+    for (const auto& t : y.tensors) {
+      out.boundary.tensors.push_back(sendable(t, requires(t)));
+    }
+  } else {
+    c.loss_value = loss.detach();
+  }
+  for (const auto& t : outgoing) {
+    out.skips.push_back(sendable(t, requires(t)));
+  }
+  if (graph) {
+    c.input = std::move(x);
+    c.skip_inputs = std::move(skip_inputs);
+    if (!c.checkpointed) {
+      if (ctx.loss_fn != nullptr) {
+        c.loss = std::move(loss);
+      } else {
+        c.output = std::move(y);
+      }
+      c.skip_outputs = std::move(outgoing);
+    }
+  }
+  record(ctx, TraceKind::Forward, computing, Clock::now());
+  return out;
+}
+
+Flow Stage::backward(CellState& c, Flow dy, const CellContext& ctx) {
+  InsideCell inside;
+  c10::OptionalDeviceGuard device_guard;
+  if (!device_.is_cpu()) {
+    device_guard.reset_device(device_);
+  }
+  const auto started = stamp(ctx);
+  Flow dx;
+  dx.boundary.atomic = c.input.atomic;
+  dx.boundary.tensors.resize(c.input.tensors.size());
+  dx.skips.resize(skips_in_.size());
+  const bool from_loss = ctx.loss_fn != nullptr;
+  bool any_grad = from_loss;
+  for (const auto* grads : {&dy.boundary.tensors, &dy.skips}) {
+    for (const auto& g : *grads) {
+      any_grad = any_grad || g.defined();
+    }
+  }
+  if (!c.has_graph || !any_grad) {
+    // Frozen, or no gradient reaches this cell's outputs: nothing to
+    // recompute or back-propagate.
+    if (!ctx.retain) {
+      c = CellState{};
+    }
+    return dx;
+  }
+
+  auto backward_started = started;
+  Packet y;
+  std::vector<torch::Tensor> skip_outputs;
+  torch::Tensor loss;
+  // Recomputation must not update running statistics a second time; the
+  // buffers are put back once the cell's backward, which may read them,
+  // is done, also when it fails.
+  BufferRestore buffers;
+  if (c.checkpointed) {
+    torch::AutoGradMode grad_mode(true);
+    RecomputingGuard recomputing;
+    buffers.save(module_->buffers());
+    std::map<SkipKey, torch::Tensor> incoming;
+    for (const auto k : c10::irange(skips_in_.size())) {
+      incoming.emplace(skips_in_[k], c.skip_inputs[k]);
+    }
+    replay_seeded(device_, c.seed, c.random, [&] {
+      run(c.input, incoming, ctx, y, skip_outputs, loss);
+    });
+    if (ctx.trace) {
+      backward_started = Clock::now();
+      record(ctx, TraceKind::Recompute, started, backward_started);
+    }
+  } else {
+    y = c.output;
+    skip_outputs = c.skip_outputs;
+    loss = c.loss;
+  }
+
+  std::vector<torch::Tensor> roots;
+  std::vector<torch::Tensor> grads;
+  auto add_root = [&](const torch::Tensor& out, const torch::Tensor& g) {
+    if (g.defined() && out.defined() && out.requires_grad()) {
+      roots.push_back(out);
+      grads.push_back(g.device() == out.device() ? g : g.to(out.device()));
+    }
+  };
+  if (from_loss && loss.defined()) {
+    add_root(loss, torch::ones_like(loss));
+  }
+  for (const auto k : c10::irange(y.tensors.size())) {
+    if (k < dy.boundary.tensors.size()) {
+      add_root(y.tensors[k], dy.boundary.tensors[k]);
+    }
+  }
+  // The gradients of skips to later stages came back from the cells that
+  // popped them.
+  for (const auto k : c10::irange(skip_outputs.size())) {
+    if (k < dy.skips.size()) {
+      add_root(skip_outputs[k], dy.skips[k]);
+    }
+  }
+  dy = Flow{};
+  skip_outputs.clear();
+  loss = torch::Tensor();
+  // Input leaves of a retained cell collect gradients again on the next
+  // backward: start from nothing each time.
+  for (auto* leaves : {&c.input.tensors, &c.skip_inputs}) {
+    for (auto& x : *leaves) {
+      if (x.defined() && x.grad().defined()) {
+        x.mutable_grad().reset();
+      }
+    }
+  }
+  if (!roots.empty()) {
+    torch::autograd::backward(
+        roots, grads, /*retain_graph=*/ctx.retain, /*create_graph=*/false);
+  }
+  roots.clear();
+  grads.clear();
+  y = Packet{};
+  buffers.restore();
+
+  auto grad_of = [](const torch::Tensor& leaf) {
+    return leaf.defined() && leaf.requires_grad() ? leaf.grad()
+                                                  : torch::Tensor();
+  };
+  for (const auto k : c10::irange(skips_in_.size())) {
+    dx.skips[k] = grad_of(c.skip_inputs[k]);
+  }
+  for (const auto k : c10::irange(c.input.tensors.size())) {
+    dx.boundary.tensors[k] = grad_of(c.input.tensors[k]);
+  }
+  if (!ctx.retain) {
+    c = CellState{};
+  }
+  record(ctx, TraceKind::Backward, backward_started, Clock::now());
+  return dx;
+}
+
+void Stage::commit_batch_norms() {
+  for (auto* bn : deferred_batch_norms_) {
+    bn->commit();
+  }
+}
+
+void Stage::discard_batch_norms() {
+  for (auto* bn : deferred_batch_norms_) {
+    bn->discard();
+  }
+}
+
+}  // namespace gpipe::detail

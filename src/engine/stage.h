@@ -1,0 +1,160 @@
+#pragma once
+
+// Stage: one partition's compute for one cell (micro-batch): forward,
+// recomputation, loss and backward, with its seeds and skips. A stage knows
+// nothing of threads, lanes or where its inputs come from: the plan runner
+// receives a cell's inputs from the transport, calls the stage, and sends
+// what the stage returns.
+
+#include <gpipe/options.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "packet.h"
+#include "random.h"
+#include "skip.h"
+
+namespace gpipe {
+class DeferredBatchNormImpl;
+class Trace;
+}  // namespace gpipe
+
+namespace gpipe::detail {
+
+/// What flows into or out of a cell: the boundary packet and the skips that
+/// cross stages. Forward: activations in, activations out. Backward: the
+/// gradients of the outputs in, the gradients of the inputs out.
+struct Flow {
+  Packet boundary;
+  /// By the order of Stage::skips_in() (forward in, backward out) or
+  /// Stage::skips_out() (forward out, backward in).
+  std::vector<torch::Tensor> skips;
+};
+
+/// What a cell keeps between its forward and its backward.
+struct CellState {
+  Packet input;                             // leaves
+  std::vector<torch::Tensor> skip_inputs;   // leaves, by skips_in()
+  Packet output;                            // with graph, unless checkpointed
+  std::vector<torch::Tensor> skip_outputs;  // with graph, unless checkpointed
+  torch::Tensor loss;  // with graph: train step, last stage, not checkpointed
+  torch::Tensor loss_value;  // detached
+  bool has_graph = false;    // backward has something to do
+  bool checkpointed = false;
+  uint64_t seed = 0;
+  RandomOutcome random;
+};
+
+/// What one cell runs under; the same for every cell of a pass but the
+/// micro-batch's own fields.
+struct CellContext {
+  int64_t micro_batch = 0;
+  bool training = true;
+  /// Grad mode was on and something requires grad: build what backward
+  /// needs.
+  bool grad = false;
+  /// Keep only the inputs and recompute in backward.
+  bool checkpoint = false;
+  uint64_t seed = 0;
+  /// Training step on the last stage: the loss of the output, scaled by
+  /// the micro-batch's share of the batch.
+  const LossFunction* loss_fn = nullptr;
+  torch::Tensor target;
+  double loss_scale = 1.0;
+  /// Backward keeps the cell for another backward (retain_graph).
+  bool retain = false;
+  /// Where to record intervals (null: not tracing), and as which lane.
+  Trace* trace = nullptr;
+  int64_t lane = 0;
+};
+
+class Stage {
+ public:
+  Stage(
+      int64_t index,
+      torch::nn::Sequential module,
+      torch::Device device,
+      const SkipLayout& layout);
+
+  int64_t index() const {
+    return index_;
+  }
+  torch::Device device() const {
+    return device_;
+  }
+  const torch::nn::Sequential& module() const {
+    return module_;
+  }
+  /// Skips popped here but stashed in an earlier stage, in the order of
+  /// the layout's copy policy.
+  const std::vector<SkipKey>& skips_in() const {
+    return skips_in_;
+  }
+  /// Skips stashed here and popped in a later stage.
+  const std::vector<SkipKey>& skips_out() const {
+    return skips_out_;
+  }
+
+  /// Reads whether any parameter requires grad; called by the caller before
+  /// each pass (layers may be frozen or unfrozen between passes).
+  void refresh();
+  bool trainable() const {
+    return trainable_;
+  }
+
+  /// The forward of one cell. Returns its outputs, detached, each
+  /// requiring grad where the plain model's would. With a loss, the
+  /// boundary output is empty and `c.loss_value` holds the loss.
+  Flow forward(CellState& c, Flow in, const CellContext& ctx);
+
+  /// The backward of one cell: recomputes if checkpointed, back-propagates
+  /// `dy` (and the loss), and returns the gradients of the cell's inputs
+  /// (undefined where none reached them). Does nothing for a cell without
+  /// graph or without incoming gradient. Frees `c` unless `ctx.retain`.
+  Flow backward(CellState& c, Flow dy, const CellContext& ctx);
+
+  /// DeferredBatchNorm layers: fold the mini-batch's statistics into the
+  /// running ones, or drop them after a failure.
+  void commit_batch_norms();
+  void discard_batch_norms();
+
+  /// Runs the partition's layers on a packet (outside any cell's
+  /// bookkeeping: skips go to the current tracker).
+  Packet call(const Packet& input);
+
+ private:
+  torch::Tensor loss_of(const Packet& y, const CellContext& ctx) const;
+  // Runs the partition on `x` with skips from `incoming`; fills `y`,
+  // `outgoing` (by skips_out) and, with a loss, `loss`.
+  void run(
+      const Packet& x,
+      const std::map<SkipKey, torch::Tensor>& incoming,
+      const CellContext& ctx,
+      Packet& y,
+      std::vector<torch::Tensor>& outgoing,
+      torch::Tensor& loss);
+
+  int64_t index_;
+  torch::nn::Sequential module_;
+  torch::Device device_;
+  RandomUse random_;  // see Note [Random streams of concurrent cells]
+  std::vector<const Skippable*> skippables_;  // per layer, or nullptr
+  std::vector<SkipKey> skips_in_;
+  std::vector<SkipKey> skips_out_;
+  std::set<SkipKey> skips_out_set_;
+  std::vector<DeferredBatchNormImpl*> deferred_batch_norms_;
+  bool trainable_ = true;
+};
+
+/// True on a thread inside a cell (a layer's forward or backward, or the
+/// loss). Starting a pipeline there is refused: see Note [Random streams of
+/// concurrent cells].
+bool inside_cell();
+
+}  // namespace gpipe::detail

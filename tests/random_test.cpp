@@ -1,0 +1,204 @@
+// Random numbers in the pipeline: cells whose layers start (or stop)
+// drawing random numbers between steps replay the same numbers in
+// recomputation, on several lanes at once, so checkpointing never changes a
+// gradient. See Note [Random streams of concurrent cells].
+
+#include <atomic>
+
+#include "common.h"
+
+namespace {
+
+using gpipe::Checkpoint;
+using gpipe::testing::SeededTest;
+
+class RandomTest : public SeededTest {};
+
+// Dropout whose probability is set from outside between steps, as a
+// schedule that raises it from 0 would. At p = 0 it draws nothing.
+struct ScheduledDropoutImpl : torch::nn::Cloneable<ScheduledDropoutImpl> {
+  explicit ScheduledDropoutImpl(std::shared_ptr<std::atomic<double>> p)
+      : p(std::move(p)) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    return torch::dropout(x, p->load(), is_training());
+  }
+  std::shared_ptr<std::atomic<double>> p;
+};
+TORCH_MODULE(ScheduledDropout);
+
+// DropPath: drops whole samples, drawing one number per sample, but only on
+// steps where it is switched on.
+struct DropPathImpl : torch::nn::Cloneable<DropPathImpl> {
+  explicit DropPathImpl(std::shared_ptr<std::atomic<bool>> on)
+      : on(std::move(on)) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (!is_training() || !on->load()) {
+      return x;
+    }
+    auto keep = (torch::rand({x.size(0), 1}, x.options()) < 0.7).to(x.dtype());
+    return x * keep / 0.7;
+  }
+  std::shared_ptr<std::atomic<bool>> on;
+};
+TORCH_MODULE(DropPath);
+
+struct Knobs {
+  std::shared_ptr<std::atomic<double>> p =
+      std::make_shared<std::atomic<double>>(0.0);
+  std::shared_ptr<std::atomic<bool>> path =
+      std::make_shared<std::atomic<bool>>(false);
+};
+
+// Three partitions, each with a layer whose randomness is switched between
+// steps.
+torch::nn::Sequential model_of(const Knobs& knobs) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 8),
+      ScheduledDropout(knobs.p),
+      torch::nn::Tanh(),
+      torch::nn::Linear(8, 8),
+      DropPath(knobs.path),
+      torch::nn::Tanh(),
+      torch::nn::Linear(8, 8),
+      ScheduledDropout(knobs.p),
+      torch::nn::Linear(8, 3));
+  net->to(torch::kFloat64);
+  return net;
+}
+
+// Runs the same steps through a model checkpointed `Always` and one that is
+// not, with the same seed before every step, and expects the same
+// gradients: a recomputation that drew other numbers than its forward would
+// show up as a difference.
+void expect_checkpointing_changes_nothing(bool train_step) {
+  Knobs knobs;
+  auto net = model_of(knobs);
+  auto always_net = gpipe::testing::copy_of(net);
+  auto never_net = gpipe::testing::copy_of(net);
+  gpipe::GPipe always(
+      always_net,
+      gpipe::GPipeOptions({3, 3, 3}).chunks(4).checkpoint(Checkpoint::Always));
+  gpipe::GPipe never(
+      never_net,
+      gpipe::GPipeOptions({3, 3, 3}).chunks(4).checkpoint(Checkpoint::Never));
+  auto x = torch::randn({8, 6}, torch::kFloat64);
+  auto y = torch::randn({8, 3}, torch::kFloat64);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::mse_loss(out, target);
+  };
+  // Off, on, off again, on again: each switch is a change between steps.
+  const double ps[] = {0.0, 0.0, 0.5, 0.5, 0.0, 0.3, 0.3, 0.0, 0.5};
+  const bool paths[] = {
+      false, false, false, true, true, false, true, true, false};
+  for (int step = 0; step < 9; ++step) {
+    knobs.p->store(ps[step]);
+    knobs.path->store(paths[step]);
+    for (auto* model : {&always, &never}) {
+      (*model)->zero_grad();
+      torch::manual_seed(1000 + step);
+      if (train_step) {
+        (*model)->train_step(x, y, loss_fn);
+      } else {
+        loss_fn((*model)->forward(x), y).backward();
+      }
+    }
+    auto a = gpipe::testing::grads_of(*always);
+    auto b = gpipe::testing::grads_of(*never);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t k = 0; k < a.size(); ++k) {
+      ASSERT_TRUE(a[k].defined() && b[k].defined());
+      EXPECT_TRUE(torch::allclose(a[k], b[k], 1e-12, 1e-12))
+          << "step " << step << " (p " << ps[step] << ", drop path "
+          << paths[step] << "), parameter " << k;
+    }
+  }
+}
+
+TEST_F(RandomTest, RandomnessThatStartsLateReplaysInRecomputation) {
+  // Many times: lanes interleave differently on every run.
+  for (int run = 0; run < 15; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    expect_checkpointing_changes_nothing(/*train_step=*/false);
+  }
+}
+
+TEST_F(RandomTest, RandomnessThatStartsLateReplaysInTrainStep) {
+  for (int run = 0; run < 15; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    expect_checkpointing_changes_nothing(/*train_step=*/true);
+  }
+}
+
+TEST_F(RandomTest, DropoutMasksDependOnTheSeedAlone) {
+  // The same seed gives the same outputs however the lanes interleave.
+  Knobs knobs;
+  knobs.p->store(0.5);
+  gpipe::GPipe model(model_of(knobs), gpipe::GPipeOptions({3, 3, 3}).chunks(4));
+  auto x = torch::randn({8, 6}, torch::kFloat64);
+  torch::manual_seed(7);
+  auto first = model->forward(x).detach();
+  for (int run = 0; run < 10; ++run) {
+    torch::manual_seed(7);
+    EXPECT_TRUE(torch::equal(model->forward(x).detach(), first));
+  }
+}
+
+TEST_F(RandomTest, SampledLossDrawsTheSameNumbersInRecomputation) {
+  // A loss that samples (here: a random weight per element) must see the
+  // same samples when a checkpointed micro-batch is recomputed, or the
+  // gradient belongs to another loss.
+  auto net = torch::nn::Sequential(
+      torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 2));
+  net->to(torch::kFloat64);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return ((out - target).pow(2) * torch::rand_like(out)).mean();
+  };
+  auto x = torch::randn({8, 4}, torch::kFloat64);
+  auto y = torch::randn({8, 2}, torch::kFloat64);
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (auto mode : {Checkpoint::Always, Checkpoint::Never}) {
+    gpipe::GPipe model(
+        gpipe::testing::copy_of(net),
+        gpipe::GPipeOptions({2, 1}).chunks(4).checkpoint(mode));
+    torch::manual_seed(3);
+    model->train_step(x, y, loss_fn);
+    grads.push_back(gpipe::testing::grads_of(*model));
+  }
+  for (size_t k = 0; k < grads[0].size(); ++k) {
+    EXPECT_TRUE(torch::allclose(grads[0][k], grads[1][k], 1e-12, 1e-12))
+        << "parameter " << k;
+  }
+}
+
+TEST_F(RandomTest, LossRunsOncePerMicroBatchOutsideRecomputation) {
+  auto net =
+      torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Linear(6, 2));
+  for (auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    std::atomic<int> counted{0};
+    std::atomic<int> recomputed{0};
+    auto loss_fn = [&](torch::Tensor out, torch::Tensor target) {
+      (gpipe::is_recomputing() ? recomputed : counted)++;
+      return torch::mse_loss(out, target);
+    };
+    gpipe::GPipe model(
+        gpipe::testing::copy_of(net),
+        gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(mode));
+    for (auto schedule :
+         {gpipe::Schedule::FillDrain, gpipe::Schedule::OneFOneB}) {
+      counted = 0;
+      recomputed = 0;
+      model->train_step(
+          torch::randn({8, 4}), torch::randn({8, 2}), loss_fn, schedule);
+      EXPECT_EQ(counted.load(), 4) << gpipe::to_string(mode);
+      const int checkpointed = mode == Checkpoint::Always       ? 4
+                               : mode == Checkpoint::ExceptLast ? 3
+                                                                : 0;
+      EXPECT_EQ(recomputed.load(), checkpointed) << gpipe::to_string(mode);
+    }
+  }
+}
+
+}  // namespace
