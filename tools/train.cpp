@@ -7,15 +7,23 @@
 #include <gpipe/models/resnet.h>
 #include <gpipe/models/unet.h>
 #include <torch/torch.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <stdexcept>
 #include <string>
+#include <system_error>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -123,36 +131,95 @@ torch::nn::Sequential make_unet() {
   return net;
 }
 
-struct Model {
-  torch::nn::Sequential net;
-  // The balance for 2 partitions: it puts skips across the boundary.
+namespace fs = std::filesystem;
+
+// A bad command line: printed on one line, exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Throws a UsageError made of `args` unless `condition` holds. Every message
+// starts with the flag it is about.
+template <typename... Args>
+void usage_check(bool condition, const Args&... args) {
+  if (!condition) {
+    throw UsageError(c10::str(args...));
+  }
+}
+
+// The exit status of a bad command line, as for most Unix tools.
+constexpr int kUsageExit = 2;
+
+// Intra-op threads are per lane, so the total is this times the partitions;
+// beyond the cores it only oversubscribes, and far beyond them OpenMP runs
+// out of memory creating the team (--threads-per-lane 99999999999 did).
+// 1024 keeps room for large machines while refusing typos.
+constexpr int64_t kMaxThreadsPerLane = 1024;
+
+// The gzipped IDX files that --data-dir must hold.
+constexpr const char* kDataFiles[] = {
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz"};
+
+// One entry per --model. The layer counts are known here so that
+// --partitions and --balance are checked before anything is built
+// (make_model asserts them).
+struct ModelSpec {
+  std::string name;
+  int64_t layers = 0;
+  // The balance for 2 partitions: it puts skips across the boundary. Empty:
+  // the even split.
   std::vector<int64_t> two_way_balance;
 };
 
-Model make_model(const std::string& name) {
-  if (name == "resnet") {
-    // 39 layers: stem 0-2, bottlenecks 3-13, 14-24, 25-35, head 36-38. The
-    // cut after the second bottleneck's relu2 splits the work about in two
-    // and carries that block's identity across.
-    return {gpipe::models::resnet_small(10), {21, 18}};
+const std::vector<ModelSpec>& model_specs() {
+  static const std::vector<ModelSpec> specs{
+      {"cnn", 13, {}},
+      // 39 layers: stem 0-2, bottlenecks 3-13, 14-24, 25-35, head 36-38. The
+      // cut after the second bottleneck's relu2 splits the work about in two
+      // and carries that block's identity across.
+      {"resnet", 39, {21, 18}},
+      // 69 layers: pad, encoder levels 0-4 of 6 layers (1-30), the
+      // bottleneck (31-34), decoder levels 4-0 of 6 layers (35-64), segment
+      // and head (65-68). The cut after decoder level 4 splits the
+      // multiply-adds about in two and carries the skips of levels 0-3
+      // across.
+      {"unet", 69, {41, 28}}};
+  return specs;
+}
+
+const ModelSpec& model_spec(const std::string& name) {
+  const auto& specs = model_specs();
+  const auto it = std::find_if(specs.begin(), specs.end(), [&](const auto& s) {
+    return s.name == name;
+  });
+  TORCH_INTERNAL_ASSERT(it != specs.end(), "no model named ", name);
+  return *it;
+}
+
+torch::nn::Sequential make_model(const ModelSpec& spec) {
+  torch::nn::Sequential net;
+  if (spec.name == "resnet") {
+    net = gpipe::models::resnet_small(10);
+  } else if (spec.name == "unet") {
+    net = make_unet();
+  } else {
+    net = make_cnn();
   }
-  if (name == "unet") {
-    // 69 layers: pad, encoder levels 0-4 of 6 layers (1-30), the
-    // bottleneck (31-34), decoder levels 4-0 of 6 layers (35-64), segment
-    // and head (65-68). The cut after decoder level 4 splits the
-    // multiply-adds about in two and carries the skips of levels 0-3 across.
-    return {make_unet(), {41, 28}};
-  }
-  return {make_cnn(), {}};
+  TORCH_INTERNAL_ASSERT(
+      static_cast<int64_t>(net->size()) == spec.layers,
+      "model_specs() says --model ",
+      spec.name,
+      " has ",
+      spec.layers,
+      " layers, but it has ",
+      net->size());
+  return net;
 }
 
 std::vector<int64_t> even_balance(int64_t layers, int64_t partitions) {
-  TORCH_CHECK_VALUE(
-      partitions >= 1 && partitions <= layers,
-      "--partitions must be between 1 and ",
-      layers,
-      ", but got ",
-      partitions);
   std::vector<int64_t> balance(partitions, layers / partitions);
   for (int64_t k = 0; k < layers % partitions; ++k) {
     balance[partitions - 1 - k] += 1;
@@ -160,23 +227,141 @@ std::vector<int64_t> even_balance(int64_t layers, int64_t partitions) {
   return balance;
 }
 
+// Parses --balance: positive decimal integers separated by commas, e.g. 6,7.
+// Unlike std::getline, keeps a trailing empty entry ("6,7,") to refuse it.
 std::vector<int64_t> parse_balance(const std::string& text) {
+  constexpr const char* kExpected =
+      "; expected layers per partition as positive integers separated by "
+      "commas, e.g. 6,7";
+  usage_check(!text.empty(), "--balance is empty", kExpected);
   std::vector<int64_t> balance;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    balance.push_back(std::stoll(item));
+  size_t begin = 0;
+  while (true) {
+    const auto end = std::min(text.find(',', begin), text.size());
+    const auto item = text.substr(begin, end - begin);
+    const auto entry = balance.size() + 1;
+    usage_check(
+        !item.empty(),
+        "--balance '",
+        text,
+        "': entry ",
+        entry,
+        " is empty",
+        kExpected);
+    int64_t value = 0;
+    const auto [rest, error] =
+        std::from_chars(item.data(), item.data() + item.size(), value);
+    usage_check(
+        error == std::errc() && rest == item.data() + item.size(),
+        "--balance '",
+        text,
+        "': entry ",
+        entry,
+        " ('",
+        item,
+        "') is not a 64-bit integer",
+        kExpected);
+    usage_check(
+        value >= 1,
+        "--balance '",
+        text,
+        "': entry ",
+        entry,
+        " is ",
+        value,
+        ", but every partition needs at least one layer");
+    balance.push_back(value);
+    if (end == text.size()) {
+      return balance;
+    }
+    begin = end + 1;
   }
-  return balance;
 }
 
-}  // namespace
+// CLI11 reads integers with strtoll's base 0 and saturates, so "010" would
+// be 8, "0x10" 16 and "99999999999999999999" INT64_MAX; it also wraps "-1"
+// into an unsigned. Accept plain decimals that fit in T only.
+template <typename T>
+CLI::Validator decimal() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        T value{};
+        const char* end = text.data() + text.size();
+        const auto [rest, error] = std::from_chars(text.data(), end, value);
+        if (error == std::errc::result_out_of_range) {
+          return c10::str("'", text, "' is out of range");
+        }
+        if (text.empty() || error != std::errc() || rest != end) {
+          return c10::str(
+              "expected a ",
+              std::is_signed<T>::value ? "" : "non-negative ",
+              "decimal integer, but got '",
+              text,
+              "'");
+        }
+        return std::string();
+      },
+      /*validator_desc=*/"");
+}
 
-int main(int argc, char** argv) {
-  CLI::App app{
-      "Train a CNN, ResNet or U-Net on Fashion-MNIST with GPipe pipeline "
-      "parallelism"};
-  std::string model_name = "cnn";
+// A file that a few steps' trace goes to: its folder must exist now, rather
+// than the write failing after the training it recorded.
+void verify_output_path(const std::string& flag, const std::string& path) {
+  usage_check(!path.empty(), flag, " needs a file name");
+  std::error_code ignored;
+  usage_check(
+      !fs::is_directory(path, ignored),
+      flag,
+      " '",
+      path,
+      "' is a folder; name a file in it");
+  auto folder = fs::path(path).parent_path();
+  if (folder.empty()) {
+    folder = ".";
+  }
+  usage_check(
+      fs::is_directory(folder, ignored),
+      flag,
+      " '",
+      path,
+      "': the folder '",
+      folder.string(),
+      "' does not exist");
+  usage_check(
+      ::access(folder.c_str(), W_OK) == 0,
+      flag,
+      " '",
+      path,
+      "': the folder '",
+      folder.string(),
+      "' is not writable");
+}
+
+void verify_data_dir(const std::string& dir) {
+  constexpr const char* kWayOut =
+      "; install Debian's dataset-fashion-mnist or pass the folder of the "
+      "Fashion-MNIST *-ubyte.gz files";
+  std::error_code ignored;
+  usage_check(
+      fs::is_directory(dir, ignored),
+      "--data-dir '",
+      dir,
+      "' is not a folder",
+      kWayOut);
+  for (const char* file : kDataFiles) {
+    usage_check(
+        fs::is_regular_file(fs::path(dir) / file, ignored),
+        "--data-dir '",
+        dir,
+        "' has no ",
+        file,
+        kWayOut);
+  }
+}
+
+// gpipe-train's flags, with their defaults.
+struct Args {
+  std::string model = "cnn";
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   int64_t partitions = 2;
   std::string balance_text;
@@ -194,205 +379,447 @@ int main(int argc, char** argv) {
   std::string trace_path;
   std::string timeline_path;
   int64_t trace_steps = 3;
+  // Layers per partition: --balance, or chosen by verify_args.
+  std::vector<int64_t> balance;
+};
+
+void add_options(CLI::App& app, Args& args) {
+  std::vector<std::string> models;
+  for (const auto& spec : model_specs()) {
+    models.push_back(spec.name);
+  }
+  const auto int64 = decimal<int64_t>();
   app.add_option(
          "--model",
-         model_name,
+         args.model,
          "cnn: conv-BN-ReLU blocks; resnet: a small ResNet of bottlenecks; "
          "unet: a U-Net with a pooling classifier (skips cross partitions)")
-      ->check(CLI::IsMember({"cnn", "resnet", "unet"}));
-  app.add_option("--data-dir", data_dir, "Folder with the gzipped IDX files");
-  app.add_option("--partitions", partitions, "Number of pipeline partitions");
+      ->check(CLI::IsMember(models));
+  app.add_option(
+      "--data-dir", args.data_dir, "Folder with the gzipped IDX files");
+  app.add_option(
+         "--partitions",
+         args.partitions,
+         "Number of pipeline partitions, 1 to the model's layers (with "
+         "--balance: its length)")
+      ->check(int64);
   app.add_option(
       "--balance",
-      balance_text,
-      "Layers per partition, e.g. 6,7 (default: even, or one that puts "
-      "skips across 2 partitions for resnet and unet)");
-  app.add_option("--chunks", chunks, "Micro-batches per mini-batch");
-  app.add_option("--checkpoint", checkpoint, "always | except_last | never");
-  app.add_option("--epochs", epochs, "Training epochs");
-  app.add_option("--batch-size", batch_size, "Mini-batch size");
-  app.add_option("--lr", lr, "SGD learning rate (momentum 0.9)");
+      args.balance_text,
+      "Layers per partition, e.g. 6,7, summing to the model's layers "
+      "(default: even, or one that puts skips across 2 partitions for "
+      "resnet and unet)");
   app.add_option(
-      "--threads-per-lane",
-      threads_per_lane,
-      "Intra-op threads per CPU lane (0: automatic)");
+         "--chunks",
+         args.chunks,
+         "Micro-batches per mini-batch, 1 to --batch-size")
+      ->check(int64);
   app.add_option(
-      "--limit", limit, "Use only the first N training images (0: all)");
-  app.add_option("--log-every", log_every, "Print progress every N steps");
-  app.add_option("--seed", seed, "Random seed");
-  app.add_flag("--json", json, "Print one final JSON summary line");
+         "--checkpoint",
+         args.checkpoint,
+         "Which micro-batches keep only their input and recompute it in "
+         "backward")
+      ->check(CLI::IsMember({"always", "except_last", "never"}));
+  app.add_option("--epochs", args.epochs, "Training epochs (at least 1)")
+      ->check(int64);
+  app.add_option(
+         "--batch-size", args.batch_size, "Mini-batch size (at least 1)")
+      ->check(int64);
+  app.add_option(
+      "--lr", args.lr, "SGD learning rate, positive and finite (momentum 0.9)");
+  app.add_option(
+         "--threads-per-lane",
+         args.threads_per_lane,
+         c10::str(
+             "Intra-op threads per CPU lane: 0 (automatic) or 1 to ",
+             kMaxThreadsPerLane))
+      ->check(int64);
+  app.add_option(
+         "--limit", args.limit, "Use only the first N training images (0: all)")
+      ->check(int64);
+  app.add_option(
+         "--log-every",
+         args.log_every,
+         "Print progress every N steps (at least 1)")
+      ->check(int64);
+  app.add_option("--seed", args.seed, "Random seed")
+      ->check(decimal<uint64_t>());
+  app.add_flag("--json", args.json, "Print one final JSON summary line");
   app.add_option(
          "--schedule",
-         schedule,
+         args.schedule,
          "autograd: forward, then loss.backward(); fill_drain | 1f1b: "
          "train_step with the loss inside the pipeline")
       ->check(CLI::IsMember({"autograd", "fill_drain", "1f1b"}));
   app.add_option(
-      "--trace", trace_path, "Write a Chrome trace JSON of a few steps here");
+      "--trace",
+      args.trace_path,
+      "Write a Chrome trace JSON of a few steps here");
   app.add_option(
-      "--timeline", timeline_path, "Write an SVG timeline of a few steps here");
+      "--timeline",
+      args.timeline_path,
+      "Write an SVG timeline of a few steps here");
   app.add_option(
-      "--trace-steps",
-      trace_steps,
-      "Steps to record for --trace/--timeline (from the second step)");
-  CLI11_PARSE(app, argc, argv);
+         "--trace-steps",
+         args.trace_steps,
+         "Steps to record for --trace/--timeline (from the second step; at "
+         "least 1)")
+      ->check(int64);
+}
 
-  try {
-    torch::manual_seed(seed);
-    auto train_x = read_idx(data_dir + "/train-images-idx3-ubyte.gz", true);
-    auto train_y = read_idx(data_dir + "/train-labels-idx1-ubyte.gz", false);
-    auto test_x = read_idx(data_dir + "/t10k-images-idx3-ubyte.gz", true);
-    auto test_y = read_idx(data_dir + "/t10k-labels-idx1-ubyte.gz", false);
-    if (limit > 0 && limit < train_x.size(0)) {
-      train_x = train_x.narrow(0, 0, limit);
-      train_y = train_y.narrow(0, 0, limit);
+// Checks every flag and their agreement, and fills in args.balance; throws
+// UsageError. Runs before the data is read or the model built. (Only that
+// the run has enough steps for --trace-steps waits for the data.)
+void verify_args(const CLI::App& app, Args& args) {
+  const auto& spec = model_spec(args.model);
+  usage_check(
+      args.epochs >= 1, "--epochs must be at least 1, but got ", args.epochs);
+  usage_check(
+      args.batch_size >= 1,
+      "--batch-size must be at least 1, but got ",
+      args.batch_size);
+  usage_check(
+      args.chunks >= 1, "--chunks must be at least 1, but got ", args.chunks);
+  usage_check(
+      args.chunks <= args.batch_size,
+      "--chunks ",
+      args.chunks,
+      " is more than --batch-size ",
+      args.batch_size,
+      "; every micro-batch needs at least one sample");
+  usage_check(
+      std::isfinite(args.lr) && args.lr > 0,
+      "--lr must be positive and finite, but got ",
+      args.lr);
+  usage_check(
+      args.threads_per_lane >= 0 && args.threads_per_lane <= kMaxThreadsPerLane,
+      "--threads-per-lane must be 0 (automatic) or 1 to ",
+      kMaxThreadsPerLane,
+      ", but got ",
+      args.threads_per_lane);
+  usage_check(
+      args.limit >= 0,
+      "--limit must be 0 (all images) or positive, but got ",
+      args.limit);
+  usage_check(
+      args.log_every >= 1,
+      "--log-every must be at least 1, but got ",
+      args.log_every);
+
+  usage_check(
+      args.partitions >= 1 && args.partitions <= spec.layers,
+      "--partitions must be between 1 and ",
+      spec.layers,
+      " (the layers of --model ",
+      spec.name,
+      "), but got ",
+      args.partitions);
+  if (app.count("--balance") > 0) {
+    args.balance = parse_balance(args.balance_text);
+    const auto n = static_cast<int64_t>(args.balance.size());
+    usage_check(
+        app.count("--partitions") == 0 || args.partitions == n,
+        "--balance '",
+        args.balance_text,
+        "' has ",
+        n,
+        " entries, but --partitions is ",
+        args.partitions,
+        "; give one entry per partition or leave out --partitions");
+    int64_t sum = 0;
+    for (const auto b : args.balance) {
+      // Also keeps the sum from overflowing.
+      usage_check(
+          b <= spec.layers,
+          "--balance '",
+          args.balance_text,
+          "' has an entry of ",
+          b,
+          ", but --model ",
+          spec.name,
+          " has only ",
+          spec.layers,
+          " layers");
+      sum += b;
     }
+    usage_check(
+        sum == spec.layers,
+        "--balance '",
+        args.balance_text,
+        "' sums to ",
+        sum,
+        ", but --model ",
+        spec.name,
+        " has ",
+        spec.layers,
+        " layers");
+    args.partitions = n;
+  } else if (args.partitions == 2 && !spec.two_way_balance.empty()) {
+    args.balance = spec.two_way_balance;
+  } else {
+    args.balance = even_balance(spec.layers, args.partitions);
+  }
 
-    auto [net, two_way_balance] = make_model(model_name);
-    const auto layers = static_cast<int64_t>(net->size());
-    std::vector<int64_t> balance;
-    if (!balance_text.empty()) {
-      balance = parse_balance(balance_text);
-    } else if (partitions == 2 && !two_way_balance.empty()) {
-      balance = two_way_balance;
-    } else {
-      balance = even_balance(layers, partitions);
+  usage_check(
+      args.trace_steps >= 1,
+      "--trace-steps must be at least 1, but got ",
+      args.trace_steps);
+  const bool trace = app.count("--trace") > 0;
+  const bool timeline = app.count("--timeline") > 0;
+  usage_check(
+      trace || timeline || app.count("--trace-steps") == 0,
+      "--trace-steps has no effect without --trace or --timeline");
+  if (trace) {
+    verify_output_path("--trace", args.trace_path);
+  }
+  if (timeline) {
+    verify_output_path("--timeline", args.timeline_path);
+  }
+  if (trace && timeline) {
+    std::error_code ignored;
+    usage_check(
+        fs::weakly_canonical(args.trace_path, ignored) !=
+            fs::weakly_canonical(args.timeline_path, ignored),
+        "--trace and --timeline both name '",
+        args.trace_path,
+        "'; give them different files");
+  }
+
+  // Last, so that an uninstalled data set does not hide other mistakes.
+  verify_data_dir(args.data_dir);
+}
+
+// c10::Error messages may carry context on further lines; print one.
+std::string one_line(const std::string& text) {
+  std::string line;
+  bool space = false;
+  for (const char c : text) {
+    if (std::isspace(static_cast<unsigned char>(c))) {
+      space = true;
+      continue;
     }
-    gpipe::GPipe model(
-        net,
-        gpipe::GPipeOptions(balance)
-            .chunks(chunks)
-            .checkpoint(gpipe::checkpoint_from_string(checkpoint))
-            .threads_per_lane(threads_per_lane));
-    torch::optim::SGD optimizer(
-        model->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
-    const auto out_device = model->devices().back();
-    std::cout << *model << " threads_per_lane=" << model->threads_per_lane()
-              << " train=" << train_x.size(0) << " test=" << test_x.size(0)
-              << std::endl;
-
-    // Record steps 2 .. trace_steps + 1 (the first one warms up).
-    std::shared_ptr<gpipe::Trace> trace;
-    if (!trace_path.empty() || !timeline_path.empty()) {
-      trace = std::make_shared<gpipe::Trace>();
+    if (space && !line.empty()) {
+      line += ' ';
     }
-    auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
-      return torch::nn::functional::cross_entropy(out, target);
-    };
+    space = false;
+    line += c;
+  }
+  return line;
+}
 
-    using Clock = std::chrono::steady_clock;
-    const auto start = Clock::now();
-    const int64_t n = train_x.size(0);
-    int64_t step = 0;
-    double last_loss = 0;
-    double train_seconds = 0;
-    for (int64_t epoch = 0; epoch < epochs; ++epoch) {
-      model->train();
-      auto order = torch::randperm(n);
-      auto window_start = Clock::now();
-      int64_t window_samples = 0;
-      for (int64_t begin = 0; begin < n; begin += batch_size) {
-        auto idx = order.narrow(0, begin, std::min(batch_size, n - begin));
-        auto x = train_x.index_select(0, idx);
-        auto y = train_y.index_select(0, idx).to(out_device);
-        if (trace && step == 1) {
-          trace->clear();
-          model->set_trace(trace);
-        }
-        optimizer.zero_grad();
-        torch::Tensor loss;
-        if (schedule == "autograd") {
-          loss = loss_fn(model->forward(x), y);
-          loss.backward();
-        } else {
-          loss = model->train_step(
-              x, y, loss_fn, gpipe::schedule_from_string(schedule));
-        }
-        optimizer.step();
-        ++step;
-        if (trace && step == 1 + trace_steps) {
-          model->set_trace(nullptr);
-          if (!trace_path.empty()) {
-            trace->write_chrome_json(trace_path);
-          }
-          if (!timeline_path.empty()) {
-            trace->write_svg(timeline_path);
-          }
-          std::printf(
-              "wrote %zu traced intervals of steps 2-%lld%s%s%s%s\n",
-              trace->events().size(),
-              static_cast<long long>(step),
-              trace_path.empty() ? "" : " to ",
-              trace_path.c_str(),
-              timeline_path.empty() ? "" : " and ",
-              timeline_path.c_str());
-          trace.reset();
-        }
-        window_samples += idx.size(0);
-        last_loss = loss.item<double>();
-        if (step % log_every == 0) {
-          const double secs =
-              std::chrono::duration<double>(Clock::now() - window_start)
-                  .count();
-          std::printf(
-              "epoch %lld step %lld loss %.4f samples/s %.1f\n",
-              static_cast<long long>(epoch + 1),
-              static_cast<long long>(step),
-              last_loss,
-              window_samples / secs);
-          std::fflush(stdout);
-          window_start = Clock::now();
-          window_samples = 0;
-        }
+int train(const Args& args) {
+  torch::manual_seed(args.seed);
+  auto train_x = read_idx(args.data_dir + "/" + kDataFiles[0], true);
+  auto train_y = read_idx(args.data_dir + "/" + kDataFiles[1], false);
+  auto test_x = read_idx(args.data_dir + "/" + kDataFiles[2], true);
+  auto test_y = read_idx(args.data_dir + "/" + kDataFiles[3], false);
+  TORCH_CHECK_VALUE(
+      train_x.size(0) == train_y.size(0) && test_x.size(0) == test_y.size(0),
+      args.data_dir,
+      ": the image and label files do not have as many entries");
+  TORCH_CHECK_VALUE(
+      train_x.size(0) > 0 && test_x.size(0) > 0,
+      args.data_dir,
+      ": no training or no test images");
+  if (args.limit > 0 && args.limit < train_x.size(0)) {
+    train_x = train_x.narrow(0, 0, args.limit);
+    train_y = train_y.narrow(0, 0, args.limit);
+  }
+  const int64_t n = train_x.size(0);
+  const int64_t batch_size = args.batch_size;
+  const int64_t epochs = args.epochs;
+
+  // Record steps 2 .. trace_steps + 1 (the first one warms up); a run with
+  // fewer steps would write nothing. epochs * steps_per_epoch > trace_steps,
+  // written so that it cannot overflow.
+  const bool tracing = !args.trace_path.empty() || !args.timeline_path.empty();
+  const int64_t steps_per_epoch = (n - 1) / batch_size + 1;
+  if (tracing && epochs <= args.trace_steps / steps_per_epoch) {
+    throw UsageError(c10::str(
+        "--trace-steps ",
+        args.trace_steps,
+        " needs more than ",
+        args.trace_steps,
+        " steps (the first one is not recorded), but --epochs ",
+        epochs,
+        " of ",
+        n,
+        " images in batches of ",
+        batch_size,
+        " makes ",
+        epochs * steps_per_epoch,
+        "; lower --trace-steps or raise --epochs or --limit"));
+  }
+
+  const auto& spec = model_spec(args.model);
+  auto net = make_model(spec);
+  gpipe::GPipe model(
+      net,
+      gpipe::GPipeOptions(args.balance)
+          .chunks(args.chunks)
+          .checkpoint(gpipe::checkpoint_from_string(args.checkpoint))
+          .threads_per_lane(args.threads_per_lane));
+  torch::optim::SGD optimizer(
+      model->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
+  const auto out_device = model->devices().back();
+  std::cout << *model << " threads_per_lane=" << model->threads_per_lane()
+            << " train=" << n << " test=" << test_x.size(0) << std::endl;
+
+  std::shared_ptr<gpipe::Trace> trace;
+  if (tracing) {
+    trace = std::make_shared<gpipe::Trace>();
+  }
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  int64_t step = 0;
+  double last_loss = 0;
+  double train_seconds = 0;
+  for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+    model->train();
+    auto order = torch::randperm(n);
+    auto window_start = Clock::now();
+    int64_t window_samples = 0;
+    for (int64_t begin = 0; begin < n; begin += batch_size) {
+      auto idx = order.narrow(0, begin, std::min(batch_size, n - begin));
+      auto x = train_x.index_select(0, idx);
+      auto y = train_y.index_select(0, idx).to(out_device);
+      if (trace && step == 1) {
+        trace->clear();
+        model->set_trace(trace);
       }
-      train_seconds =
-          std::chrono::duration<double>(Clock::now() - start).count();
-
-      model->eval();
-      torch::NoGradGuard no_grad;
-      int64_t correct = 0;
-      for (int64_t begin = 0; begin < test_x.size(0); begin += 500) {
-        const auto len = std::min<int64_t>(500, test_x.size(0) - begin);
-        auto out = model->forward(test_x.narrow(0, begin, len));
-        correct += out.argmax(1)
-                       .eq(test_y.narrow(0, begin, len).to(out.device()))
-                       .sum()
-                       .item<int64_t>();
+      optimizer.zero_grad();
+      torch::Tensor loss;
+      if (args.schedule == "autograd") {
+        loss = loss_fn(model->forward(x), y);
+        loss.backward();
+      } else {
+        loss = model->train_step(
+            x, y, loss_fn, gpipe::schedule_from_string(args.schedule));
       }
-      const double accuracy = double(correct) / test_x.size(0);
-      const double total =
-          std::chrono::duration<double>(Clock::now() - start).count();
-      std::printf(
-          "epoch %lld done: test accuracy %.4f, elapsed %.1f s\n",
-          static_cast<long long>(epoch + 1),
-          accuracy,
-          total);
-      if (epoch + 1 == epochs) {
-        std::printf("total time %.1f s\n", total);
-        if (json) {
-          nlohmann::json summary = {
-              {"model", model_name},
-              {"balance", balance},
-              {"chunks", chunks},
-              {"checkpoint", checkpoint},
-              {"schedule", schedule},
-              {"threads_per_lane", model->threads_per_lane()},
-              {"epochs", epochs},
-              {"batch_size", batch_size},
-              {"steps", step},
-              {"train_samples", n},
-              {"final_loss", last_loss},
-              {"test_accuracy", accuracy},
-              {"train_seconds", train_seconds},
-              {"train_samples_per_second", double(n * epochs) / train_seconds},
-              {"total_seconds", total}};
-          std::cout << summary.dump() << std::endl;
+      optimizer.step();
+      ++step;
+      if (trace && step == 1 + args.trace_steps) {
+        model->set_trace(nullptr);
+        if (!args.trace_path.empty()) {
+          trace->write_chrome_json(args.trace_path);
         }
+        if (!args.timeline_path.empty()) {
+          trace->write_svg(args.timeline_path);
+        }
+        std::printf(
+            "wrote %zu traced intervals of steps 2-%lld%s%s%s%s\n",
+            trace->events().size(),
+            static_cast<long long>(step),
+            args.trace_path.empty() ? "" : " to ",
+            args.trace_path.c_str(),
+            args.timeline_path.empty() ? "" : " and ",
+            args.timeline_path.c_str());
+        trace.reset();
+      }
+      window_samples += idx.size(0);
+      last_loss = loss.item<double>();
+      if (step % args.log_every == 0) {
+        const double secs =
+            std::chrono::duration<double>(Clock::now() - window_start).count();
+        std::printf(
+            "epoch %lld step %lld loss %.4f samples/s %.1f\n",
+            static_cast<long long>(epoch + 1),
+            static_cast<long long>(step),
+            last_loss,
+            window_samples / secs);
+        std::fflush(stdout);
+        window_start = Clock::now();
+        window_samples = 0;
       }
     }
-  } catch (const c10::Error& e) {
-    std::cerr << "gpipe-train: " << e.what_without_backtrace() << std::endl;
-    return 1;
+    train_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+    model->eval();
+    torch::NoGradGuard no_grad;
+    int64_t correct = 0;
+    for (int64_t begin = 0; begin < test_x.size(0); begin += 500) {
+      const auto len = std::min<int64_t>(500, test_x.size(0) - begin);
+      auto out = model->forward(test_x.narrow(0, begin, len));
+      correct += out.argmax(1)
+                     .eq(test_y.narrow(0, begin, len).to(out.device()))
+                     .sum()
+                     .item<int64_t>();
+    }
+    const double accuracy = double(correct) / test_x.size(0);
+    const double total =
+        std::chrono::duration<double>(Clock::now() - start).count();
+    std::printf(
+        "epoch %lld done: test accuracy %.4f, elapsed %.1f s\n",
+        static_cast<long long>(epoch + 1),
+        accuracy,
+        total);
+    if (epoch + 1 == epochs) {
+      std::printf("total time %.1f s\n", total);
+      if (args.json) {
+        nlohmann::json summary = {
+            {"model", args.model},
+            {"balance", args.balance},
+            {"chunks", args.chunks},
+            {"checkpoint", args.checkpoint},
+            {"schedule", args.schedule},
+            {"threads_per_lane", model->threads_per_lane()},
+            {"epochs", epochs},
+            {"batch_size", batch_size},
+            {"steps", step},
+            {"train_samples", n},
+            {"final_loss", last_loss},
+            {"test_accuracy", accuracy},
+            {"train_seconds", train_seconds},
+            {"train_samples_per_second", double(n * epochs) / train_seconds},
+            {"total_seconds", total}};
+        std::cout << summary.dump() << std::endl;
+      }
+    }
   }
   return 0;
+}
+
+}  // namespace
+
+// Exit status: 0 after training (or --help), 2 for a bad command line (one
+// line on stderr naming the flag), 1 when the run itself fails.
+int main(int argc, char** argv) {
+  CLI::App app{
+      "Train a CNN, ResNet or U-Net on Fashion-MNIST with GPipe pipeline "
+      "parallelism"};
+  Args args;
+  add_options(app, args);
+  const auto usage_error = [](const std::string& message) {
+    std::cerr << "gpipe-train: " << one_line(message) << std::endl;
+    return kUsageExit;
+  };
+  try {
+    app.parse(argc, argv);
+    verify_args(app, args);
+  } catch (const CLI::ParseError& e) {
+    // --help is a ParseError too, with exit code 0: let CLI11 print it. The
+    // others get exit status 2 rather than CLI11's codes (above 100), and
+    // one line rather than CLI11's two.
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
+      return app.exit(e);
+    }
+    return usage_error(c10::str(e.what(), " (see gpipe-train --help)"));
+  } catch (const UsageError& e) {
+    return usage_error(e.what());
+  }
+  try {
+    return train(args);
+  } catch (const UsageError& e) {
+    return usage_error(e.what());
+  } catch (const c10::Error& e) {
+    std::cerr << "gpipe-train: " << one_line(e.what_without_backtrace())
+              << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "gpipe-train: " << one_line(e.what()) << std::endl;
+  }
+  return 1;
 }

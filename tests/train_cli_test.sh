@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# gpipe-train's command line: every bad flag exits with status 2 and one line
+# on stderr naming the flag (no signal, no core dump, no CLI11 exit code), and
+# a valid run still trains.
+#
+#   train_cli_test.sh GPIPE_TRAIN bad           # needs no data set
+#   train_cli_test.sh GPIPE_TRAIN run [DATA_DIR] # exits 77 (skip) without one
+set -uo pipefail
+
+bin=$1
+mode=$2
+data=${3:-/usr/share/datasets/fashion-mnist}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ulimit -c 0
+failures=0
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# run ARGS...: runs gpipe-train, leaving $status, $tmp/out and $tmp/err.
+run() {
+  timeout 120 "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+  status=$?
+}
+
+# bad FLAG ARGS...: ARGS must exit 2 with one stderr line that names FLAG.
+bad() {
+  local flag=$1
+  shift
+  run "$@"
+  local lines
+  lines=$(wc -l <"$tmp/err")
+  if [[ $status -ne 2 ]]; then
+    fail "gpipe-train $* exited $status, expected 2; stderr: $(head -c 500 "$tmp/err")"
+  elif [[ $lines -ne 1 ]]; then
+    fail "gpipe-train $* wrote $lines lines on stderr, expected 1: $(head -c 500 "$tmp/err")"
+  elif ! grep -qF -- "$flag" "$tmp/err"; then
+    fail "gpipe-train $*: stderr does not name $flag: $(cat "$tmp/err")"
+  elif [[ -s $tmp/out ]]; then
+    fail "gpipe-train $* wrote on stdout: $(head -c 500 "$tmp/out")"
+  else
+    echo "ok: $* -> $(cat "$tmp/err")"
+  fi
+}
+
+if [[ $mode == bad ]]; then
+  # The flags are checked before the data is read, so empty files will do
+  # (and keep the data-set check from answering first).
+  fake="$tmp/data"
+  mkdir "$fake"
+  for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
+    t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do
+    touch "$fake/$f"
+  done
+  d=(--data-dir "$fake")
+
+  # The failures gpipe-train used to have: SIGFPE, std::terminate (twice),
+  # OpenMP out of memory, and exit 0 having done nothing.
+  bad --log-every "${d[@]}" --log-every 0
+  bad --balance "${d[@]}" --balance 4,,5
+  bad --balance "${d[@]}" --balance abc
+  bad --threads-per-lane "${d[@]}" --threads-per-lane 99999999999
+  bad --epochs "${d[@]}" --epochs 0
+
+  # CLI11's own errors, mapped to 2.
+  bad --no-such-flag "${d[@]}" --no-such-flag
+  bad --no-such-flag "${d[@]}" --no-such-flag=3
+  bad --chunks "${d[@]}" --chunks
+  bad --chunks "${d[@]}" --chunks abc
+  bad --chunks "${d[@]}" --chunks 1.5
+  bad --chunks "${d[@]}" --chunks 3 --chunks 5
+  bad --epochs "${d[@]}" --epochs 1e3
+  bad --lr "${d[@]}" --lr abc
+  bad --json "${d[@]}" --json=maybe
+  bad --model "${d[@]}" --model vgg
+  bad --schedule "${d[@]}" --schedule gpipe
+  bad --checkpoint "${d[@]}" --checkpoint sometimes
+
+  # Integers: plain decimals that fit, in range.
+  bad --chunks "${d[@]}" --chunks 99999999999999999999
+  bad --chunks "${d[@]}" --chunks 0x10
+  bad --chunks "${d[@]}" --chunks 0
+  bad --chunks "${d[@]}" --chunks -1
+  bad --chunks "${d[@]}" --chunks 65 --batch-size 64
+  bad --epochs "${d[@]}" --epochs -1
+  bad --batch-size "${d[@]}" --batch-size 0
+  bad --batch-size "${d[@]}" --batch-size -64
+  bad --partitions "${d[@]}" --partitions 0
+  bad --partitions "${d[@]}" --partitions 14
+  bad --partitions "${d[@]}" --model resnet --partitions 40
+  bad --threads-per-lane "${d[@]}" --threads-per-lane -1
+  bad --threads-per-lane "${d[@]}" --threads-per-lane 1025
+  bad --limit "${d[@]}" --limit -1
+  bad --log-every "${d[@]}" --log-every -5
+  bad --seed "${d[@]}" --seed -1
+  bad --seed "${d[@]}" --seed 99999999999999999999
+  bad --trace-steps "${d[@]}" --trace "$tmp/t.json" --trace-steps 0
+  bad --trace-steps "${d[@]}" --trace-steps 2
+
+  # --lr: positive and finite.
+  bad --lr "${d[@]}" --lr 0
+  bad --lr "${d[@]}" --lr -0.1
+  bad --lr "${d[@]}" --lr nan
+  bad --lr "${d[@]}" --lr inf
+  bad --lr "${d[@]}" --lr 1e999
+
+  # --balance: parseable, positive, one per partition, summing to the layers.
+  bad --balance "${d[@]}" --balance ''
+  bad --balance "${d[@]}" --balance 6,7,
+  bad --balance "${d[@]}" --balance ,6,7
+  bad --balance "${d[@]}" --balance 6,0,7
+  bad --balance "${d[@]}" --balance 6,-1,8
+  bad --balance "${d[@]}" --balance 6,6
+  bad --balance "${d[@]}" --balance 99999999999999999999,1
+  bad --balance "${d[@]}" --balance 9223372036854775807,9223372036854775807
+  bad --balance "${d[@]}" --balance 6,7 --partitions 3
+  bad --balance "${d[@]}" --model resnet --balance 6,7
+  bad --balance "${d[@]}" --model unet --balance 21,18
+
+  # Files.
+  bad --data-dir --data-dir "$tmp/no-such-folder"
+  bad --data-dir --data-dir "$tmp"
+  bad --data-dir --data-dir "$fake/train-images-idx3-ubyte.gz"
+  bad --trace "${d[@]}" --trace "$tmp/no-such-folder/t.json"
+  bad --trace "${d[@]}" --trace "$tmp"
+  bad --trace "${d[@]}" --trace ''
+  bad --timeline "${d[@]}" --timeline "$tmp/no-such-folder/t.svg"
+  bad --timeline "${d[@]}" --trace "$tmp/t.out" --timeline "$tmp/t.out"
+
+  # --help still prints the flags and exits 0.
+  run --help
+  if [[ $status -ne 0 ]] || ! grep -qF -- --threads-per-lane "$tmp/out"; then
+    fail "gpipe-train --help exited $status; stdout: $(head -c 500 "$tmp/out")"
+  else
+    echo "ok: --help"
+  fi
+elif [[ $mode == run ]]; then
+  if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
+    echo "skipped: no Fashion-MNIST in $data"
+    exit 77
+  fi
+  # One epoch over 256 images: 4 steps of 64, steps 2-4 traced.
+  run --data-dir "$data" --epochs 1 --limit 256 --json \
+    --trace "$tmp/t.json" --timeline "$tmp/t.svg"
+  if [[ $status -ne 0 ]]; then
+    fail "a valid run exited $status: $(cat "$tmp/err")"
+  elif ! grep -q '"steps":4' "$tmp/out"; then
+    fail "a valid run printed no JSON summary of 4 steps: $(cat "$tmp/out")"
+  elif [[ ! -s $tmp/t.json || ! -s $tmp/t.svg ]]; then
+    fail "a valid run wrote no trace: $(cat "$tmp/out")"
+  else
+    echo "ok: valid run: $(tail -n 1 "$tmp/out")"
+  fi
+  # Too few steps to trace is known only once the data is read: still 2.
+  bad --trace-steps --data-dir "$data" --epochs 1 --limit 256 \
+    --trace "$tmp/t.json" --trace-steps 4
+else
+  echo "usage: $0 GPIPE_TRAIN bad|run [DATA_DIR]"
+  exit 1
+fi
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
