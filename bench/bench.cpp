@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "harness.h"
+#include "sections.h"
 
 namespace {
 
@@ -121,9 +122,15 @@ int main(int argc, char** argv) {
          "--only",
          only,
          "Run only these sections: speed, overhead, memory, schedules, "
-         "inference, trace")
+         "inference, trace, random")
       ->check(CLI::IsMember(
-          {"speed", "overhead", "memory", "schedules", "inference", "trace"}));
+          {"speed",
+           "overhead",
+           "memory",
+           "schedules",
+           "inference",
+           "trace",
+           "random"}));
   CLI11_PARSE(app, argc, argv);
   auto want = [&only](const std::string& section) {
     return only.empty() ||
@@ -621,6 +628,10 @@ int main(int argc, char** argv) {
       out["trace_event_seconds"] = per_event;
     }
     out["trace"] = traces;
+  }
+
+  if (want("random")) {
+    out["random"] = gpipe::bench::random_section();
   }
 
   std::ofstream(json_path) << out.dump(2) << std::endl;
