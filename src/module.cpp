@@ -67,6 +67,10 @@ detail::PassOptions pass_options(bool training, const GPipeOptions& options) {
 
 }  // namespace
 
+struct GPipeImpl::Engine : detail::Pipeline {
+  using Pipeline::Pipeline;
+};
+
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     : options(std::move(options_)) {
   verify_module(module);
@@ -120,7 +124,7 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     parts.push_back(part);
   }
   if (n > 0) {
-    pipeline_ = std::make_shared<detail::Pipeline>(
+    pipeline_ = std::make_shared<Engine>(
         std::move(parts), devices_, threads_per_lane_);
   }
 }

@@ -113,27 +113,51 @@ void RandomLease::unlock() {
   cv_.notify_all();
 }
 
-GeneratorSnapshot::GeneratorSnapshot(torch::Device device) {
-  for (const auto& d : generator_devices(device)) {
-    auto gen = generator_of(d);
+struct GeneratorSnapshot::Cpu {
+  // The engine's plain data: an at::mt19937 member would seed itself on
+  // construction (a 624-word loop, a microsecond).
+  at::mt19937_data_pod engine;
+  c10::optional<float> next_float;
+  c10::optional<double> next_double;
+};
+
+GeneratorSnapshot::GeneratorSnapshot(torch::Device device)
+    : cpu_(std::make_unique<Cpu>()) {
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    states_.push_back(gen.get_state());
+    auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
+    cpu_->engine = impl->engine().data();
+    // A normal sample can come from the Box-Muller cache alone.
+    cpu_->next_float = impl->next_float_normal_sample();
+    cpu_->next_double = impl->next_double_normal_sample();
+  }
+  if (device.type() != torch::kCPU) {
+    auto gen = generator_of(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    device_ = gen.get_state();
   }
 }
 
+GeneratorSnapshot::~GeneratorSnapshot() = default;
+
 bool GeneratorSnapshot::operator==(const GeneratorSnapshot& other) const {
-  if (states_.size() != other.states_.size()) {
+  const auto& a = cpu_->engine;
+  const auto& b = other.cpu_->engine;
+  if (a.seed_ != b.seed_ || a.left_ != b.left_ || a.seeded_ != b.seeded_ ||
+      a.next_ != b.next_ || a.state_ != b.state_ ||
+      cpu_->next_float != other.cpu_->next_float ||
+      cpu_->next_double != other.cpu_->next_double) {
     return false;
   }
-  for (size_t k = 0; k < states_.size(); ++k) {
-    const auto& a = states_[k];
-    const auto& b = other.states_[k];
-    if (a.nbytes() != b.nbytes() ||
-        std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) != 0) {
-      return false;
-    }
+  if (device_.defined() != other.device_.defined()) {
+    return false;
   }
-  return true;
+  return !device_.defined() ||
+         (device_.nbytes() == other.device_.nbytes() &&
+          std::memcmp(
+              device_.data_ptr(), other.device_.data_ptr(), device_.nbytes()) ==
+              0);
 }
 
 void RandomUse::observe(bool training, bool drew, bool seeded) {

@@ -80,17 +80,22 @@ class RandomLease {
   bool writer_ = false;          // guarded by mutex_
 };
 
-/// The states of the default generators of the CPU and of `device`.
+/// The states of the default generators of the CPU and of `device`. The
+/// CPU generator's is read without making a tensor (a few hundred
+/// nanoseconds: it is taken twice per cell).
 class GeneratorSnapshot {
  public:
   explicit GeneratorSnapshot(torch::Device device);
+  ~GeneratorSnapshot();
   bool operator==(const GeneratorSnapshot& other) const;
   bool operator!=(const GeneratorSnapshot& other) const {
     return !(*this == other);
   }
 
  private:
-  std::vector<torch::Tensor> states_;
+  struct Cpu;
+  std::unique_ptr<Cpu> cpu_;
+  torch::Tensor device_;  // state of the other device's generator, if any
 };
 
 /// What a cell's forward did with random numbers, for its recomputation.

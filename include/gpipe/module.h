@@ -15,10 +15,6 @@ namespace gpipe {
 
 class Trace;
 
-namespace detail {
-class Pipeline;
-}  // namespace detail
-
 /// GPipe pipeline parallelism over a `torch::nn::Sequential`.
 ///
 /// The Sequential's layers are split into partitions (`balance` layers each),
@@ -122,7 +118,9 @@ class GPipeImpl : public torch::nn::Module {
   torch::nn::ModuleList partitions_;
   std::vector<torch::Device> devices_;
   int64_t threads_per_lane_ = 1;
-  std::shared_ptr<detail::Pipeline> pipeline_;
+  // The engine (src/engine/), opaque to users.
+  struct Engine;
+  std::shared_ptr<Engine> pipeline_;
 };
 
 /// A `ModuleHolder` for `GPipeImpl`.

@@ -173,22 +173,20 @@ Packet connect_outputs(
         " and another ",
         packet.tensors.size());
     for (const auto k : c10::irange(width)) {
-      const auto& t = packet.tensors[k];
+      auto& t = packet.tensors[k];
       slots[k].rows.push_back(t.defined() && t.dim() > 0 ? t.size(0) : 0);
-      requires[k] = requires[k] || (t.defined() && t.requires_grad());
+      // The micro-batch outputs are leaves that only carry the flag; the
+      // whole outputs are what autograd sees, so cat them without a graph.
+      if (t.defined() && t.requires_grad()) {
+        requires[k] = true;
+        t = t.detach();
+      }
     }
     pieces.push_back(std::move(packet.tensors));
   }
   Packet gathered{gather(pieces), outputs[0].atomic};
   if (!pass->grad) {
     return gathered;
-  }
-  // The micro-batch outputs are leaves that only carry the flag; the whole
-  // outputs are what autograd sees.
-  for (auto& t : gathered.tensors) {
-    if (t.defined() && t.requires_grad()) {
-      t = t.detach();
-    }
   }
   int64_t next_slot = 0;
   for (const auto k : c10::irange(width)) {
