@@ -6,6 +6,7 @@
 
 #include "device.h"
 #include "engine/autograd_node.h"
+#include "engine/in_process_transport.h"
 #include "random.h"
 
 namespace gpipe::detail {
@@ -36,6 +37,13 @@ Pipeline::Pipeline(
 }
 
 Pipeline::~Pipeline() = default;
+
+std::unique_ptr<Transport> Pipeline::make_transport(int64_t m) const {
+  if (transport_factory_) {
+    return transport_factory_(m, size());
+  }
+  return std::make_unique<InProcessTransport>(m, size());
+}
 
 std::unique_lock<std::mutex> Pipeline::begin_pass() {
   TORCH_CHECK(

@@ -10,6 +10,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "engine/lane.h"
 #include "engine/runner.h"
 #include "engine/stage.h"
+#include "engine/transport.h"
 #include "packet.h"
 #include "skip.h"
 
@@ -70,6 +72,17 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   /// pass held.
   void backward(const std::shared_ptr<Pass>& pass);
 
+  /// Makes the transport of one run of `micro_batches` over the stages:
+  /// in-process slots unless `set_transport_factory` gave another (the seam
+  /// where stages in other processes plug in).
+  using TransportFactory = std::function<std::unique_ptr<Transport>(
+      int64_t micro_batches, int64_t stages)>;
+  std::unique_ptr<Transport> make_transport(int64_t micro_batches) const;
+  /// Set between passes.
+  void set_transport_factory(TransportFactory factory) {
+    transport_factory_ = std::move(factory);
+  }
+
   /// DeferredBatchNorm statistics after a run: folded in, or (`ok` false)
   /// dropped.
   void commit_batch_norms(bool ok);
@@ -115,6 +128,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   // Declared after stages_ so that lanes are joined before stages go away.
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;
+  TransportFactory transport_factory_;  // empty: in-process
   std::mutex pass_mutex_;
   mutable std::mutex trace_mutex_;
   std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_

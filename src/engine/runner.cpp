@@ -7,7 +7,6 @@
 #include <condition_variable>
 #include <mutex>
 
-#include "engine/in_process_transport.h"
 #include "engine/pipeline.h"
 
 namespace gpipe::detail {
@@ -48,7 +47,7 @@ Pass::Pass(Pipeline& pipeline, int64_t m, PassOptions options)
 }
 
 void Pass::reset_transport() {
-  transport_ = std::make_unique<InProcessTransport>(m_, n_);
+  transport_ = pipeline_.make_transport(m_);
 }
 
 void Pass::run(
