@@ -124,8 +124,8 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     parts.push_back(part);
   }
   if (n > 0) {
-    pipeline_ = std::make_shared<Engine>(
-        std::move(parts), devices_, threads_per_lane_);
+    pipeline_ =
+        std::make_shared<Engine>(std::move(parts), devices_, threads_per_lane_);
   }
 }
 
