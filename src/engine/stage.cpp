@@ -17,14 +17,23 @@ namespace {
 
 thread_local int cell_depth = 0;
 
-// Marks this thread as inside a cell while alive.
-struct InsideCell {
-  InsideCell() {
+// While alive: this thread is inside a cell, on the stage's device.
+class CellScope {
+ public:
+  explicit CellScope(torch::Device device) {
     ++cell_depth;
+    if (!device.is_cpu()) {
+      device_guard_.reset_device(device);
+    }
   }
-  ~InsideCell() {
+  ~CellScope() {
     --cell_depth;
   }
+  CellScope(const CellScope&) = delete;
+  CellScope& operator=(const CellScope&) = delete;
+
+ private:
+  c10::OptionalDeviceGuard device_guard_;
 };
 
 bool is_differentiable(const torch::Tensor& t) {
@@ -212,11 +221,7 @@ void Stage::run(
 }
 
 Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
-  InsideCell inside;
-  c10::OptionalDeviceGuard device_guard;
-  if (!device_.is_cpu()) {
-    device_guard.reset_device(device_);
-  }
+  CellScope scope(device_);
   const auto started = stamp(ctx);
   bool copied = false;
   bool any_input_grad = false;
@@ -312,11 +317,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
 }
 
 Flow Stage::backward(CellState& c, Flow dy, const CellContext& ctx) {
-  InsideCell inside;
-  c10::OptionalDeviceGuard device_guard;
-  if (!device_.is_cpu()) {
-    device_guard.reset_device(device_);
-  }
+  CellScope scope(device_);
   const auto started = stamp(ctx);
   Flow dx;
   dx.boundary.atomic = c.input.atomic;
