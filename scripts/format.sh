@@ -26,11 +26,21 @@ if [[ $version != *"version 14."* ]]; then
     "$version" >&2
 fi
 
+patterns=('*.cpp' '*.cc' '*.cxx' '*.h' '*.hpp' '*.cu' '*.cuh')
+list_files() {
+  if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z --cached --others --exclude-standard -- "${patterns[@]}"
+  else  # an exported tree without .git: the project's own directories
+    local names=()
+    for p in "${patterns[@]}"; do names+=(-o -name "$p"); done
+    find src include tests tools bench models examples -type f \
+      \( "${names[@]:1}" \) -print0 2>/dev/null || true
+  fi
+}
 files=()
 while IFS= read -r -d '' f; do
   [[ -f $f ]] && files+=("$f")  # skip deletions not yet committed
-done < <(git ls-files -z --cached --others --exclude-standard -- \
-  '*.cpp' '*.cc' '*.cxx' '*.h' '*.hpp' '*.cu' '*.cuh' | sort -zu)
+done < <(list_files | sort -zu)
 if ((${#files[@]} == 0)); then
   echo "format.sh: no C++ files found" >&2
   exit 2
