@@ -5,6 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake
+  clang-format          # clang-format 14, for scripts/format.sh
   libtorch-dev          # LibTorch 1.13.1 (CPU)
   libopenblas0-openmp   # without it LibTorch uses the reference BLAS (30x slower)
   libgloo-dev           # c10d's Gloo headers

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Builds the engine's tests (gpipe_tests, and the long run) with
+# ThreadSanitizer in build-tsan/ (RelWithDebInfo at -O1) and runs them: the
+# check that catches races between the caller, the lanes and the autograd
+# engine. Not part of CI (scripts/test.sh); run it after touching the
+# engine. Needs the packages scripts/setup.sh installs.
+#
+#   scripts/tsan.sh                                every test
+#   scripts/tsan.sh --gtest_filter='Pipeline*'     extra arguments go to both
+#                                                  binaries
+#
+# LibTorch is not instrumented: TSan does not see the reference counts it
+# drops inside its own code, so a tensor whose last reference a lane drops
+# in LibTorch (a lane's task owns the pass's state, and frees it just after
+# the caller has returned) shows up as a race between the caller's earlier
+# release and the lane's operator delete. Those reports are not suppressed.
+#
+# JOBS sets the build parallelism (default: every core).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=$root/build-tsan
+jobs=${JOBS:-$(nproc)}
+
+tsan_options=(
+  # Races inside OpenBLAS and libgomp only; see the file for each entry.
+  "suppressions=$root/scripts/tsan.supp"
+  # Report every race of the run (each distinct pair of stacks once), then
+  # exit with status 66 if there was any.
+  halt_on_error=0
+  # Both stacks of a lock-order inversion.
+  second_deadlock_stack=1
+  # Keep more of each thread's history, so the earlier access of a race
+  # keeps its stack (lanes run many cells between two accesses).
+  history_size=4
+)
+export TSAN_OPTIONS=${TSAN_OPTIONS:-$(IFS=:; echo "${tsan_options[*]}")}
+# The test's own thread runs LibTorch's and OpenBLAS's parallel regions
+# inline (the plain-model references the tests compare with), which keeps
+# OpenMP and OpenBLAS threads, and their suppressed reports, out of most of
+# the run. Lanes still set their own
+# count (threads_per_lane), so the engine runs as it would without it.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# 600 steps of tests/long_run_test.cpp (its memory check is skipped here).
+export GPIPE_LONG_RUN_STEPS=${GPIPE_LONG_RUN_STEPS:-600}
+
+# TSAN_OPTIONS is set before building too: gtest_discover_tests runs the
+# test binaries at build time to list their tests.
+cmake -S "$root" -B "$build" \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" \
+  -DGPIPE_USE_TSAN=ON -DGPIPE_USE_ASAN=OFF -DGPIPE_USE_UBSAN=OFF \
+  -DGPIPE_BUILD_TOOLS=OFF -DGPIPE_BUILD_BENCHMARKS=OFF
+cmake --build "$build" -j "$jobs" --target gpipe_tests gpipe_long_run_tests
+status=0
+"$build/tests/gpipe_tests" "$@" || status=$?
+"$build/tests/gpipe_long_run_tests" "$@" || status=$?
+exit "$status"
