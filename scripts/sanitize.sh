@@ -8,7 +8,8 @@
 #   scripts/sanitize.sh               the whole suite
 #   scripts/sanitize.sh -E Models     extra arguments go to ctest
 #
-# JOBS sets the build and ctest parallelism (default: every core).
+# JOBS sets the build parallelism (default: every core); ctest runs a test
+# per core.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=$root/build-asan
@@ -36,7 +37,7 @@ asan_options=(
 export ASAN_OPTIONS=${ASAN_OPTIONS:-$(IFS=:; echo "${asan_options[*]}")}
 # Stack traces with UBSan's reports (they abort the test either way).
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-# The long run (tests/long_run_test.cpp), ten times slower here, is shortened;
+# The long run (tests/long_run_test.cpp), seven times slower here, is shortened;
 # its memory check is skipped under ASan and LeakSanitizer checks instead.
 export GPIPE_LONG_RUN_STEPS=${GPIPE_LONG_RUN_STEPS:-600}
 
@@ -48,4 +49,4 @@ cmake -S "$root" -B "$build" \
   -DGPIPE_USE_ASAN=ON -DGPIPE_USE_UBSAN=ON -DGPIPE_USE_TSAN=OFF \
   -DGPIPE_BUILD_TOOLS=OFF -DGPIPE_BUILD_BENCHMARKS=OFF
 cmake --build "$build" -j "$jobs"
-ctest --test-dir "$build" --output-on-failure -j "$jobs" "$@"
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)" "$@"

@@ -27,4 +27,5 @@ fi
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cmake -S "$root" -B "$root/build" -DCMAKE_BUILD_TYPE=Release
-cmake --build "$root/build" -j "$(nproc)"
+# JOBS: build parallelism (default: every core).
+cmake --build "$root/build" -j "${JOBS:-$(nproc)}"
