@@ -63,18 +63,20 @@ void Pass::run(
     const auto lanes = static_cast<int64_t>(plan.lanes.size());
     auto countdown = std::make_shared<Countdown>(lanes);
     for (const auto l : c10::irange(lanes)) {
-      // One task per lane and run: the lane's row in plan order. The task
-      // holds the pass, so the caller may drop its own reference once the
-      // countdown is done.
-      pipeline_.lane(l).post([self, countdown, cells = plan.lanes[l], tls, l] {
-        {
-          at::ThreadLocalStateGuard guard(tls);
-          for (const auto& cell : cells) {
-            self->run_cell(cell, l);
-          }
-        }
-        countdown->done();
-      });
+      // One task per lane and run: the lane's row in plan order.
+      pipeline_.lane(l).post(
+          [pass = self, countdown, cells = plan.lanes[l], tls, l]() mutable {
+            {
+              at::ThreadLocalStateGuard guard(tls);
+              for (const auto& cell : cells) {
+                pass->run_cell(cell, l);
+              }
+            }
+            // The caller holds the pass until the countdown is done, so it,
+            // not this lane, frees the pass and its tensors.
+            pass.reset();
+            countdown->done();
+          });
     }
     countdown->wait();
   }
