@@ -34,15 +34,40 @@ void check_partitions(int64_t partitions, const torch::nn::Sequential& module) {
 
 }  // namespace
 
+// The same for a single-tensor and a tuple sample: profile, then split.
+template <typename Sample>
+std::vector<int64_t> by_time(
+    int64_t partitions,
+    const torch::nn::Sequential& module,
+    Sample sample,
+    double timeout,
+    torch::Device device) {
+  check_partitions(partitions, module);
+  return balance_cost(
+      profile_times(module, std::move(sample), timeout, device), partitions);
+}
+
+template <typename Sample>
+std::vector<int64_t> by_size(
+    int64_t partitions,
+    const torch::nn::Sequential& module,
+    Sample input,
+    int64_t chunks,
+    double param_scale,
+    torch::Device device) {
+  check_partitions(partitions, module);
+  return balance_cost(
+      profile_sizes(module, std::move(input), chunks, param_scale, device),
+      partitions);
+}
+
 std::vector<int64_t> balance_by_time(
     int64_t partitions,
     torch::nn::Sequential module,
     torch::Tensor sample,
     double timeout,
     torch::Device device) {
-  check_partitions(partitions, module);
-  return balance_cost(
-      profile_times(module, std::move(sample), timeout, device), partitions);
+  return by_time(partitions, module, std::move(sample), timeout, device);
 }
 
 std::vector<int64_t> balance_by_time(
@@ -51,9 +76,7 @@ std::vector<int64_t> balance_by_time(
     std::vector<torch::Tensor> sample,
     double timeout,
     torch::Device device) {
-  check_partitions(partitions, module);
-  return balance_cost(
-      profile_times(module, std::move(sample), timeout, device), partitions);
+  return by_time(partitions, module, std::move(sample), timeout, device);
 }
 
 std::vector<int64_t> balance_by_size(
@@ -63,10 +86,8 @@ std::vector<int64_t> balance_by_size(
     int64_t chunks,
     double param_scale,
     torch::Device device) {
-  check_partitions(partitions, module);
-  return balance_cost(
-      profile_sizes(module, std::move(input), chunks, param_scale, device),
-      partitions);
+  return by_size(
+      partitions, module, std::move(input), chunks, param_scale, device);
 }
 
 std::vector<int64_t> balance_by_size(
@@ -76,10 +97,8 @@ std::vector<int64_t> balance_by_size(
     int64_t chunks,
     double param_scale,
     torch::Device device) {
-  check_partitions(partitions, module);
-  return balance_cost(
-      profile_sizes(module, std::move(input), chunks, param_scale, device),
-      partitions);
+  return by_size(
+      partitions, module, std::move(input), chunks, param_scale, device);
 }
 
 }  // namespace gpipe
