@@ -23,7 +23,8 @@ jobs=${JOBS:-$(nproc)}
 # not leaks), new_delete_type_mismatch and alloc_dealloc_mismatch report
 # nothing, and protect_shadow_gap=0 is only wanted by the CUDA driver.
 asan_options=(
-  # A report is fatal and names what was freed where.
+  # Stop at the first report (ASan's default without -fsanitize-recover,
+  # spelled out).
   halt_on_error=1
   # Static initialisers that read another file's globals before those are
   # constructed (cheap; our own code only, as only it is instrumented).
