@@ -1,0 +1,94 @@
+#pragma once
+
+// gpipe-train's command line: its flags, their checks (a bad flag is one
+// line on stderr and exit status 2), and the models it can train.
+
+#include <c10/util/StringUtil.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace gpipe_train {
+
+namespace fs = std::filesystem;
+
+// A bad command line: printed on one line, exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Throws a UsageError made of `args` unless `condition` holds. Every message
+// starts with the flag it is about.
+template <typename... Args>
+void usage_check(bool condition, const Args&... args) {
+  if (!condition) {
+    throw UsageError(c10::str(args...));
+  }
+}
+
+// The exit status of a bad command line, as for most Unix tools.
+constexpr int kUsageExit = 2;
+
+// Intra-op threads are per lane, so the total is this times the partitions;
+// beyond the cores it only oversubscribes, and far beyond them OpenMP runs
+// out of memory creating the team (--threads-per-lane 99999999999 did).
+// 1024 keeps room for large machines while refusing typos.
+constexpr int64_t kMaxThreadsPerLane = 1024;
+
+// The gzipped IDX files that --data-dir must hold.
+constexpr const char* kDataFiles[] = {
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz"};
+
+// One entry per --model. The layer counts are known here so that
+// --partitions and --balance are checked before anything is built
+// (make_model asserts them).
+struct ModelSpec {
+  std::string name;
+  int64_t layers = 0;
+  // The balance for 2 partitions: it puts skips across the boundary. Empty:
+  // the even split.
+  std::vector<int64_t> two_way_balance;
+};
+
+struct Args {
+  std::string model = "cnn";
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  int64_t partitions = 2;
+  std::string balance_text;
+  int64_t chunks = 4;
+  std::string checkpoint = "except_last";
+  int64_t epochs = 1;
+  int64_t batch_size = 64;
+  double lr = 0.05;
+  int64_t threads_per_lane = 0;
+  int64_t limit = 0;
+  int64_t log_every = 100;
+  uint64_t seed = 0;
+  bool json = false;
+  std::string schedule = "autograd";
+  std::string trace_path;
+  std::string timeline_path;
+  int64_t trace_steps = 3;
+  // Layers per partition: --balance, or chosen by verify_args.
+  std::vector<int64_t> balance;
+};
+
+/// The flags of `args`, with their defaults, on `app`.
+void add_options(CLI::App& app, Args& args);
+/// Checks every flag (throws UsageError) and fills `args.balance`.
+void verify_args(const CLI::App& app, Args& args);
+/// The --model entry called `name` (verify_args checked it exists).
+const ModelSpec& model_spec(const std::string& name);
+/// A new model for `spec`.
+torch::nn::Sequential make_model(const ModelSpec& spec);
+/// `text` on one line (c10::Error messages may span several).
+std::string one_line(const std::string& text);
+
+}  // namespace gpipe_train
