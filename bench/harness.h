@@ -145,4 +145,14 @@ inline double peak_mib(const std::function<void()>& step) {
   return double(counter.peak() - base) / (1024.0 * 1024.0);
 }
 
+/// `blocks` x (Linear(width, width) + ReLU): the benchmarks' model.
+inline torch::nn::Sequential mlp(int64_t blocks, int64_t width) {
+  torch::nn::Sequential net;
+  for (int64_t k = 0; k < blocks; ++k) {
+    net->push_back(torch::nn::Linear(width, width));
+    net->push_back(torch::nn::ReLU());
+  }
+  return net;
+}
+
 }  // namespace gpipe::bench

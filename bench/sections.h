@@ -2,6 +2,7 @@
 
 // gpipe-bench's sections that live in files of their own.
 
+#include <cstdint>
 #include <nlohmann/json.hpp>
 
 namespace gpipe::bench {
@@ -11,5 +12,12 @@ namespace gpipe::bench {
 /// and the exclusive, seeded run (a cell that draws). Prints a table and
 /// returns the numbers.
 nlohmann::json random_section();
+
+/// Training steps with a gpipe::Trace recording against none, on the speed
+/// model (`blocks` x Linear(`width`), batch `batch`, `iters` rounds) and on
+/// a tiny-layer model, and one recorded event alone. Returns "trace" (per
+/// model) and "event_seconds".
+nlohmann::json trace_section(
+    int64_t blocks, int64_t width, int64_t batch, int iters);
 
 }  // namespace gpipe::bench
