@@ -20,6 +20,10 @@ const char* colour_of(TraceKind kind) {
       return "#f28e2b";
     case TraceKind::Copy:
       return "#9c9c9c";
+    case TraceKind::Receive:
+      return "#e15759";
+    case TraceKind::Send:
+      return "#b07aa1";
   }
   return "#000000";
 }
@@ -50,6 +54,10 @@ std::string to_string(TraceKind kind) {
       return "recompute";
     case TraceKind::Copy:
       return "copy";
+    case TraceKind::Receive:
+      return "receive";
+    case TraceKind::Send:
+      return "send";
   }
   return "unknown";
 }
@@ -70,6 +78,16 @@ void Trace::record(
       kind,
       us(start - origin_).count(),
       us(end - origin_).count()});
+}
+
+void Trace::add(const TraceEvent& event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  events_.push_back(event);
+}
+
+std::chrono::steady_clock::time_point Trace::origin() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return origin_;
 }
 
 std::vector<TraceEvent> Trace::events() const {
@@ -182,7 +200,9 @@ std::string Trace::svg() const {
        {TraceKind::Forward,
         TraceKind::Backward,
         TraceKind::Recompute,
-        TraceKind::Copy}) {
+        TraceKind::Copy,
+        TraceKind::Receive,
+        TraceKind::Send}) {
     out << "<rect x=\"" << fixed(lx, 1) << "\" y=\"" << fixed(axis + 10, 1)
         << "\" width=\"12\" height=\"12\" fill=\"" << colour_of(kind)
         << "\"/><text x=\"" << fixed(lx + 16, 1) << "\" y=\""

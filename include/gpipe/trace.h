@@ -29,9 +29,11 @@ enum class TraceKind {
   Backward,   // a cell's backward (after its recomputation, if any)
   Recompute,  // the recomputation of a checkpointed cell in backward
   Copy,       // moving a cell's inputs to its device
+  Receive,    // waiting for a message from another rank (gpipe::dist)
+  Send,       // waiting for this rank's sends to finish (gpipe::dist)
 };
 
-/// "forward", "backward", "recompute", "copy".
+/// "forward", "backward", "recompute", "copy", "receive", "send".
 std::string to_string(TraceKind kind);
 
 /// One interval on one lane. Times are microseconds since the trace began.
@@ -55,6 +57,11 @@ class Trace {
       TraceKind kind,
       std::chrono::steady_clock::time_point start,
       std::chrono::steady_clock::time_point end);
+
+  /// Adds an event whose times are already relative to origin().
+  void add(const TraceEvent& event);
+  /// When the trace began (times are microseconds since then).
+  std::chrono::steady_clock::time_point origin() const;
 
   /// The events so far, by start time.
   std::vector<TraceEvent> events() const;

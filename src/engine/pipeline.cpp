@@ -24,12 +24,18 @@ namespace gpipe::detail {
 Pipeline::Pipeline(
     std::vector<torch::nn::Sequential> partitions,
     std::vector<torch::Device> devices,
-    int64_t threads_per_lane)
+    int64_t threads_per_lane,
+    std::vector<bool> local)
     : devices_(std::move(devices)), skip_layout_(partitions) {
   TORCH_INTERNAL_ASSERT(partitions.size() == devices_.size());
+  TORCH_INTERNAL_ASSERT(local.empty() || local.size() == partitions.size());
   for (const auto j : c10::irange(partitions.size())) {
     stages_.push_back(std::make_unique<Stage>(
         static_cast<int64_t>(j), partitions[j], devices_[j], skip_layout_));
+    if (!local.empty() && !local[j]) {
+      lanes_.push_back(nullptr);
+      continue;
+    }
     backward_inline_ = backward_inline_ || devices_[j].is_cuda();
     lanes_.push_back(
         std::make_unique<Lane>(lane_init(devices_[j], threads_per_lane)));
@@ -71,6 +77,9 @@ std::shared_ptr<Pass> Pipeline::start_pass(
 
 void Pipeline::commit_batch_norms(bool ok) {
   for (auto& stage : stages_) {
+    if (!is_local(stage->index())) {
+      continue;
+    }
     if (ok) {
       stage->commit_batch_norms();
     } else {

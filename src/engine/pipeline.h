@@ -31,11 +31,14 @@ namespace gpipe::detail {
 class Pipeline : public std::enable_shared_from_this<Pipeline> {
  public:
   /// One lane per partition; CPU lanes get `threads_per_lane` intra-op
-  /// threads.
+  /// threads. With `local` given, only the partitions it marks run here
+  /// (stages in other processes: src/dist/); the others get no lane, their
+  /// cells are another process's, and their layers stay where they are.
   Pipeline(
       std::vector<torch::nn::Sequential> partitions,
       std::vector<torch::Device> devices,
-      int64_t threads_per_lane);
+      int64_t threads_per_lane,
+      std::vector<bool> local = {});
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
@@ -87,14 +90,27 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   /// dropped.
   void commit_batch_norms(bool ok);
 
+  /// A new pass of `m` micro-batches, its `grad` read from the inputs and
+  /// the stages' parameters. Call with the pipeline held (`begin_pass`).
+  std::shared_ptr<Pass> start_pass(
+      int64_t m, const Batch& original_inputs, const PassOptions& options);
+  /// Runs `plan` on the lanes, then commits (or, on error, drops) the
+  /// DeferredBatchNorm statistics.
+  void run_and_commit(const std::shared_ptr<Pass>& pass, const Plan& plan);
+
   int64_t size() const {
     return static_cast<int64_t>(stages_.size());
   }
   Stage& stage(int64_t j) {
     return *stages_[j];
   }
+  /// Lane `l`; only for a lane of a local partition.
   Lane& lane(int64_t l) {
     return *lanes_[l];
+  }
+  /// True when partition `j` runs in this process.
+  bool is_local(int64_t j) const {
+    return lanes_[j] != nullptr;
   }
   const std::vector<torch::Device>& devices() const {
     return devices_;
@@ -118,14 +134,11 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   }
 
  private:
-  std::shared_ptr<Pass> start_pass(
-      int64_t m, const Batch& original_inputs, const PassOptions& options);
-  void run_and_commit(const std::shared_ptr<Pass>& pass, const Plan& plan);
-
   std::vector<torch::Device> devices_;
   SkipLayout skip_layout_;
   std::vector<std::unique_ptr<Stage>> stages_;
   // Declared after stages_ so that lanes are joined before stages go away.
+  // Null for a partition that runs in another process.
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;
   TransportFactory transport_factory_;  // empty: in-process

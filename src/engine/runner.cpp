@@ -56,13 +56,22 @@ void Pass::run(
   if (inline_cells) {
     for (const auto& step : plan.steps()) {
       for (const auto& cell : step) {
-        run_cell(cell, plan.lane_of(cell.partition));
+        if (pipeline_.is_local(cell.partition)) {
+          run_cell(cell, plan.lane_of(cell.partition));
+        }
       }
     }
   } else {
-    const auto lanes = static_cast<int64_t>(plan.lanes.size());
-    auto countdown = std::make_shared<Countdown>(lanes);
-    for (const auto l : c10::irange(lanes)) {
+    // Lanes of partitions in other processes run there.
+    std::vector<int64_t> lanes;
+    for (const auto l : c10::irange(plan.lanes.size())) {
+      const auto& row = plan.lanes[l];
+      if (row.empty() || pipeline_.is_local(row.front().partition)) {
+        lanes.push_back(static_cast<int64_t>(l));
+      }
+    }
+    auto countdown = std::make_shared<Countdown>(lanes.size());
+    for (const auto l : lanes) {
       // One task per lane and run: the lane's row in plan order.
       pipeline_.lane(l).post(
           [pass = self, countdown, cells = plan.lanes[l], tls, l]() mutable {
@@ -114,12 +123,23 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
   } catch (const Aborted&) {
     // The error that aborted the pass is recorded already.
   } catch (...) {
-    error_.set(with_context(
+    auto error = with_context(
         std::current_exception(),
         "partition " + std::to_string(cell.partition) + ", micro-batch " +
             std::to_string(cell.micro_batch) +
-            (cell.phase == Phase::Forward ? ", forward" : ", backward")));
-    transport_->abort();
+            (cell.phase == Phase::Forward ? ", forward" : ", backward"));
+    error_.set(error);
+    std::string why;
+    try {
+      std::rethrow_exception(error);
+    } catch (const c10::Error& e) {
+      why = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+      why = "unknown error";
+    }
+    transport_->abort_with(why);
   }
 }
 

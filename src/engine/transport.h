@@ -13,6 +13,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <string>
 
 #include "packet.h"
 
@@ -50,6 +51,11 @@ class Transport {
 
   /// Ends the pass: every receive waiting now or later throws Aborted.
   virtual void abort() = 0;
+  /// Ends the pass because of `why` (the first error's message), which a
+  /// transport to other processes passes on to them.
+  virtual void abort_with(const std::string& why) {
+    abort();
+  }
   virtual bool aborted() const = 0;
 };
 

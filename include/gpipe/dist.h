@@ -1,0 +1,185 @@
+#pragma once
+
+// gpipe::dist: pipeline stages in separate processes and hosts, over
+// PyTorch's own distributed engine (c10d: a TCPStore to meet, Gloo to talk).
+//
+// Every process builds the same Sequential and the same GPipeOptions; rank r
+// keeps partition r and runs its cells, and activations, gradients and skips
+// travel between ranks. Results equal the single-process GPipe's with the
+// same balance, chunks, checkpoint mode and seed.
+//
+// ```
+// auto world = gpipe::dist::init_from_env();  // torchrun's or gpipe-run's
+// gpipe::dist::PipelineStage stage(net, gpipe::GPipeOptions({4, 4}).chunks(8),
+//                                  world);
+// torch::optim::SGD opt(stage->parameters(), 0.1);  // this rank's partition
+// auto loss = stage->train_step(x, y, loss_fn, gpipe::Schedule::OneFOneB);
+// opt.step();
+// ```
+
+#include <c10/util/intrusive_ptr.h>
+#include <gpipe/options.h>
+#include <gpipe/schedule.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroupGloo;
+class Store;
+}  // namespace c10d
+
+namespace gpipe {
+class Trace;
+}  // namespace gpipe
+
+namespace gpipe::dist {
+
+namespace detail {
+struct Connection;
+}  // namespace detail
+
+/// The processes of one job and the c10d group they talk over. Copies share
+/// one connection; the last copy to go closes it.
+class World {
+ public:
+  explicit World(std::shared_ptr<detail::Connection> connection);
+  ~World();
+
+  /// This process's rank, 0 <= rank() < size().
+  int64_t rank() const;
+  /// Number of processes.
+  int64_t size() const;
+  /// This process's rank on its host (it picks cuda:<local_rank>).
+  int64_t local_rank() const;
+  /// Number of processes on this host.
+  int64_t local_size() const;
+  /// How long a rank waits for another before it gives up.
+  std::chrono::milliseconds timeout() const;
+  /// The c10d group (Gloo) the stages talk over; usable for collectives of
+  /// one's own between passes.
+  const c10::intrusive_ptr<c10d::ProcessGroupGloo>& group() const;
+  /// The rendezvous store.
+  const c10::intrusive_ptr<c10d::Store>& store() const;
+
+  /// The shared connection (for gpipe's own use).
+  const std::shared_ptr<detail::Connection>& connection() const {
+    return connection_;
+  }
+
+ private:
+  std::shared_ptr<detail::Connection> connection_;
+};
+
+/// Joins the job described by the environment, as torchrun and gpipe-run
+/// set it: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (and
+/// LOCAL_WORLD_SIZE when set). Rank 0 hosts the TCPStore unless torchrun's
+/// agent hosts it (TORCHELASTIC_USE_AGENT_STORE=True). Waits at most
+/// `timeout` for the others; a missing or malformed variable is a
+/// c10::ValueError naming it.
+World init_from_env(std::chrono::milliseconds timeout);
+/// As above, with the timeout from GPIPE_DIST_TIMEOUT (seconds; default
+/// 120).
+World init_from_env();
+
+/// The timeout GPIPE_DIST_TIMEOUT asks for (seconds; default 120).
+std::chrono::milliseconds default_timeout();
+
+class PipelineStage;
+std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
+
+/// One rank's part of a pipeline: partition `world.rank()` of `module`
+/// split by `options.balance()` (which needs one partition per rank).
+///
+/// Parameters are named `partitions.<rank>.<name>` as in gpipe::GPipe, so
+/// the ranks' parameters together are GPipe's. The partition runs on the
+/// CPU, or on `options.devices()[rank]` when devices are given.
+///
+/// Every rank calls the same passes in the same order: `train_step` and
+/// `forward` are collective. A pass that fails on one rank fails on every
+/// rank still in it, with the first rank's error; after such a failure the
+/// connection is closed and later passes are refused (restart the job).
+class PipelineStageImpl : public torch::nn::Module {
+ public:
+  PipelineStageImpl(
+      torch::nn::Sequential module, GPipeOptions options, World world);
+  ~PipelineStageImpl() override;
+
+  /// Inference through the pipeline: `input` is read on rank 0 (the other
+  /// ranks may pass an undefined tensor); the output is returned on the
+  /// last rank and undefined elsewhere. Runs without autograd graph, as
+  /// under torch::NoGradGuard; train with `train_step`.
+  torch::Tensor forward(torch::Tensor input = {});
+
+  /// One training step over all ranks, as GPipe::train_step: `input` is read
+  /// on rank 0, `target` on the last rank (other ranks may pass undefined
+  /// tensors). Gradients accumulate into this rank's parameters. Returns the
+  /// mini-batch loss, detached, on every rank.
+  torch::Tensor train_step(
+      torch::Tensor input,
+      torch::Tensor target,
+      const LossFunction& loss_fn,
+      Schedule schedule = Schedule::FillDrain);
+
+  /// Refused: the stage's device is fixed.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
+      override;
+  /// Casts the partition to `dtype` (do it on every rank).
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  /// Refused: the stage's device is fixed.
+  void to(torch::Device device, bool non_blocking = false) override;
+
+  /// Records this rank's cells and its waits for other ranks into `trace`;
+  /// nullptr stops. See gpipe/trace.h and gather_trace().
+  void set_trace(std::shared_ptr<Trace> trace);
+  std::shared_ptr<Trace> trace() const;
+
+  /// `gpipe::dist::PipelineStage(rank=1/2, balance=[4, 4], chunks=8, ...)`.
+  void pretty_print(std::ostream& stream) const override;
+
+  /// This rank's partition.
+  const torch::nn::Sequential& partition() const {
+    return partition_;
+  }
+  torch::Device device() const {
+    return device_;
+  }
+  const World& world() const {
+    return world_;
+  }
+  int64_t rank() const {
+    return world_.rank();
+  }
+  const std::vector<int64_t>& balance() const {
+    return options.balance();
+  }
+  int64_t chunks() const {
+    return options.chunks();
+  }
+
+  GPipeOptions options;
+
+ private:
+  friend std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
+  struct Engine;
+  World world_;
+  torch::nn::Sequential partition_;
+  torch::Device device_ = torch::kCPU;
+  std::shared_ptr<Engine> engine_;
+};
+
+/// A `ModuleHolder` for `PipelineStageImpl`.
+TORCH_MODULE(PipelineStage);
+
+/// Collective: every rank sends its trace to rank 0, which gets one trace
+/// with a lane per rank (rank r's cells on lane r, its waits for other
+/// ranks beside them). Other ranks get nullptr. Call between passes.
+std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
+
+}  // namespace gpipe::dist

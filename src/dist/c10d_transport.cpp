@@ -1,0 +1,185 @@
+#include "dist/c10d_transport.h"
+
+#include <c10/util/Exception.h>
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace gpipe::dist::detail {
+
+using gpipe::Phase;
+using gpipe::detail::Packet;
+
+C10dTransport::C10dTransport(
+    std::shared_ptr<Connection> connection,
+    int64_t pass,
+    int64_t m,
+    int64_t n,
+    const Placement& placement,
+    std::shared_ptr<gpipe::Trace> trace)
+    : connection_(std::move(connection)),
+      pass_(pass),
+      n_(n),
+      placement_(placement),
+      trace_(std::move(trace)),
+      local_(m, n) {}
+
+C10dTransport::~C10dTransport() {
+  std::lock_guard<std::mutex> lock(sends_mutex_);
+  if (!sends_.empty()) {
+    // The pass failed before finish(): the sends may never complete.
+    for (auto& work : sends_) {
+      (void)work.release();
+    }
+  }
+}
+
+int64_t C10dTransport::destination(Phase phase, int64_t k) const {
+  const auto& ranks = placement_.rank_of_stage;
+  if (phase == Phase::Forward) {
+    return ranks[std::min(k, n_ - 1)];
+  }
+  return ranks[std::max<int64_t>(k - 1, 0)];
+}
+
+int64_t C10dTransport::source(Phase phase, int64_t k) const {
+  const auto& ranks = placement_.rank_of_stage;
+  if (phase == Phase::Forward) {
+    return ranks[std::max<int64_t>(k - 1, 0)];
+  }
+  return ranks[std::min(k, n_ - 1)];
+}
+
+void C10dTransport::send(Phase phase, int64_t i, int64_t k, Packet packet) {
+  const auto peer = destination(phase, k);
+  if (peer == me()) {
+    local_.send(phase, i, k, std::move(packet));
+    return;
+  }
+  const MessageId id{
+      phase == Phase::Forward ? MessageKind::Forward : MessageKind::Backward,
+      i,
+      k};
+  send_message(peer, id, Message{std::move(packet.tensors), packet.atomic});
+}
+
+Packet C10dTransport::recv(Phase phase, int64_t i, int64_t k) {
+  const auto peer = source(phase, k);
+  if (peer == me()) {
+    return local_.recv(phase, i, k);
+  }
+  const MessageId id{
+      phase == Phase::Forward ? MessageKind::Forward : MessageKind::Backward,
+      i,
+      k};
+  // The receiving stage's lane: k in forward, k - 1 in backward.
+  const auto lane = phase == Phase::Forward ? k : k - 1;
+  auto m = receive_traced(peer, id, lane);
+  return Packet{std::move(m.tensors), m.atomic};
+}
+
+void C10dTransport::send_skip(
+    Phase phase, int64_t i, const gpipe::SkipKey& key, torch::Tensor t) {
+  const auto route = placement_.skip_route.at(key);
+  const auto stage = phase == Phase::Forward ? route.second : route.first;
+  const auto peer = placement_.rank_of_stage[stage];
+  if (peer == me()) {
+    local_.send_skip(phase, i, key, std::move(t));
+    return;
+  }
+  const MessageId id{
+      phase == Phase::Forward ? MessageKind::ForwardSkip
+                              : MessageKind::BackwardSkip,
+      i,
+      placement_.skip_index.at(key)};
+  send_message(peer, id, Message{{std::move(t)}, true});
+}
+
+torch::Tensor C10dTransport::recv_skip(
+    Phase phase, int64_t i, const gpipe::SkipKey& key) {
+  const auto route = placement_.skip_route.at(key);
+  const auto from = phase == Phase::Forward ? route.first : route.second;
+  const auto to = phase == Phase::Forward ? route.second : route.first;
+  const auto peer = placement_.rank_of_stage[from];
+  if (peer == me()) {
+    return local_.recv_skip(phase, i, key);
+  }
+  const MessageId id{
+      phase == Phase::Forward ? MessageKind::ForwardSkip
+                              : MessageKind::BackwardSkip,
+      i,
+      placement_.skip_index.at(key)};
+  auto m = receive_traced(peer, id, to);
+  TORCH_CHECK(
+      m.tensors.size() == 1,
+      "rank ",
+      me(),
+      " expected one tensor for skip ",
+      key,
+      " from rank ",
+      peer,
+      ", but got ",
+      m.tensors.size());
+  return std::move(m.tensors[0]);
+}
+
+void C10dTransport::send_message(
+    int64_t peer, const MessageId& id, const Message& m) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> posted;
+  connection_->send(peer, pass_, id, m, posted);
+  std::lock_guard<std::mutex> lock(sends_mutex_);
+  for (auto& work : posted) {
+    sends_.push_back(std::move(work));
+  }
+}
+
+Message C10dTransport::recv_message(int64_t peer, const MessageId& id) {
+  return receive_traced(peer, id, me());
+}
+
+Message C10dTransport::receive_traced(
+    int64_t peer, const MessageId& id, int64_t lane) {
+  const auto start = std::chrono::steady_clock::now();
+  auto m = connection_->recv(peer, pass_, id);
+  if (trace_) {
+    trace_->record(
+        lane,
+        id.micro_batch,
+        gpipe::TraceKind::Receive,
+        start,
+        std::chrono::steady_clock::now());
+  }
+  return m;
+}
+
+void C10dTransport::finish() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+  {
+    std::lock_guard<std::mutex> lock(sends_mutex_);
+    sends.swap(sends_);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  connection_->wait_sends(sends);
+  if (trace_) {
+    trace_->record(
+        me(),
+        0,
+        gpipe::TraceKind::Send,
+        start,
+        std::chrono::steady_clock::now());
+  }
+}
+
+void C10dTransport::abort() {
+  abort_with("rank " + std::to_string(me()) + " aborted the pass");
+}
+
+void C10dTransport::abort_with(const std::string& why) {
+  local_.abort();
+  connection_->fail("rank " + std::to_string(me()) + ": " + why);
+}
+
+bool C10dTransport::aborted() const {
+  return local_.aborted() || connection_->failure().has_value();
+}
+
+}  // namespace gpipe::dist::detail

@@ -1,0 +1,625 @@
+#include "dist/connection.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <cstring>
+#include <sstream>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace gpipe::dist::detail {
+
+namespace {
+
+// "gpipe" and a wire version, so that another program's bytes are told
+// apart from ours.
+constexpr int64_t kMagic = 0x6770697065000001;
+constexpr int64_t kHeaderWords = 8;
+constexpr int64_t kHeaderBytes = kHeaderWords * 8;
+constexpr int64_t kControlBytes = 4096;
+
+enum Mode : int64_t {
+  kHeaderOnly = 0,  // layout and payload follow in a second message
+  kCombined = 1,    // payload follows the header, in the agreed layout
+  kRelayout = 2,    // agreed size, to be ignored; as kHeaderOnly then
+};
+
+// Header words.
+enum Word {
+  kMagicWord = 0,
+  kPassWord,
+  kKindWord,
+  kMicroWord,
+  kIndexWord,
+  kLayoutWord,   // layout length, in words
+  kPayloadWord,  // payload size, in bytes
+  kModeWord,
+};
+
+int64_t padded(int64_t bytes) {
+  return (bytes + 7) / 8 * 8;
+}
+
+// [atomic, count, per tensor: defined, dtype, requires_grad, dim, sizes...]
+std::vector<int64_t> layout_of(const Message& message) {
+  std::vector<int64_t> layout{
+      message.atomic ? 1 : 0, static_cast<int64_t>(message.tensors.size())};
+  for (const auto& t : message.tensors) {
+    if (!t.defined()) {
+      layout.push_back(0);
+      continue;
+    }
+    TORCH_CHECK_VALUE(
+        t.device().is_cpu(),
+        "gpipe::dist sends CPU tensors over Gloo, but got a tensor on ",
+        t.device());
+    layout.push_back(1);
+    layout.push_back(static_cast<int64_t>(t.scalar_type()));
+    layout.push_back(t.requires_grad() ? 1 : 0);
+    layout.push_back(t.dim());
+    for (const auto d : t.sizes()) {
+      layout.push_back(d);
+    }
+  }
+  return layout;
+}
+
+struct TensorSpec {
+  bool defined = false;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  bool requires_grad = false;
+  std::vector<int64_t> sizes;
+  int64_t bytes() const {
+    int64_t n = 1;
+    for (auto d : sizes) {
+      n *= d;
+    }
+    return n * static_cast<int64_t>(c10::elementSize(dtype));
+  }
+};
+
+// Parses a layout; false if it is malformed.
+bool parse_layout(
+    const std::vector<int64_t>& layout,
+    bool& atomic,
+    std::vector<TensorSpec>& specs) {
+  size_t p = 0;
+  auto next = [&](int64_t& v) {
+    if (p >= layout.size()) {
+      return false;
+    }
+    v = layout[p++];
+    return true;
+  };
+  int64_t a = 0;
+  int64_t count = 0;
+  if (!next(a) || !next(count) || count < 0 || count > 4096) {
+    return false;
+  }
+  atomic = a != 0;
+  specs.assign(count, {});
+  for (auto& spec : specs) {
+    int64_t defined = 0;
+    if (!next(defined)) {
+      return false;
+    }
+    spec.defined = defined != 0;
+    if (!spec.defined) {
+      continue;
+    }
+    int64_t dtype = 0;
+    int64_t grad = 0;
+    int64_t dim = 0;
+    if (!next(dtype) || !next(grad) || !next(dim) || dtype < 0 ||
+        dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions) || dim < 0 ||
+        dim > 64) {
+      return false;
+    }
+    spec.dtype = static_cast<c10::ScalarType>(dtype);
+    spec.requires_grad = grad != 0;
+    spec.sizes.resize(dim);
+    for (auto& d : spec.sizes) {
+      if (!next(d) || d < 0) {
+        return false;
+      }
+    }
+  }
+  return p == layout.size();
+}
+
+int64_t payload_bytes(const std::vector<TensorSpec>& specs) {
+  int64_t total = 0;
+  for (const auto& spec : specs) {
+    if (spec.defined) {
+      total += padded(spec.bytes());
+    }
+  }
+  return total;
+}
+
+// Copies the defined tensors' bytes into `out` from byte `offset` on.
+void write_payload(const Message& message, torch::Tensor& out, int64_t offset) {
+  auto* base = static_cast<uint8_t*>(out.data_ptr());
+  for (const auto& t : message.tensors) {
+    if (!t.defined()) {
+      continue;
+    }
+    auto c = t.detach().contiguous();
+    const auto bytes = static_cast<int64_t>(c.nbytes());
+    if (bytes > 0) {
+      std::memcpy(base + offset, c.data_ptr(), bytes);
+    }
+    offset += padded(bytes);
+  }
+}
+
+// Tensors over the bytes of `buffer` from `offset` on (no copy: each keeps
+// the buffer alive).
+Message read_payload(
+    const torch::Tensor& buffer,
+    int64_t offset,
+    bool atomic,
+    const std::vector<TensorSpec>& specs) {
+  Message message;
+  message.atomic = atomic;
+  auto holder = std::make_shared<torch::Tensor>(buffer);
+  auto* base = static_cast<uint8_t*>(buffer.data_ptr());
+  for (const auto& spec : specs) {
+    if (!spec.defined) {
+      message.tensors.emplace_back();
+      continue;
+    }
+    auto t = torch::from_blob(
+        base + offset,
+        spec.sizes,
+        [holder](void*) {},
+        torch::TensorOptions().dtype(spec.dtype));
+    if (spec.requires_grad) {
+      t.requires_grad_(true);
+    }
+    message.tensors.push_back(std::move(t));
+    offset += padded(spec.bytes());
+  }
+  return message;
+}
+
+torch::Tensor bytes(int64_t n) {
+  return torch::empty({n}, torch::kByte);
+}
+
+int64_t* words(torch::Tensor& t) {
+  return reinterpret_cast<int64_t*>(t.data_ptr());
+}
+
+const char* kind_name(MessageKind kind) {
+  switch (kind) {
+    case MessageKind::Control:
+      return "control";
+    case MessageKind::Begin:
+      return "begin";
+    case MessageKind::Forward:
+      return "activations";
+    case MessageKind::Backward:
+      return "gradients";
+    case MessageKind::ForwardSkip:
+      return "skip";
+    case MessageKind::BackwardSkip:
+      return "skip gradient";
+    case MessageKind::Loss:
+      return "loss";
+    case MessageKind::Trace:
+      return "trace";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+std::string to_string(MessageKind kind) {
+  return kind_name(kind);
+}
+
+int MessageId::tag() const {
+  TORCH_INTERNAL_ASSERT(micro_batch >= 0 && micro_batch <= kMaxMicroBatches);
+  TORCH_INTERNAL_ASSERT(index >= 0 && index <= kMaxIndex);
+  return static_cast<int>(
+      (static_cast<int64_t>(kind) << 26) | (micro_batch << 12) | index);
+}
+
+std::string MessageId::describe() const {
+  std::ostringstream out;
+  out << kind_name(kind);
+  switch (kind) {
+    case MessageKind::Forward:
+    case MessageKind::Backward:
+      out << " of micro-batch " << micro_batch << " at boundary " << index;
+      break;
+    case MessageKind::ForwardSkip:
+    case MessageKind::BackwardSkip:
+      out << " " << index << " of micro-batch " << micro_batch;
+      break;
+    default:
+      break;
+  }
+  return out.str();
+}
+
+Connection::Connection(
+    c10::intrusive_ptr<c10d::Store> store_,
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> group_,
+    int64_t rank_,
+    int64_t size_,
+    int64_t local_rank_,
+    int64_t local_size_,
+    std::chrono::milliseconds timeout_)
+    : store(std::move(store_)),
+      group(std::move(group_)),
+      rank(rank_),
+      size(size_),
+      local_rank(local_rank_),
+      local_size(local_size_),
+      timeout(timeout_) {
+  if (size > 1) {
+    listener_ = std::thread([this] { listen(); });
+  }
+}
+
+Connection::~Connection() {
+  stopping_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (listening_) {
+      listening_->abort();
+    }
+  }
+  if (listener_.joinable()) {
+    listener_.join();
+  }
+  if (failure_) {
+    // Receives may still be posted into the group: leave it alone.
+    (void)group.release();
+    (void)listening_.release();
+  }
+}
+
+void Connection::listen() {
+  while (!stopping_) {
+    auto buffer = bytes(kControlBytes);
+    std::vector<at::Tensor> tensors{buffer};
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_ || failure_) {
+        return;
+      }
+      work = group->recvAnysource(
+          tensors, MessageId{MessageKind::Control, 0, 0}.tag());
+      listening_ = work;
+    }
+    bool received = false;
+    try {
+      // Waits across steps, however long the program takes between them.
+      received = work->wait(std::chrono::hours(24 * 365));
+    } catch (...) {
+      // A peer closed its connection (it ended or died); receives from it
+      // fail by themselves.
+      return;
+    }
+    if (!received || stopping_) {
+      return;
+    }
+    auto* w = words(buffer);
+    std::string text;
+    if (w[kMagicWord] == kMagic) {
+      const auto length =
+          std::min<int64_t>(w[kPayloadWord], kControlBytes - kHeaderBytes);
+      text.assign(
+          reinterpret_cast<const char*>(buffer.data_ptr()) + kHeaderBytes,
+          static_cast<size_t>(std::max<int64_t>(length, 0)));
+    } else {
+      text = "rank " + std::to_string(work->sourceRank()) +
+             " sent a control message that is not gpipe's";
+    }
+    record_failure(text);
+    return;
+  }
+}
+
+bool Connection::record_failure(const std::string& message) {
+  std::set<c10::intrusive_ptr<c10d::Work>> receiving;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) {
+      return false;
+    }
+    failure_ = message;
+    receiving.swap(receiving_);
+  }
+  for (const auto& work : receiving) {
+    work->abort();
+  }
+  return true;
+}
+
+void Connection::fail(const std::string& message) {
+  if (!record_failure(message)) {
+    return;
+  }
+  // Tell the others; nobody waits for these sends.
+  const auto text =
+      message.substr(0, static_cast<size_t>(kControlBytes - kHeaderBytes));
+  for (const auto peer : c10::irange(size)) {
+    if (peer == rank) {
+      continue;
+    }
+    auto buffer = bytes(kControlBytes);
+    buffer.zero_();
+    auto* w = words(buffer);
+    w[kMagicWord] = kMagic;
+    w[kKindWord] = static_cast<int64_t>(MessageKind::Control);
+    w[kPayloadWord] = static_cast<int64_t>(text.size());
+    std::memcpy(
+        static_cast<char*>(buffer.data_ptr()) + kHeaderBytes,
+        text.data(),
+        text.size());
+    std::vector<at::Tensor> tensors{buffer};
+    try {
+      auto work = group->send(
+          tensors,
+          static_cast<int>(peer),
+          MessageId{MessageKind::Control, 0, 0}.tag());
+      (void)work.release();  // never waited for, never freed
+    } catch (...) {
+      // That peer is gone already.
+    }
+  }
+}
+
+std::optional<std::string> Connection::failure() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
+void Connection::throw_failure() const {
+  auto f = failure();
+  TORCH_CHECK(
+      false,
+      f ? *f : std::string("the connection failed"),
+      " (gpipe::dist: the connection between ranks is closed after a "
+      "failure; restart the job)");
+}
+
+void Connection::check() const {
+  if (failure()) {
+    throw_failure();
+  }
+}
+
+torch::Tensor Connection::receive_bytes(
+    int64_t peer, int tag, int64_t n, const std::string& what) {
+  auto buffer = bytes(n);
+  std::vector<at::Tensor> tensors{buffer};
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) {
+      throw_failure();
+    }
+    try {
+      work = group->recv(tensors, static_cast<int>(peer), tag);
+    } catch (...) {
+      // Fails below, outside the lock.
+    }
+    if (work) {
+      receiving_.insert(work);
+    }
+  }
+  bool received = false;
+  std::string error;
+  if (work) {
+    try {
+      received = work->wait(timeout);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    receiving_.erase(work);
+  } else {
+    error = "c10d refused the receive";
+  }
+  if (received) {
+    return buffer;
+  }
+  if (!error.empty()) {
+    const bool timed_out = error.find("imed out") != std::string::npos;
+    std::ostringstream message;
+    message << "rank " << rank << " was waiting for " << what << " from rank "
+            << peer << " and "
+            << (timed_out ? "gave up after " : "lost the connection: ")
+            << (timed_out ? std::to_string(timeout.count() / 1000) +
+                                " s (GPIPE_DIST_TIMEOUT): rank " +
+                                std::to_string(peer) +
+                                " stopped answering, or runs other passes"
+                          : "rank " + std::to_string(peer) +
+                                " died or closed its connection")
+            << " [c10d: " << error.substr(0, 300) << "]";
+    fail(message.str());
+  }
+  (void)work.release();  // aborted: c10d may still write into it
+  throw_failure();
+}
+
+void Connection::send(
+    int64_t peer,
+    int64_t pass,
+    const MessageId& id,
+    const Message& message,
+    std::vector<c10::intrusive_ptr<c10d::Work>>& pending) {
+  check();
+  const int tag = id.tag();
+  auto layout = layout_of(message);
+  bool atomic = true;
+  std::vector<TensorSpec> specs;
+  TORCH_INTERNAL_ASSERT(parse_layout(layout, atomic, specs));
+  const auto payload = payload_bytes(specs);
+  std::optional<std::vector<int64_t>> agreed;
+  {
+    std::lock_guard<std::mutex> lock(layouts_mutex_);
+    auto it = sent_layouts_.find({peer, tag});
+    if (it != sent_layouts_.end()) {
+      agreed = it->second;
+    }
+    sent_layouts_[{peer, tag}] = layout;
+  }
+  auto header = [&](torch::Tensor& buffer, Mode mode) {
+    auto* w = words(buffer);
+    w[kMagicWord] = kMagic;
+    w[kPassWord] = pass;
+    w[kKindWord] = static_cast<int64_t>(id.kind);
+    w[kMicroWord] = id.micro_batch;
+    w[kIndexWord] = id.index;
+    w[kLayoutWord] = static_cast<int64_t>(layout.size());
+    w[kPayloadWord] = payload;
+    w[kModeWord] = mode;
+  };
+  auto post = [&](torch::Tensor buffer) {
+    std::vector<at::Tensor> tensors{std::move(buffer)};
+    try {
+      pending.push_back(group->send(tensors, static_cast<int>(peer), tag));
+    } catch (const std::exception& e) {
+      fail(
+          "rank " + std::to_string(rank) + " could not send " + id.describe() +
+          " to rank " + std::to_string(peer) +
+          " [c10d: " + std::string(e.what()).substr(0, 300) + "]");
+      throw_failure();
+    }
+  };
+  if (agreed && *agreed == layout) {
+    auto buffer = bytes(kHeaderBytes + payload);
+    header(buffer, kCombined);
+    write_payload(message, buffer, kHeaderBytes);
+    post(std::move(buffer));
+    return;
+  }
+  int64_t first = kHeaderBytes;
+  if (agreed) {
+    bool a = true;
+    std::vector<TensorSpec> old;
+    TORCH_INTERNAL_ASSERT(parse_layout(*agreed, a, old));
+    first += payload_bytes(old);
+  }
+  auto head = bytes(first);
+  header(head, agreed ? kRelayout : kHeaderOnly);
+  post(std::move(head));
+  const auto layout_bytes = static_cast<int64_t>(layout.size()) * 8;
+  auto body = bytes(layout_bytes + payload);
+  std::memcpy(body.data_ptr(), layout.data(), layout_bytes);
+  write_payload(message, body, layout_bytes);
+  post(std::move(body));
+}
+
+Message Connection::recv(int64_t peer, int64_t pass, const MessageId& id) {
+  const int tag = id.tag();
+  const auto what = id.describe();
+  std::optional<std::vector<int64_t>> agreed;
+  {
+    std::lock_guard<std::mutex> lock(layouts_mutex_);
+    auto it = received_layouts_.find({peer, tag});
+    if (it != received_layouts_.end()) {
+      agreed = it->second;
+    }
+  }
+  bool atomic = true;
+  std::vector<TensorSpec> specs;
+  int64_t first = kHeaderBytes;
+  if (agreed) {
+    TORCH_INTERNAL_ASSERT(parse_layout(*agreed, atomic, specs));
+    first += payload_bytes(specs);
+  }
+  auto head = receive_bytes(peer, tag, first, what);
+  const auto* w = words(head);
+  auto refuse = [&](const std::string& why) {
+    std::ostringstream message;
+    message << "rank " << rank << " expected " << what << " of pass " << pass
+            << " from rank " << peer << ", but " << why;
+    fail(message.str());
+    throw_failure();
+  };
+  if (w[kMagicWord] != kMagic) {
+    refuse(
+        "got bytes that are not a gpipe message: is rank " +
+        std::to_string(peer) + " running the same program?");
+  }
+  if (w[kPassWord] != pass) {
+    refuse(
+        "rank " + std::to_string(peer) + " sent it for pass " +
+        std::to_string(w[kPassWord]) +
+        ": every rank must run the same passes (train_step, forward) in the "
+        "same order");
+  }
+  if (w[kKindWord] != static_cast<int64_t>(id.kind) ||
+      w[kMicroWord] != id.micro_batch || w[kIndexWord] != id.index) {
+    refuse(
+        "got " +
+        MessageId{
+            static_cast<MessageKind>(w[kKindWord]),
+            w[kMicroWord],
+            w[kIndexWord]}
+            .describe());
+  }
+  const auto mode = w[kModeWord];
+  if (mode == kCombined) {
+    if (!agreed) {
+      refuse("it came without its layout");
+    }
+    return read_payload(head, kHeaderBytes, atomic, specs);
+  }
+  if (mode != kHeaderOnly && mode != kRelayout) {
+    refuse("its header is malformed");
+  }
+  const auto layout_words = w[kLayoutWord];
+  const auto payload = w[kPayloadWord];
+  if (layout_words < 2 || layout_words > (int64_t{1} << 20) || payload < 0) {
+    refuse("its header is malformed");
+  }
+  auto body = receive_bytes(peer, tag, layout_words * 8 + payload, what);
+  std::vector<int64_t> layout(
+      words(body), words(body) + static_cast<size_t>(layout_words));
+  if (!parse_layout(layout, atomic, specs) || payload_bytes(specs) != payload) {
+    refuse("its layout is malformed");
+  }
+  {
+    std::lock_guard<std::mutex> lock(layouts_mutex_);
+    received_layouts_[{peer, tag}] = layout;
+  }
+  return read_payload(body, layout_words * 8, atomic, specs);
+}
+
+void Connection::wait_sends(
+    std::vector<c10::intrusive_ptr<c10d::Work>>& pending) {
+  for (auto& work : pending) {
+    if (failure()) {
+      break;
+    }
+    try {
+      work->wait(timeout);
+    } catch (const std::exception& e) {
+      fail(
+          "rank " + std::to_string(rank) +
+          " could not finish sending to another rank (it died or closed its "
+          "connection) [c10d: " +
+          std::string(e.what()).substr(0, 300) + "]");
+    }
+  }
+  if (failure()) {
+    for (auto& work : pending) {
+      (void)work.release();  // still posted: leave it alone
+    }
+    pending.clear();
+    throw_failure();
+  }
+  pending.clear();
+}
+
+}  // namespace gpipe::dist::detail

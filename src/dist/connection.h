@@ -1,0 +1,170 @@
+#pragma once
+
+// The connection of one process to the others: the c10d store and group,
+// the wire format of gpipe's messages, and the state every stage of the
+// process shares (failure, control listener, agreed layouts).
+//
+// Note [Messages between ranks]
+// Every message travels as one c10d send of bytes on a tag that names what it
+// carries (kind, micro-batch, boundary or skip), so that a receiver posts its
+// receive for exactly the message it needs and nothing has to be sorted out
+// on arrival. A message starts with a header (magic, pass, kind, micro-batch,
+// index, the layout's length and the payload's size) that the receiver
+// checks: a rank that runs another pass, another model or another program
+// ends with an error naming both sides instead of a hang or garbage.
+//
+// A c10d receive needs its size in advance. The first message on a tag is
+// therefore a bare header, followed by a second message with the layout
+// (per tensor: dtype, requires_grad, shape) and the payload. Both sides then
+// remember that layout for the tag, and later messages with the same layout
+// (every step of a training run) are one message: header and payload. When
+// the layout changes (a smaller last batch), the sender sends the agreed
+// size with a "relayout" header, then layout and payload as in the first
+// exchange. One message per transfer is what keeps gpipe's overhead close
+// to a bare c10d send (bench: `gpipe-bench --only dist`): a separate header
+// message doubled it.
+//
+// Failures travel on a control tag that a listener thread of each process
+// receives from any rank: a rank whose pass fails tells every other rank,
+// which abort their receives and fail with its message. A dead rank closes
+// its sockets, so receives from it fail at once; a rank that stops answering
+// is given up on after the timeout. After a failure the connection is closed
+// for good: c10d cannot take back a posted receive, so the group is left
+// alone (never reused, never destroyed) and later passes are refused.
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <utility>
+#include <vector>
+
+namespace c10d {
+class ProcessGroupGloo;
+class Store;
+}  // namespace c10d
+
+namespace gpipe::dist::detail {
+
+/// What a message carries; part of its tag and header.
+enum class MessageKind : int64_t {
+  Control = 0,   // a failure (listener only)
+  Begin = 1,     // rank 0 starts a pass: its kind, seed and micro-batches
+  Forward = 2,   // activations at a boundary
+  Backward = 3,  // gradients at a boundary
+  ForwardSkip = 4,
+  BackwardSkip = 5,
+  Loss = 6,   // the last rank's loss, to every rank
+  Trace = 7,  // a rank's trace events, to rank 0
+};
+
+std::string to_string(MessageKind kind);
+
+/// Which message: tag and header fields.
+struct MessageId {
+  MessageKind kind = MessageKind::Control;
+  int64_t micro_batch = 0;
+  int64_t index = 0;  // boundary, skip number, or 0
+
+  /// Fits 4 bits of kind, 14 of micro-batch, 12 of index.
+  int tag() const;
+  std::string describe() const;
+};
+
+constexpr int64_t kMaxMicroBatches = (int64_t{1} << 14) - 1;
+constexpr int64_t kMaxIndex = (int64_t{1} << 12) - 1;
+
+/// A message's tensors (undefined ones travel as such) and whether they came
+/// as one tensor.
+struct Message {
+  std::vector<torch::Tensor> tensors;
+  bool atomic = true;
+};
+
+struct Connection {
+  Connection(
+      c10::intrusive_ptr<c10d::Store> store,
+      c10::intrusive_ptr<c10d::ProcessGroupGloo> group,
+      int64_t rank,
+      int64_t size,
+      int64_t local_rank,
+      int64_t local_size,
+      std::chrono::milliseconds timeout);
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  /// Sends `message` to `peer` for pass `pass`, without waiting; the send
+  /// is added to `pending` (wait with wait_sends).
+  void send(
+      int64_t peer,
+      int64_t pass,
+      const MessageId& id,
+      const Message& message,
+      std::vector<c10::intrusive_ptr<c10d::Work>>& pending);
+  /// Receives the message `id` of pass `pass` from `peer`. Throws the
+  /// failure if the connection fails first, and a c10::Error naming both
+  /// sides if what arrives is not what was expected.
+  Message recv(int64_t peer, int64_t pass, const MessageId& id);
+  /// Waits for sends to complete (the data is on its way).
+  void wait_sends(std::vector<c10::intrusive_ptr<c10d::Work>>& pending);
+
+  /// Marks the connection failed with `message` (the first failure wins),
+  /// tells the other ranks, and aborts every receive in progress here.
+  void fail(const std::string& message);
+  /// The failure, if any.
+  std::optional<std::string> failure() const;
+  /// Throws the failure as a c10::Error if there is one.
+  void check() const;
+
+  /// A number for the next PipelineStage, the same on every rank when they
+  /// build their stages in the same order.
+  int64_t next_stage_id() {
+    return stage_ids_++;
+  }
+
+  c10::intrusive_ptr<c10d::Store> store;
+  // Left alone (leaked) after a failure: see the Note.
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  const int64_t rank;
+  const int64_t size;
+  const int64_t local_rank;
+  const int64_t local_size;
+  const std::chrono::milliseconds timeout;
+
+ private:
+  void listen();
+  // Records the first failure and aborts the receives in progress; returns
+  // true if this one was the first.
+  bool record_failure(const std::string& message);
+  // Posts a receive of `bytes` bytes from `peer` on `tag` and waits for it
+  // (registered, so that a failure aborts it). Throws the failure when
+  // aborted, and fails the connection on a c10d error.
+  torch::Tensor receive_bytes(
+      int64_t peer, int tag, int64_t bytes, const std::string& what);
+  [[noreturn]] void throw_failure() const;
+
+  mutable std::mutex mutex_;
+  std::optional<std::string> failure_;                  // guarded by mutex_
+  std::set<c10::intrusive_ptr<c10d::Work>> receiving_;  // guarded by mutex_
+  // Agreed layouts, by (peer, tag): what was last sent and last received.
+  std::map<std::pair<int64_t, int>, std::vector<int64_t>> sent_layouts_;
+  std::map<std::pair<int64_t, int>, std::vector<int64_t>> received_layouts_;
+  std::mutex layouts_mutex_;  // guards both maps
+  std::atomic<bool> stopping_{false};
+  c10::intrusive_ptr<c10d::Work> listening_;  // guarded by mutex_
+  std::thread listener_;
+  int64_t stage_ids_ = 0;
+};
+
+}  // namespace gpipe::dist::detail

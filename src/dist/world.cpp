@@ -1,0 +1,193 @@
+// init_from_env and World: joining a job the way torchrun and gpipe-run
+// describe it, over c10d's TCPStore and ProcessGroupGloo.
+
+#include <c10/util/Exception.h>
+#include <gpipe/dist.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dist/connection.h"
+
+namespace gpipe::dist {
+
+namespace {
+
+const char* env(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : nullptr;
+}
+
+// The integer in variable `name`, in [low, high]; `fallback` when unset and
+// a fallback is given.
+int64_t env_int(
+    const char* name,
+    int64_t low,
+    int64_t high,
+    std::optional<int64_t> fallback = std::nullopt) {
+  const char* value = env(name);
+  if (value == nullptr) {
+    TORCH_CHECK_VALUE(
+        fallback.has_value(),
+        "gpipe::dist::init_from_env needs the environment variable ",
+        name,
+        " (set by torchrun or gpipe-run), but it is not set");
+    return *fallback;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(value, &end, 10);
+  TORCH_CHECK_VALUE(
+      errno == 0 && end != value && *end == '\0' && v >= low && v <= high,
+      "gpipe::dist::init_from_env expects ",
+      name,
+      " to be an integer in [",
+      low,
+      ", ",
+      high,
+      "], but got '",
+      value,
+      "'");
+  return v;
+}
+
+}  // namespace
+
+std::chrono::milliseconds default_timeout() {
+  const char* value = env("GPIPE_DIST_TIMEOUT");
+  if (value == nullptr) {
+    return std::chrono::seconds(120);
+  }
+  errno = 0;
+  char* end = nullptr;
+  const double seconds = std::strtod(value, &end);
+  TORCH_CHECK_VALUE(
+      errno == 0 && end != value && *end == '\0' && seconds > 0 &&
+          seconds <= 7 * 24 * 3600,
+      "GPIPE_DIST_TIMEOUT expects a number of seconds in (0, 604800], but got "
+      "'",
+      value,
+      "'");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+World init_from_env() {
+  return init_from_env(default_timeout());
+}
+
+World init_from_env(std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(
+      timeout.count() > 0,
+      "gpipe::dist::init_from_env expects a positive timeout, but got ",
+      timeout.count(),
+      " ms");
+  const char* addr = env("MASTER_ADDR");
+  TORCH_CHECK_VALUE(
+      addr != nullptr,
+      "gpipe::dist::init_from_env needs the environment variable MASTER_ADDR "
+      "(set by torchrun or gpipe-run), but it is not set");
+  const auto port = env_int("MASTER_PORT", 1, 65535);
+  const auto size = env_int("WORLD_SIZE", 1, 1 << 20);
+  const auto rank = env_int("RANK", 0, size - 1);
+  const auto local_size = env_int("LOCAL_WORLD_SIZE", 1, size, size);
+  const auto local_rank = env_int("LOCAL_RANK", 0, local_size - 1, rank);
+  const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent != nullptr && (std::string(agent) == "True" ||
+                                                std::string(agent) == "1");
+
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  // torchrun's agent hosts the store itself; a second server on its port
+  // would abort the process.
+  options.isServer = rank == 0 && !agent_store;
+  options.numWorkers =
+      agent_store ? c10::nullopt : c10::optional<std::size_t>(size);
+  options.waitWorkers = !agent_store;
+  options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> tcp;
+  try {
+    tcp = c10::make_intrusive<c10d::TCPStore>(std::string(addr), options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(
+        false,
+        "gpipe::dist::init_from_env: rank ",
+        rank,
+        " could not meet the others at ",
+        addr,
+        ":",
+        port,
+        " within ",
+        timeout.count() / 1000.0,
+        " s [c10d: ",
+        std::string(e.what()).substr(0, 300),
+        "]");
+  }
+  // Our own keys, apart from torchrun's.
+  auto store = c10::make_intrusive<c10d::PrefixStore>("gpipe", tcp);
+  auto group_options = c10d::ProcessGroupGloo::Options::create(timeout);
+  const char* iface = env("GLOO_SOCKET_IFNAME");
+  if (iface != nullptr) {
+    group_options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+  } else {
+    // Loopback when everyone is here; else the host's own name, as c10d
+    // picks it.
+    group_options->devices.push_back(
+        std::string(addr) == "127.0.0.1" || std::string(addr) == "localhost"
+            ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+            : c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  try {
+    group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        store, static_cast<int>(rank), static_cast<int>(size), group_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(
+        false,
+        "gpipe::dist::init_from_env: rank ",
+        rank,
+        " could not connect to the other ranks within ",
+        timeout.count() / 1000.0,
+        " s [c10d: ",
+        std::string(e.what()).substr(0, 300),
+        "]");
+  }
+  return World(std::make_shared<detail::Connection>(
+      store, group, rank, size, local_rank, local_size, timeout));
+}
+
+World::World(std::shared_ptr<detail::Connection> connection)
+    : connection_(std::move(connection)) {
+  TORCH_CHECK_VALUE(
+      connection_ != nullptr, "gpipe::dist::World needs a connection");
+}
+
+World::~World() = default;
+
+int64_t World::rank() const {
+  return connection_->rank;
+}
+int64_t World::size() const {
+  return connection_->size;
+}
+int64_t World::local_rank() const {
+  return connection_->local_rank;
+}
+int64_t World::local_size() const {
+  return connection_->local_size;
+}
+std::chrono::milliseconds World::timeout() const {
+  return connection_->timeout;
+}
+const c10::intrusive_ptr<c10d::ProcessGroupGloo>& World::group() const {
+  return connection_->group;
+}
+const c10::intrusive_ptr<c10d::Store>& World::store() const {
+  return connection_->store;
+}
+
+}  // namespace gpipe::dist

@@ -1,0 +1,211 @@
+// One rank of the distributed tests (tests/dist/dist_test.sh starts them
+// with gpipe-run, or by hand). Each rank trains a gpipe::dist::PipelineStage
+// and, in the same process, the single-process gpipe::GPipe with the same
+// balance, chunks, checkpoint mode and seeds, and checks that losses,
+// parameters and buffers agree (float64, relative 1e-10).
+//
+// Exit codes: 0 passed, 1 a check failed, 3 a pass failed with an error
+// (printed), 4 the expected error did not come.
+
+#include <gpipe/dist.h>
+#include <gpipe/gpipe.h>
+#include <torch/torch.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+namespace {
+
+struct StashImpl : torch::nn::Cloneable<StashImpl>, gpipe::Skippable {
+  StashImpl() : gpipe::Skippable({"skip"}, {}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    stash("skip", x * 0.5);
+    return x;
+  }
+};
+TORCH_MODULE(Stash);
+
+struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, gpipe::Skippable {
+  PopAddImpl() : gpipe::Skippable({}, {"skip"}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    return x + pop("skip");
+  }
+};
+TORCH_MODULE(PopAdd);
+
+// Nine layers; a skip from layer 2 to layer 7.
+torch::nn::Sequential build(bool batch_norm, double dropout) {
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(6, 12));
+  net->push_back(torch::nn::Tanh());
+  net->push_back(Stash());
+  net->push_back(torch::nn::Linear(12, 12));
+  if (batch_norm) {
+    net->push_back(torch::nn::BatchNorm1d(12));
+  } else {
+    net->push_back(torch::nn::Dropout(dropout));
+  }
+  net->push_back(torch::nn::Tanh());
+  net->push_back(torch::nn::Linear(12, 12));
+  net->push_back(PopAdd());
+  net->push_back(torch::nn::Linear(12, 3));
+  net->to(torch::kDouble);
+  return net;
+}
+
+std::vector<int64_t> balance_for(int64_t n) {
+  switch (n) {
+    case 1:
+      return {9};
+    case 2:
+      return {4, 5};
+    case 3:
+      return {3, 3, 3};
+    case 4:
+      return {2, 2, 3, 2};
+    default:
+      std::cerr << "dist_worker: runs 1 to 4 ranks\n";
+      std::exit(2);
+  }
+}
+
+bool close(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() &&
+         torch::allclose(a, b, /*rtol=*/1e-10, /*atol=*/1e-12);
+}
+
+std::string arg(int argc, char** argv, const std::string& name, std::string d) {
+  for (int k = 1; k + 1 < argc; ++k) {
+    if (argv[k] == name) {
+      return argv[k + 1];
+    }
+  }
+  return d;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto schedule = arg(argc, argv, "--schedule", "1f1b") == "1f1b"
+                            ? gpipe::Schedule::OneFOneB
+                            : gpipe::Schedule::FillDrain;
+  const auto checkpoint = gpipe::checkpoint_from_string(
+      arg(argc, argv, "--checkpoint", "except_last"));
+  const bool batch_norm = arg(argc, argv, "--batch-norm", "0") == "1";
+  const double dropout = std::stod(arg(argc, argv, "--dropout", "0.3"));
+  const int steps = std::stoi(arg(argc, argv, "--steps", "3"));
+  const auto scenario = arg(argc, argv, "--scenario", "parity");
+  const int kill_step = std::stoi(arg(argc, argv, "--kill-step", "1"));
+  const int64_t kill_rank = std::stoll(arg(argc, argv, "--kill-rank", "1"));
+
+  try {
+    auto world = gpipe::dist::init_from_env();
+    const auto r = world.rank();
+    const auto n = world.size();
+    auto balance = balance_for(n);
+    if (scenario == "mismatch" && r == 1) {
+      std::swap(balance[0], balance[1]);
+    }
+    const auto options = gpipe::GPipeOptions(balance)
+                             .chunks(4)
+                             .checkpoint(checkpoint)
+                             .deferred_batch_norm(batch_norm)
+                             .threads_per_lane(1);
+    torch::manual_seed(0);
+    auto net = build(batch_norm, dropout);
+    torch::manual_seed(0);
+    auto ref_net = build(batch_norm, dropout);
+
+    gpipe::dist::PipelineStage stage(net, options, world);
+    if (scenario == "mismatch") {
+      std::cout << "rank " << r << ": no error for another balance\n";
+      return 4;
+    }
+    gpipe::GPipe ref(ref_net, options);
+    torch::optim::SGD opt(stage->parameters(), 0.1);
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+    int loss_calls = 0;
+    auto loss_fn = [&](torch::Tensor out, torch::Tensor y) {
+      ++loss_calls;
+      if (scenario == "throw" && loss_calls > 4) {
+        throw std::runtime_error("the loss broke on purpose");
+      }
+      return torch::nn::functional::cross_entropy(out, y);
+    };
+    auto ref_loss_fn = [](torch::Tensor out, torch::Tensor y) {
+      return torch::nn::functional::cross_entropy(out, y);
+    };
+    const auto ref_params = ref->named_parameters();
+    const auto ref_buffers = ref->named_buffers();
+    for (int step = 0; step < steps; ++step) {
+      torch::manual_seed(100 + step);
+      auto x = torch::randn({10, 6}, torch::kDouble);  // 3, 3, 3, 1 rows
+      auto y = torch::randint(0, 3, {10}, torch::kLong);
+      if (scenario == "kill" && r == kill_rank && step == kill_step) {
+        std::raise(SIGKILL);
+      }
+      torch::manual_seed(500 + step);
+      auto loss = stage->train_step(
+          r == 0 ? x : torch::Tensor(),
+          r == n - 1 ? y : torch::Tensor(),
+          loss_fn,
+          schedule);
+      opt.step();
+      opt.zero_grad();
+      torch::manual_seed(500 + step);
+      auto ref_loss = ref->train_step(x, y, ref_loss_fn, schedule);
+      ref_opt.step();
+      ref_opt.zero_grad();
+      if (!close(loss, ref_loss)) {
+        std::cout << "rank " << r << ": step " << step << " loss "
+                  << loss.item<double>() << " but GPipe's "
+                  << ref_loss.item<double>() << "\n";
+        return 1;
+      }
+      for (const auto& p : stage->named_parameters()) {
+        if (!close(p.value(), ref_params[p.key()])) {
+          std::cout << "rank " << r << ": step " << step << " parameter "
+                    << p.key() << " differs from GPipe's\n";
+          return 1;
+        }
+      }
+      for (const auto& b : stage->named_buffers()) {
+        if (!close(b.value(), ref_buffers[b.key()])) {
+          std::cout << "rank " << r << ": step " << step << " buffer "
+                    << b.key() << " differs from GPipe's\n";
+          return 1;
+        }
+      }
+      std::cout << "rank " << r << ": step " << step << " loss "
+                << loss.item<double>() << "\n";
+    }
+    if (scenario != "parity") {
+      std::cout << "rank " << r << ": no error in scenario " << scenario
+                << "\n";
+      return 4;
+    }
+    // Inference through the pipeline.
+    stage->eval();
+    ref->eval();
+    torch::manual_seed(7);
+    auto x = torch::randn({7, 6}, torch::kDouble);
+    auto out = stage->forward(r == 0 ? x : torch::Tensor());
+    torch::NoGradGuard no_grad;
+    auto ref_out = ref->forward(x);
+    if (r == n - 1 ? !close(out, ref_out) : out.defined()) {
+      std::cout << "rank " << r << ": forward differs from GPipe's\n";
+      return 1;
+    }
+    std::cout << "rank " << r << ": OK (" << stage->named_parameters().size()
+              << " parameters)\n";
+    return 0;
+  } catch (const c10::Error& e) {
+    std::cout << "rank " << std::getenv("RANK")
+              << " error: " << e.what_without_backtrace() << "\n";
+    return 3;
+  }
+}
