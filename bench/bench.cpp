@@ -2,11 +2,13 @@
 // the plain Sequential, the machine's parallel capacity, and the engine's
 // per-cell overhead. Prints a table; writes JSON to --json.
 
+#include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -115,20 +117,58 @@ int main(int argc, char** argv) {
          "--only",
          only,
          "Run only these sections: speed, overhead, memory, schedules, "
-         "inference, trace, random")
+         "inference, trace, random, dist (dist: under gpipe-run -n 2)")
       ->check(CLI::IsMember(
-          {"speed",
+          {"dist",
+           "speed",
            "overhead",
            "memory",
            "schedules",
            "inference",
            "trace",
            "random"}));
+  std::string dist_trace = "gpipe-bench-dist-trace";
+  app.add_option(
+      "--dist-trace",
+      dist_trace,
+      "Where the dist section writes its timeline (.svg and .json added)");
   CLI11_PARSE(app, argc, argv);
   auto want = [&only](const std::string& section) {
     return only.empty() ||
            std::find(only.begin(), only.end(), section) != only.end();
   };
+  // Started as one rank of several (gpipe-run, torchrun): the dist section
+  // alone, printed and written by rank 0.
+  const char* world_size = std::getenv("WORLD_SIZE");
+  if (world_size != nullptr && std::atoi(world_size) > 1) {
+    if (!only.empty() && !want("dist")) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: under a launcher only --only dist runs, but got "
+          "--only %s\n",
+          only.front().c_str());
+      return 2;
+    }
+    auto world = gpipe::dist::init_from_env();
+    if (world.rank() == 0) {
+      gpipe::bench::print_environment();
+    }
+    json out;
+    out["dist"] = gpipe::bench::dist_section(
+        world, blocks, width, batch, iters, dist_trace);
+    if (world.rank() == 0) {
+      std::ofstream(json_path) << out.dump(2) << std::endl;
+      std::printf("\n# JSON written to %s\n", json_path.c_str());
+    }
+    return 0;
+  }
+  if (!only.empty() && want("dist") && only.size() == 1) {
+    std::fprintf(
+        stderr,
+        "gpipe-bench: --only dist needs ranks: run `gpipe-run -n 2 -- "
+        "gpipe-bench --only dist`\n");
+    return 2;
+  }
   if (quick) {
     chunk_list = {8};
   }

@@ -4,6 +4,11 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <string>
+
+namespace gpipe::dist {
+class World;
+}  // namespace gpipe::dist
 
 namespace gpipe::bench {
 
@@ -19,5 +24,18 @@ nlohmann::json random_section();
 /// model) and "event_seconds".
 nlohmann::json trace_section(
     int64_t blocks, int64_t width, int64_t batch, int iters);
+
+/// Run on every rank of a job (`gpipe-run -n 2 -- gpipe-bench --only
+/// dist`): PipelineStage's training step against the single-process
+/// 2-lane GPipe on the same model, one gpipe message against a bare c10d
+/// send/recv, and a timeline of one step written to `trace_prefix`.svg and
+/// .json. Rank 0 prints the tables; every rank returns its numbers.
+nlohmann::json dist_section(
+    const gpipe::dist::World& world,
+    int64_t blocks,
+    int64_t width,
+    int64_t batch,
+    int iters,
+    const std::string& trace_prefix);
 
 }  // namespace gpipe::bench

@@ -2,10 +2,13 @@
 // GPipe pipeline and reports progress, test accuracy and time.
 //
 //   gpipe-train [--model cnn] [--partitions 2] [--chunks 4] ...
+//   gpipe-run -n 2 -- gpipe-train ...   (one partition per process)
 
+#include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
 #include <gpipe/models/resnet.h>
 #include <gpipe/models/unet.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -20,6 +23,7 @@
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -96,6 +100,15 @@ torch::Tensor read_idx(const std::string& path, bool images) {
 // Conv-BN-ReLU blocks and a classifier, flattened into one Sequential.
 
 int train(const Args& args) {
+  // Under a launcher: one partition per rank; rank 0 prints.
+  std::optional<gpipe::dist::World> world;
+  if (args.world_size > 1) {
+    world = gpipe::dist::init_from_env();
+  }
+  const int64_t rank = world ? world->rank() : 0;
+  const int64_t ranks = world ? world->size() : 1;
+  const bool lead = rank == 0;
+  const bool last = rank == ranks - 1;
   torch::manual_seed(args.seed);
   auto train_x = read_idx(args.data_dir + "/" + kDataFiles[0], true);
   auto train_y = read_idx(args.data_dir + "/" + kDataFiles[1], false);
@@ -141,17 +154,39 @@ int train(const Args& args) {
 
   const auto& spec = model_spec(args.model);
   auto net = make_model(spec);
-  gpipe::GPipe model(
-      net,
+  const auto options =
       gpipe::GPipeOptions(args.balance)
           .chunks(args.chunks)
           .checkpoint(gpipe::checkpoint_from_string(args.checkpoint))
-          .threads_per_lane(args.threads_per_lane));
+          .threads_per_lane(args.threads_per_lane);
+  gpipe::GPipe model{nullptr};
+  gpipe::dist::PipelineStage stage{nullptr};
+  torch::nn::Module* module = nullptr;
+  if (world) {
+    stage = gpipe::dist::PipelineStage(net, options, *world);
+    module = stage.get();
+  } else {
+    model = gpipe::GPipe(net, options);
+    module = model.get();
+  }
   torch::optim::SGD optimizer(
-      model->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
-  const auto out_device = model->devices().back();
-  std::cout << *model << " threads_per_lane=" << model->threads_per_lane()
-            << " train=" << n << " test=" << test_x.size(0) << std::endl;
+      module->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
+  const auto out_device = world ? stage->device() : model->devices().back();
+  if (world) {
+    stage->pretty_print(std::cout);
+    std::cout << " ranks=" << ranks << " train=" << n
+              << " test=" << test_x.size(0) << std::endl;
+  } else {
+    std::cout << *model << " threads_per_lane=" << model->threads_per_lane()
+              << " train=" << n << " test=" << test_x.size(0) << std::endl;
+  }
+  auto set_trace = [&](std::shared_ptr<gpipe::Trace> t) {
+    if (world) {
+      stage->set_trace(std::move(t));
+    } else {
+      model->set_trace(std::move(t));
+    }
+  };
 
   std::shared_ptr<gpipe::Trace> trace;
   if (tracing) {
@@ -167,7 +202,7 @@ int train(const Args& args) {
   double last_loss = 0;
   double train_seconds = 0;
   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
-    model->train();
+    module->train();
     auto order = torch::randperm(n);
     auto window_start = Clock::now();
     int64_t window_samples = 0;
@@ -177,11 +212,17 @@ int train(const Args& args) {
       auto y = train_y.index_select(0, idx).to(out_device);
       if (trace && step == 1) {
         trace->clear();
-        model->set_trace(trace);
+        set_trace(trace);
       }
       optimizer.zero_grad();
       torch::Tensor loss;
-      if (args.schedule == "autograd") {
+      if (world) {
+        loss = stage->train_step(
+            lead ? x : torch::Tensor(),
+            last ? y : torch::Tensor(),
+            loss_fn,
+            gpipe::schedule_from_string(args.schedule));
+      } else if (args.schedule == "autograd") {
         loss = loss_fn(model->forward(x), y);
         loss.backward();
       } else {
@@ -191,7 +232,13 @@ int train(const Args& args) {
       optimizer.step();
       ++step;
       if (trace && step == 1 + args.trace_steps) {
-        model->set_trace(nullptr);
+        if (world) {
+          // One timeline with a row per rank, on rank 0.
+          trace = gpipe::dist::gather_trace(stage);
+        }
+        set_trace(nullptr);
+      }
+      if (trace && step == 1 + args.trace_steps) {
         if (!args.trace_path.empty()) {
           trace->write_chrome_json(args.trace_path);
         }
@@ -210,7 +257,7 @@ int train(const Args& args) {
       }
       window_samples += idx.size(0);
       last_loss = loss.item<double>();
-      if (step % args.log_every == 0) {
+      if (lead && step % args.log_every == 0) {
         const double secs =
             std::chrono::duration<double>(Clock::now() - window_start).count();
         std::printf(
@@ -226,20 +273,33 @@ int train(const Args& args) {
     }
     train_seconds = std::chrono::duration<double>(Clock::now() - start).count();
 
-    model->eval();
+    module->eval();
     torch::NoGradGuard no_grad;
     int64_t correct = 0;
     for (int64_t begin = 0; begin < test_x.size(0); begin += 500) {
       const auto len = std::min<int64_t>(500, test_x.size(0) - begin);
-      auto out = model->forward(test_x.narrow(0, begin, len));
-      correct += out.argmax(1)
-                     .eq(test_y.narrow(0, begin, len).to(out.device()))
-                     .sum()
-                     .item<int64_t>();
+      auto x = test_x.narrow(0, begin, len);
+      auto out = world ? stage->forward(lead ? x : torch::Tensor())
+                       : model->forward(x);
+      if (last) {
+        correct += out.argmax(1)
+                       .eq(test_y.narrow(0, begin, len).to(out.device()))
+                       .sum()
+                       .item<int64_t>();
+      }
+    }
+    if (world) {
+      // The last rank has the outputs; rank 0 prints.
+      std::vector<at::Tensor> count{torch::tensor({correct}, torch::kLong)};
+      world->group()->allreduce(count)->wait();
+      correct = count[0].item<int64_t>();
     }
     const double accuracy = double(correct) / test_x.size(0);
     const double total =
         std::chrono::duration<double>(Clock::now() - start).count();
+    if (!lead) {
+      continue;
+    }
     std::printf(
         "epoch %lld done: test accuracy %.4f, elapsed %.1f s\n",
         static_cast<long long>(epoch + 1),
@@ -254,7 +314,9 @@ int train(const Args& args) {
             {"chunks", args.chunks},
             {"checkpoint", args.checkpoint},
             {"schedule", args.schedule},
-            {"threads_per_lane", model->threads_per_lane()},
+            {"threads_per_lane",
+             world ? int64_t{0} : model->threads_per_lane()},
+            {"ranks", ranks},
             {"epochs", epochs},
             {"batch_size", batch_size},
             {"steps", step},
@@ -287,6 +349,7 @@ int main(int argc, char** argv) {
   };
   try {
     app.parse(argc, argv);
+    args.world_size = world_size_from_env();
     verify_args(app, args);
   } catch (const CLI::ParseError& e) {
     // --help is a ParseError too, with exit code 0: let CLI11 print it. The

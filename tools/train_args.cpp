@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cstdlib>
+#include <cstring>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -377,6 +379,27 @@ void verify_args(const CLI::App& app, Args& args) {
       "--log-every must be at least 1, but got ",
       args.log_every);
 
+  if (args.world_size > 1) {
+    // One partition per rank; the autograd schedule needs the whole
+    // pipeline in one process.
+    if (app.count("--partitions") == 0 && app.count("--balance") == 0) {
+      args.partitions = args.world_size;
+    }
+    usage_check(
+        app.count("--partitions") == 0 || args.partitions == args.world_size,
+        "--partitions is ",
+        args.partitions,
+        ", but the launcher started ",
+        args.world_size,
+        " ranks (WORLD_SIZE); each rank runs one partition");
+    if (app.count("--schedule") == 0) {
+      args.schedule = "fill_drain";
+    }
+    usage_check(
+        args.schedule != "autograd",
+        "--schedule autograd runs in one process; across ranks use "
+        "fill_drain or 1f1b");
+  }
   usage_check(
       args.partitions >= 1 && args.partitions <= spec.layers,
       "--partitions must be between 1 and ",
@@ -424,6 +447,15 @@ void verify_args(const CLI::App& app, Args& args) {
         " has ",
         spec.layers,
         " layers");
+    usage_check(
+        args.world_size == 1 || n == args.world_size,
+        "--balance '",
+        args.balance_text,
+        "' has ",
+        n,
+        " entries, but the launcher started ",
+        args.world_size,
+        " ranks (WORLD_SIZE); give one entry per rank");
     args.partitions = n;
   } else if (args.partitions == 2 && !spec.two_way_balance.empty()) {
     args.balance = spec.two_way_balance;
@@ -458,6 +490,23 @@ void verify_args(const CLI::App& app, Args& args) {
 
   // Last, so that an uninstalled data set does not hide other mistakes.
   verify_data_dir(args.data_dir);
+}
+
+int64_t world_size_from_env() {
+  const char* text = std::getenv("WORLD_SIZE");
+  if (text == nullptr || *text == '\0') {
+    return 1;
+  }
+  int64_t value = 0;
+  const auto* end = text + std::strlen(text);
+  const auto result = std::from_chars(text, end, value);
+  usage_check(
+      result.ec == std::errc() && result.ptr == end && value >= 1,
+      "WORLD_SIZE must be a positive integer (as gpipe-run and torchrun set "
+      "it), but got '",
+      text,
+      "'");
+  return value;
 }
 
 // c10::Error messages may carry context on further lines; print one.

@@ -78,7 +78,14 @@ struct Args {
   int64_t trace_steps = 3;
   // Layers per partition: --balance, or chosen by verify_args.
   std::vector<int64_t> balance;
+  // Ranks of the job when started by gpipe-run or torchrun (WORLD_SIZE),
+  // else 1. With more than one, each rank runs one partition.
+  int64_t world_size = 1;
 };
+
+/// WORLD_SIZE from the environment (1 when unset); a malformed value is a
+/// UsageError.
+int64_t world_size_from_env();
 
 /// The flags of `args`, with their defaults, on `app`.
 void add_options(CLI::App& app, Args& args);

@@ -1,0 +1,239 @@
+// gpipe-bench's distributed section, run as `gpipe-run -n 2 -- gpipe-bench
+// --only dist`: a training step of PipelineStage on 2 ranks against the
+// single-process 2-lane GPipe on the same model and batch (timed in
+// alternation, one intra-op thread per lane or rank), the cost of one
+// gpipe message against a bare c10d send/recv of the same tensor, and a
+// timeline of one distributed step.
+
+#include <gpipe/dist.h>
+#include <gpipe/gpipe.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/torch.h>
+
+#include <cstdio>
+
+#include "dist/connection.h"
+#include "harness.h"
+#include "sections.h"
+
+namespace gpipe::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void barrier(const gpipe::dist::World& world) {
+  world.group()->barrier()->wait();
+}
+
+}  // namespace
+
+nlohmann::json dist_section(
+    const gpipe::dist::World& world,
+    int64_t blocks,
+    int64_t width,
+    int64_t batch,
+    int iters,
+    const std::string& trace_prefix) {
+  const auto rank = world.rank();
+  const auto n = world.size();
+  const bool lead = rank == 0;
+  nlohmann::json out;
+  at::set_num_threads(1);
+
+  // Throughput: the same balanced model, batch and chunks, in one process
+  // (rank 0 alone, 2 lanes) and across the ranks.
+  const int64_t chunks = 8;
+  std::vector<int64_t> balance(n, 2 * blocks / n);
+  balance.back() += 2 * blocks - (2 * blocks / n) * n;
+  torch::manual_seed(0);
+  auto x = torch::randn({batch, width});
+  auto y = torch::randn({batch, width});
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::mse_loss(out, target);
+  };
+  torch::manual_seed(0);
+  auto net = mlp(blocks, width);
+  gpipe::dist::PipelineStage stage(
+      net, gpipe::GPipeOptions(balance).chunks(chunks).threads_per_lane(1),
+      world);
+  std::unique_ptr<gpipe::GPipe> single;
+  if (lead) {
+    torch::manual_seed(0);
+    single = std::make_unique<gpipe::GPipe>(
+        mlp(blocks, width),
+        gpipe::GPipeOptions(balance).chunks(chunks).threads_per_lane(1));
+  }
+  auto dist_step = [&] {
+    stage->zero_grad();
+    stage->train_step(
+        rank == 0 ? x : torch::Tensor(), rank == n - 1 ? y : torch::Tensor(),
+        loss_fn);
+  };
+  auto single_step = [&] {
+    if (lead) {
+      (*single)->zero_grad();
+      (*single)->train_step(x, y, loss_fn);
+    }
+  };
+  std::vector<double> t_single;
+  std::vector<double> t_dist;
+  for (int k = 0; k < iters + 2; ++k) {
+    barrier(world);
+    auto start = Clock::now();
+    single_step();
+    const double a = seconds_since(start);
+    barrier(world);
+    start = Clock::now();
+    dist_step();
+    const double b = seconds_since(start);
+    if (k >= 2) {  // two rounds of warm-up
+      t_single.push_back(a);
+      t_dist.push_back(b);
+    }
+  }
+  const double single_s = median(t_single);
+  const double dist_s = median(t_dist);
+  out["throughput"] = {
+      {"model",
+       std::to_string(blocks) + " x Linear(" + std::to_string(width) +
+           ")+ReLU"},
+      {"batch", batch},
+      {"chunks", chunks},
+      {"ranks", n},
+      {"single_process_seconds", single_s},
+      {"distributed_seconds", dist_s},
+      {"ratio", single_s / dist_s},
+      {"target_ratio", 0.9}};
+
+  // One message: gpipe's (header and payload in one c10d message once the
+  // layout is agreed) against a bare c10d send/recv of the same tensor,
+  // ping-pong between ranks 0 and 1, timed in alternation.
+  if (n >= 2 && rank <= 1) {
+    auto& connection = *world.connection();
+    auto& group = *world.group();
+    const int peer = 1 - static_cast<int>(rank);
+    auto tensor = torch::randn({256});  // 1 KiB
+    const int round_trips = 500;
+    const int bare_tag = (15 << 26) + 1;
+    const gpipe::dist::detail::MessageId id{
+        gpipe::dist::detail::MessageKind::Forward, 0, 0};
+    int64_t pass = 1 << 20;  // apart from the stage's passes
+    auto bare = [&] {
+      std::vector<at::Tensor> t{tensor};
+      for (int k = 0; k < round_trips; ++k) {
+        if (rank == 0) {
+          group.send(t, peer, bare_tag)->wait();
+          group.recv(t, peer, bare_tag)->wait();
+        } else {
+          group.recv(t, peer, bare_tag)->wait();
+          group.send(t, peer, bare_tag)->wait();
+        }
+      }
+    };
+    auto ours = [&] {
+      std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+      for (int k = 0; k < round_trips; ++k) {
+        ++pass;
+        if (rank == 0) {
+          connection.send(peer, pass, id, {{tensor}, true}, sends);
+          connection.wait_sends(sends);
+          (void)connection.recv(peer, pass, id);
+        } else {
+          (void)connection.recv(peer, pass, id);
+          connection.send(peer, pass, id, {{tensor}, true}, sends);
+          connection.wait_sends(sends);
+        }
+      }
+    };
+    std::vector<double> t_bare;
+    std::vector<double> t_ours;
+    for (int k = 0; k < 7; ++k) {
+      auto start = Clock::now();
+      bare();
+      t_bare.push_back(seconds_since(start) / round_trips / 2);
+      start = Clock::now();
+      ours();
+      t_ours.push_back(seconds_since(start) / round_trips / 2);
+    }
+    const double bare_s = median(t_bare);
+    const double ours_s = median(t_ours);
+    out["message"] = {
+        {"bytes", 1024},
+        {"bare_c10d_one_way_us", bare_s * 1e6},
+        {"gpipe_one_way_us", ours_s * 1e6},
+        {"ratio", ours_s / bare_s},
+        {"target_us", 100},
+        {"target_ratio", 1.3}};
+  }
+  barrier(world);
+
+  // A timeline of one step: a row per rank, with the waits for other
+  // ranks beside the cells.
+  auto trace = std::make_shared<gpipe::Trace>();
+  stage->set_trace(trace);
+  dist_step();
+  stage->set_trace(nullptr);
+  stage->set_trace(trace);  // gather_trace reads the stage's trace
+  auto merged = gpipe::dist::gather_trace(stage);
+  stage->set_trace(nullptr);
+  if (lead && merged) {
+    merged->write_svg(trace_prefix + ".svg");
+    merged->write_chrome_json(trace_prefix + ".json");
+    out["trace"] = {
+        {"svg", trace_prefix + ".svg"},
+        {"chrome_json", trace_prefix + ".json"}};
+  }
+
+  if (lead) {
+    std::printf(
+        "\n## distributed: %lld ranks on loopback, %s, batch %lld, chunks "
+        "%lld, one thread each\n",
+        static_cast<long long>(n),
+        out["throughput"]["model"].get<std::string>().c_str(),
+        static_cast<long long>(batch),
+        static_cast<long long>(chunks));
+    std::printf("%-34s %12s\n", "", "seconds/step");
+    std::printf(
+        "%-34s %12.4f\n", "GPipe, one process, 2 lanes", single_s);
+    std::printf(
+        "%-34s %12.4f\n", "PipelineStage, 2 processes", dist_s);
+    std::printf(
+        "%-34s %12.3f   (target >= 0.9)\n",
+        "throughput ratio (dist / single)",
+        single_s / dist_s);
+    if (out.contains("message")) {
+      const auto& m = out["message"];
+      std::printf(
+          "\n%-34s %12s\n", "1 KiB message, one way", "microseconds");
+      std::printf(
+          "%-34s %12.1f\n",
+          "bare c10d send/recv",
+          m["bare_c10d_one_way_us"].get<double>());
+      std::printf(
+          "%-34s %12.1f   (target < 100)\n",
+          "gpipe message (header + payload)",
+          m["gpipe_one_way_us"].get<double>());
+      std::printf(
+          "%-34s %12.3f   (target <= 1.3)\n",
+          "ratio",
+          m["ratio"].get<double>());
+    }
+    if (out.contains("trace")) {
+      std::printf(
+          "\ntimeline of one step: %s (and .json)\n", (trace_prefix + ".svg").c_str());
+    }
+  }
+  return out;
+}
+
+}  // namespace gpipe::bench

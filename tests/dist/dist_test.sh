@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Distributed stages with real processes on 127.0.0.1 (ports chosen free at
+# run time by gpipe-run). Each rank of gpipe_dist_worker checks itself
+# against single-process GPipe (losses, parameters, buffers, inference;
+# float64, relative 1e-10) and exits 0; see dist_worker.cpp.
+#
+#   dist_test.sh GPIPE_RUN WORKER parity     # 2 and 4 ranks, both schedules,
+#                                            # every checkpoint mode, a skip
+#                                            # across ranks, dropout, BN
+#   dist_test.sh GPIPE_RUN WORKER failures   # another balance, a failing
+#                                            # loss, a killed rank
+#   dist_test.sh GPIPE_RUN GPIPE_TRAIN train [DATA_DIR]
+#                                            # gpipe-train on 2 ranks equals
+#                                            # one process (77: no data set)
+set -uo pipefail
+
+run_bin=$1
+prog=$2
+mode=$3
+data=${4:-/usr/share/datasets/fashion-mnist}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ulimit -c 0
+failures=0
+export GPIPE_DIST_TIMEOUT=60
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# launch N ARGS...: the worker on N ranks under gpipe-run; leaves $status
+# and $tmp/out (both streams).
+launch() {
+  local n=$1
+  shift
+  timeout 300 "$run_bin" -n "$n" -- "$prog" "$@" >"$tmp/out" 2>&1
+  status=$?
+}
+
+parity() {
+  local n=$1
+  shift
+  launch "$n" "$@"
+  local ok
+  ok=$(grep -c ': OK (' "$tmp/out")
+  if [[ $status -ne 0 || $ok -ne $n ]]; then
+    fail "$n ranks, $*: gpipe-run exited $status with $ok of $n ranks OK:"
+    sed 's/^/    /' "$tmp/out" | head -40
+  else
+    echo "ok: $n ranks, $*"
+  fi
+}
+
+# expect WHAT TEXT: the last launch failed, and every rank's error names TEXT.
+expect_error() {
+  local what=$1 text=$2 n=$3
+  local errors
+  errors=$(grep -c "error: .*$text" "$tmp/out")
+  if [[ $status -eq 0 ]]; then
+    fail "$what: gpipe-run exited 0"
+  elif [[ $errors -ne $n ]]; then
+    fail "$what: $errors of $n ranks failed with '$text':"
+    sed 's/^/    /' "$tmp/out" | head -40
+  else
+    echo "ok: $what"
+  fi
+}
+
+case $mode in
+  parity)
+    parity 2 --schedule 1f1b --checkpoint except_last --dropout 0.3
+    parity 2 --schedule fill_drain --checkpoint always --dropout 0.5
+    parity 2 --schedule 1f1b --checkpoint never --batch-norm 1
+    parity 4 --schedule 1f1b --checkpoint always --dropout 0.3
+    parity 4 --schedule fill_drain --checkpoint except_last --batch-norm 1
+    ;;
+  failures)
+    # Another balance on rank 1: refused at construction on both ranks.
+    launch 2 --scenario mismatch
+    expect_error "another balance" "rank [01] has balance .* but rank [01] has" 2
+
+    # The last rank's loss throws in step 2: both ranks fail with it, and
+    # neither hangs.
+    launch 2 --scenario throw
+    expect_error "a failing loss" "the loss broke on purpose" 2
+
+    # gpipe-run: a rank killed by a signal stops the job, non-zero.
+    launch 2 --scenario kill --kill-rank 1 --kill-step 1
+    if [[ $status -eq 0 ]] || ! grep -q "rank 1" "$tmp/out"; then
+      fail "killed rank under gpipe-run: exit $status: $(tail -3 "$tmp/out")"
+    else
+      echo "ok: a killed rank fails gpipe-run ($status)"
+    fi
+
+    # Without gpipe-run stopping them: the survivors of a killed rank fail
+    # on their own, fast and with a message naming it (4 ranks, rank 2
+    # killed; the timeout is 60 s, so passing here is not the timeout).
+    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    pids=()
+    start=$(date +%s)
+    for r in 0 1 2 3; do
+      MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$r WORLD_SIZE=4 \
+        LOCAL_RANK=$r timeout 120 "$prog" --scenario kill --kill-rank 2 \
+        --kill-step 1 >"$tmp/rank$r" 2>&1 &
+      pids+=($!)
+    done
+    codes=()
+    for p in "${pids[@]}"; do
+      wait "$p"
+      codes+=($?)
+    done
+    elapsed=$(($(date +%s) - start))
+    for r in 0 1 3; do
+      if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*rank" "$tmp/rank$r"; then
+        fail "rank $r after rank 2 was killed: exit ${codes[$r]}: $(tail -2 "$tmp/rank$r")"
+      fi
+    done
+    if [[ ${codes[2]} -ne 137 ]]; then
+      fail "rank 2 should have been killed, but exited ${codes[2]}"
+    fi
+    if ((elapsed > 30)); then
+      fail "the survivors took ${elapsed} s to fail"
+    else
+      echo "ok: survivors of a killed rank failed in ${elapsed} s: $(grep error "$tmp/rank3" | head -c 200)"
+    fi
+    ;;
+  train)
+    if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
+      echo "no Fashion-MNIST under $data: skipped"
+      exit 77
+    fi
+    args=(--data-dir "$data" --limit 640 --epochs 1 --batch-size 64
+      --chunks 4 --schedule 1f1b --json --log-every 5)
+    timeout 300 "$prog" "${args[@]}" >"$tmp/single" 2>&1
+    single=$?
+    timeout 300 "$run_bin" -n 2 -- "$prog" "${args[@]}" >"$tmp/dist" 2>&1
+    dist=$?
+    if [[ $single -ne 0 || $dist -ne 0 ]]; then
+      fail "gpipe-train exited $single (one process), $dist (2 ranks): $(tail -3 "$tmp/dist")"
+    else
+      # The JSON lines agree on everything but timings and ranks.
+      strip() {
+        grep -o '{.*}' "$1" | tail -1 |
+          sed -E 's/"(ranks|threads_per_lane|total_seconds|train_seconds|train_samples_per_second)":[^,}]*,?//g'
+      }
+      a=$(strip "$tmp/single")
+      b=$(strip "$tmp/dist")
+      if [[ -z $a || $a != "$b" ]]; then
+        fail "gpipe-train differs across ranks:"$'\n'"  one process: $a"$'\n'"  2 ranks:     $b"
+      else
+        echo "ok: gpipe-train on 2 ranks equals one process: $b"
+      fi
+      if grep -q '^\[1\] epoch' "$tmp/dist"; then
+        fail "rank 1 printed progress; only rank 0 should"
+      fi
+    fi
+    ;;
+  *)
+    echo "unknown mode $mode"
+    exit 2
+    ;;
+esac
+
+if ((failures > 0)); then
+  echo "$failures failure(s)"
+  exit 1
+fi
