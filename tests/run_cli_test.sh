@@ -1,0 +1,315 @@
+#!/usr/bin/env bash
+# gpipe-run, checked from outside with `sh -c` programs as its ranks: the
+# environment each rank gets, the prefixed output, stopping every rank when
+# one fails or gpipe-run is signalled, and bad command lines (exit status 2,
+# one line on stderr).
+#
+#   run_cli_test.sh GPIPE_RUN
+set -uo pipefail
+
+bin=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ulimit -c 0
+# strerror's words, as the message for a missing program is checked.
+export LC_ALL=C
+failures=0
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+ok() {
+  echo "ok: $*"
+}
+
+# run ARGS...: runs gpipe-run, leaving $status, $elapsed (whole seconds),
+# $tmp/out and $tmp/err. The timeout ($limit seconds, 15 unless set) only
+# keeps a broken gpipe-run from hanging the test.
+run() {
+  local start=$SECONDS
+  timeout -k 2 "${limit:-15}" "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+  status=$?
+  elapsed=$((SECONDS - start))
+}
+
+# gone PID: true once no process PID is left (a zombie still counts as one
+# for kill -0, so give whoever reaps it a moment).
+gone() {
+  local i
+  for i in $(seq 50); do
+    kill -0 "$1" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  return 1
+}
+
+# wait_for FILE: until FILE holds something (at most 10 s).
+wait_for() {
+  local i
+  for i in $(seq 100); do
+    [[ -s $1 ]] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+
+# --- The environment, the prefixes, exit status 0 -------------------------
+
+GPIPE_RUN_TEST_INHERITED=kept MASTER_ADDR=overridden RANK=overridden \
+  run -n 3 -- sh -c '
+    echo "env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $GPIPE_RUN_TEST_INHERITED"
+    echo "to-stderr $RANK" >&2
+    printf "no-newline %s" "$RANK"'
+if [[ $status -ne 0 ]]; then
+  fail "3 ranks that succeed: exit status $status; stderr: $(cat "$tmp/err")"
+else
+  ports=$(sed -n 's/^\[[0-9]*\] env .* 127\.0\.0\.1 \([0-9][0-9]*\) kept$/\1/p' \
+    "$tmp/out" | sort -u)
+  good=1
+  for r in 0 1 2; do
+    if ! grep -qxE "\[$r\] env $r 3 $r 3 127\.0\.0\.1 [0-9]+ kept" "$tmp/out"; then
+      fail "rank $r's environment is wrong or unprefixed: $(cat "$tmp/out")"
+      good=0
+    fi
+    if ! grep -qxF "[$r] to-stderr $r" "$tmp/err" ||
+      grep -qF "to-stderr" "$tmp/out"; then
+      fail "rank $r's stderr line is not on stderr, prefixed: $(cat "$tmp/err")"
+      good=0
+    fi
+    if ! grep -qxF "[$r] no-newline $r" "$tmp/out"; then
+      fail "rank $r's last line, without a newline, is missing: $(cat "$tmp/out")"
+      good=0
+    fi
+  done
+  if [[ $(wc -l <"$tmp/out") -ne 6 || $(wc -l <"$tmp/err") -ne 3 ]]; then
+    fail "expected 6 lines on stdout and 3 on stderr: $(cat "$tmp/out" "$tmp/err")"
+    good=0
+  fi
+  if [[ $(printf '%s\n' "$ports" | grep -c .) -ne 1 ]]; then
+    fail "the ranks got different or no MASTER_PORTs: '$ports'"
+    good=0
+  elif ((ports < 1 || ports > 65535)); then
+    fail "MASTER_PORT $ports is not a TCP port"
+    good=0
+  fi
+  ((good)) && ok "3 ranks: RANK, WORLD_SIZE, LOCAL_*, MASTER_* (port $ports), prefixes"
+fi
+
+run -n 2 --master-port 12345 --master-addr 10.1.2.3 -- \
+  sh -c 'echo "$MASTER_ADDR:$MASTER_PORT"'
+if [[ $status -ne 0 ]] || ! grep -qxF '[0] 10.1.2.3:12345' "$tmp/out" ||
+  ! grep -qxF '[1] 10.1.2.3:12345' "$tmp/out"; then
+  fail "--master-port/--master-addr not passed through ($status): $(cat "$tmp/out" "$tmp/err")"
+else
+  ok "--master-port 12345 --master-addr 10.1.2.3"
+fi
+
+# Lines come out whole however the ranks' writes interleave.
+run -n 4 -- sh -c '
+  pad=$(printf "%0200d" 0)
+  i=0
+  while [ $i -lt 2000 ]; do echo "$RANK:$i:$pad"; i=$((i + 1)); done'
+torn=$(grep -cvE '^\[([0-3])\] \1:[0-9]+:0{200}$' "$tmp/out")
+if [[ $status -ne 0 || $torn -ne 0 || $(wc -l <"$tmp/out") -ne 8000 ]]; then
+  fail "4 x 2000 lines: exit status $status, $torn torn lines, $(wc -l <"$tmp/out") lines"
+else
+  ok "4 x 2000 lines of 200 bytes, none torn"
+fi
+
+# A rank that exits 0 early stops nobody, and is reaped (no zombie) while
+# the others run.
+timeout -k 2 15 "$bin" -n 2 -- sh -c '
+  if [ "$RANK" = 1 ]; then exit 0; fi
+  sleep 1.5; echo done' >"$tmp/out" 2>"$tmp/err" &
+launcher=$!
+sleep 0.8
+zombies=$(ps -e -o ppid= -o stat= | awk -v p="$launcher" '$1 == p && $2 ~ /^Z/' | wc -l)
+wait "$launcher"
+status=$?
+if [[ $status -ne 0 ]] || ! grep -qxF '[0] done' "$tmp/out"; then
+  fail "rank 1 exiting 0 early: exit status $status: $(cat "$tmp/out" "$tmp/err")"
+elif [[ $zombies -ne 0 ]]; then
+  fail "rank 1 exiting 0 early was left a zombie"
+else
+  ok "a rank exiting 0 early is reaped and stops nobody"
+fi
+
+# No descriptor of gpipe-run's reaches a rank: the ranks see what a program
+# started directly sees.
+if [[ -d /proc/self/fd ]]; then
+  expected=$(sh -c 'ls /proc/self/fd' | sort | tr '\n' ' ')
+  run -n 2 -- sh -c 'ls /proc/self/fd'
+  for r in 0 1; do
+    got=$(sed -n "s/^\[$r\] //p" "$tmp/out" | sort | tr '\n' ' ')
+    if [[ $got != "$expected" ]]; then
+      fail "rank $r has descriptors '$got', expected '$expected'"
+    else
+      ok "rank $r has no extra descriptors ($got)"
+    fi
+  done
+fi
+
+# --- Failures stop every rank ---------------------------------------------
+
+# Stopping must take SIGTERM, not the grace period, which the tests below
+# make long enough to tell the two apart.
+grace=(--grace 30)
+
+# Rank 1 exits 3 once rank 0 has started a sleep in the background (in
+# rank 0's process group, so that SIGTERM must reach the group).
+limit=8 run -n 2 "${grace[@]}" -- sh -c '
+  if [ "$RANK" = 1 ]; then
+    while [ ! -s "$0/sleeper" ]; do sleep 0.05; done
+    exit 3
+  fi
+  sleep 60 & echo $! >"$0/sleeper"; wait' "$tmp"
+sleeper=$(cat "$tmp/sleeper" 2>/dev/null)
+if [[ $status -ne 3 ]]; then
+  fail "rank 1 exiting 3: exit status $status, expected 3: $(cat "$tmp/err")"
+elif ((elapsed > 4)); then
+  fail "rank 1 exiting 3: gpipe-run took ${elapsed}s to stop"
+elif [[ -z $sleeper ]] || ! gone "$sleeper"; then
+  fail "rank 1 exiting 3: rank 0's sleep ('$sleeper') is still running"
+  [[ -n $sleeper ]] && kill "$sleeper"
+elif ! grep -q 'rank 1 exited with code 3' "$tmp/err"; then
+  fail "rank 1 exiting 3: no line naming the rank and code: $(cat "$tmp/err")"
+else
+  ok "rank 1 exits 3: exit status 3 in ${elapsed}s, rank 0's group stopped: $(cat "$tmp/err")"
+fi
+
+limit=8 run -n 2 "${grace[@]}" -- sh -c '
+  if [ "$RANK" = 1 ]; then kill -9 $$; fi
+  exec sleep 60'
+if [[ $status -ne 137 ]] || ((elapsed > 4)); then
+  fail "rank 1 killed: exit status $status after ${elapsed}s, expected 137: $(cat "$tmp/err")"
+elif ! grep -q 'rank 1 was killed by SIGKILL' "$tmp/err"; then
+  fail "rank 1 killed: no line naming the rank and signal: $(cat "$tmp/err")"
+else
+  ok "rank 1 killed by SIGKILL: exit status 137: $(cat "$tmp/err")"
+fi
+
+# A rank that ignores SIGTERM gets SIGKILL after --grace.
+rm -f "$tmp/sleeper"
+limit=8 run -n 2 --grace 1 -- sh -c '
+  if [ "$RANK" = 1 ]; then
+    while [ ! -s "$0/sleeper" ]; do sleep 0.05; done
+    exit 1
+  fi
+  trap "" TERM
+  echo $$ >"$0/sleeper"
+  while :; do sleep 0.1; done' "$tmp"
+sleeper=$(cat "$tmp/sleeper" 2>/dev/null)
+if [[ $status -ne 1 ]] || ((elapsed > 6)); then
+  fail "--grace 1: exit status $status after ${elapsed}s: $(cat "$tmp/err")"
+elif [[ -z $sleeper ]] || ! gone "$sleeper"; then
+  fail "--grace 1: rank 0 ('$sleeper') ignoring SIGTERM is still running"
+  [[ -n $sleeper ]] && kill -9 "$sleeper"
+elif ! grep -q 'SIGKILL' "$tmp/err"; then
+  fail "--grace 1: no line saying SIGKILL was sent: $(cat "$tmp/err")"
+else
+  ok "--grace 1: a rank ignoring SIGTERM is killed in ${elapsed}s"
+fi
+
+# SIGINT and SIGTERM to gpipe-run reach every rank.
+for sig in INT TERM; do
+  rm -f "$tmp"/pid.*
+  timeout -k 2 8 "$bin" -n 2 "${grace[@]}" -- \
+    sh -c 'echo $$ >"$0/pid.$RANK"; exec sleep 60' \
+    "$tmp" >"$tmp/out" 2>"$tmp/err" &
+  launcher=$!
+  wait_for "$tmp/pid.0" && wait_for "$tmp/pid.1"
+  start=$SECONDS
+  kill -"$sig" "$launcher"
+  wait "$launcher"
+  status=$?
+  elapsed=$((SECONDS - start))
+  expected=$((128 + $(kill -l "$sig")))
+  left=""
+  for r in 0 1; do
+    pid=$(cat "$tmp/pid.$r" 2>/dev/null)
+    if [[ -z $pid ]] || ! gone "$pid"; then
+      left+=" $r"
+      [[ -n $pid ]] && kill -9 "$pid"
+    fi
+  done
+  if [[ $status -ne $expected ]] || ((elapsed > 4)); then
+    fail "SIG$sig to gpipe-run: exit status $status after ${elapsed}s, expected $expected: $(cat "$tmp/err")"
+  elif [[ -n $left ]]; then
+    fail "SIG$sig to gpipe-run: rank(s)$left still running"
+  else
+    ok "SIG$sig to gpipe-run: exit status $status, every rank stopped"
+  fi
+done
+
+# Whichever rank fails first, the other may get SIGTERM before it says so.
+run -n 2 -- gpipe-run-no-such-program --flag
+if [[ $status -ne 127 ]] ||
+  ! grep -qxE "\[[01]\] gpipe-run: cannot execute 'gpipe-run-no-such-program': No such file or directory" "$tmp/err"; then
+  fail "a missing program: exit status $status, expected 127: $(cat "$tmp/err")"
+else
+  ok "a missing program: exit status 127"
+fi
+
+# --- Bad command lines -----------------------------------------------------
+
+# bad WORD ARGS...: ARGS must exit 2, with nothing on stdout and one line on
+# stderr that has WORD in it.
+bad() {
+  local word=$1
+  shift
+  run "$@"
+  local lines
+  lines=$(wc -l <"$tmp/err")
+  if [[ $status -ne 2 ]]; then
+    fail "gpipe-run $* exited $status, expected 2; stderr: $(head -c 500 "$tmp/err")"
+  elif [[ $lines -ne 1 ]]; then
+    fail "gpipe-run $* wrote $lines lines on stderr, expected 1: $(head -c 500 "$tmp/err")"
+  elif ! grep -qF -- "$word" "$tmp/err"; then
+    fail "gpipe-run $*: stderr does not say '$word': $(cat "$tmp/err")"
+  elif [[ -s $tmp/out ]]; then
+    fail "gpipe-run $* wrote on stdout: $(head -c 500 "$tmp/out")"
+  else
+    ok "$* -> $(cat "$tmp/err")"
+  fi
+}
+
+bad -n -n 0 -- true
+bad -n -n -1 -- true
+bad -n -n abc -- true
+bad -n -n 1.5 -- true
+bad -n -n 99999999999999999999 -- true
+bad -n -n 100000 -- true
+bad -n -- true
+bad -n -n 2 -n 3 -- true
+bad -n -n
+bad "'--'" -n 2 true
+bad "'--'" -n 2
+bad program -n 2 --
+bad program -n 2 -- ''
+bad --no-such-flag -n 2 --no-such-flag -- true
+bad -x -n 2 -x -- true
+bad "'stray'" -n 2 stray -- true
+bad --master-port -n 2 --master-port 0 -- true
+bad --master-port -n 2 --master-port 65536 -- true
+bad --master-port -n 2 --master-port -1 -- true
+bad --master-port -n 2 --master-port abc -- true
+bad --master-port -n 2 --master-port 0x10 -- true
+bad --master-port -n 2 --master-port -- true
+bad --master-addr -n 2 --master-addr '' -- true
+bad --grace -n 2 --grace -1 -- true
+bad --grace -n 2 --grace soon -- true
+bad --grace -n 2 --grace 1e300 -- true
+
+run --help
+if [[ $status -ne 0 ]] || ! grep -qF -- --master-port "$tmp/out"; then
+  fail "gpipe-run --help exited $status; stdout: $(head -c 500 "$tmp/out")"
+else
+  ok "--help"
+fi
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures failure(s)"
+  exit 1
+fi

@@ -1,0 +1,201 @@
+// gpipe-run's command line (see run_args.h).
+
+#include "run_args.h"
+
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace gpipe_run {
+namespace {
+
+// CLI11 reads integers with strtoll's base 0 and saturates ("0x10" is 16,
+// "99999999999999999999" INT64_MAX), so the flags are read as text and
+// converted here: plain decimals in [low, high] only.
+int64_t parse_integer(
+    const std::string& flag,
+    const std::string& text,
+    int64_t low,
+    int64_t high,
+    const char* what) {
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, error] = std::from_chars(text.data(), end, value);
+  const bool in_range = !text.empty() && error == std::errc() && rest == end &&
+                        value >= low && value <= high;
+  usage_check(
+      in_range,
+      flag,
+      " expects ",
+      what,
+      ", a decimal integer from ",
+      low,
+      " to ",
+      high,
+      ", but got '",
+      text,
+      "'");
+  return value;
+}
+
+double parse_seconds(const std::string& flag, const std::string& text) {
+  double value = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, error] = std::from_chars(text.data(), end, value);
+  const bool valid = !text.empty() && error == std::errc() && rest == end &&
+                     std::isfinite(value) && value >= 0 &&
+                     value <= kMaxGraceSeconds;
+  usage_check(
+      valid,
+      flag,
+      " expects a number of seconds from 0 to ",
+      kMaxGraceSeconds,
+      ", but got '",
+      text,
+      "'");
+  return value;
+}
+
+// CLI11's help, with our usage line rather than "gpipe-run [OPTIONS]" (the
+// `--` and the program are not CLI11 options: see parse_args).
+class RunFormatter : public CLI::Formatter {
+ public:
+  std::string make_usage(
+      const CLI::App* /*app*/, std::string /*name*/) const override {
+    return std::string("Usage: ") + kUsage + "\n";
+  }
+};
+
+constexpr const char* kFooter =
+    "Every rank gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK\n"
+    "and LOCAL_WORLD_SIZE in its environment, /dev/null as its input, and\n"
+    "its own process group. Its output lines come out prefixed with '[RANK] '\n"
+    "(standard output to standard output, standard error to standard error).\n"
+    "\n"
+    "When a rank exits non-zero or is killed, or gpipe-run gets SIGINT,\n"
+    "SIGTERM or SIGHUP, the ranks still running get SIGTERM, then SIGKILL\n"
+    "after --grace seconds (or at a second SIGINT).\n"
+    "\n"
+    "Exit status: 0 when every rank exits 0; the first failing rank's exit\n"
+    "code, or 128 + its signal; 128 + the signal gpipe-run got; 127 when\n"
+    "PROGRAM cannot be executed; 2 for a bad command line; 1 when gpipe-run\n"
+    "itself fails.";
+
+}  // namespace
+
+// Note [Splitting at --]
+// CLI11 would also take the program and its arguments as positionals without
+// a `--`, and it would read any flag among them that looks like one of ours
+// (`gpipe-run -n 2 python train.py -n 5`). So gpipe-run splits argv at the
+// first `--` itself: CLI11 sees only what comes before it, and what follows
+// is the command, verbatim. A `--` is required, as in the usage line.
+bool parse_args(int argc, const char* const* argv, Args& args) {
+  int split = 1;
+  while (split < argc && std::strcmp(argv[split], "--") != 0) {
+    ++split;
+  }
+  const bool has_separator = split < argc;
+
+  CLI::App app{
+      "Start N processes of PROGRAM on this machine, ranks 0 to N-1 of one "
+      "job, as torchrun does for PyTorch",
+      "gpipe-run"};
+  app.formatter(std::make_shared<RunFormatter>());
+  app.footer(kFooter);
+  // Unknown arguments are kept rather than refused by CLI11, so that the
+  // error can say whether a flag is unknown or the `--` is missing.
+  app.allow_extras();
+  std::string processes_text;
+  std::string port_text;
+  std::string grace_text;
+  app.add_option(
+         "-n",
+         processes_text,
+         "Processes to start, 1 to " + std::to_string(kMaxProcesses) +
+             " (RANK 0 to N-1). Required")
+      ->type_name("N");
+  app.add_option(
+         "--master-addr",
+         args.master_addr,
+         "MASTER_ADDR for every rank. Default: 127.0.0.1")
+      ->type_name("ADDR");
+  app.add_option(
+         "--master-port",
+         port_text,
+         "MASTER_PORT for every rank, 1 to 65535. Default: a free port on "
+         "127.0.0.1, found at start")
+      ->type_name("PORT");
+  app.add_option(
+         "--grace",
+         grace_text,
+         "Seconds the ranks get between SIGTERM and SIGKILL when stopping, "
+         "0 to 3600. Default: 5")
+      ->type_name("SECONDS");
+
+  try {
+    app.parse(split, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help is a ParseError too, with exit code 0: let CLI11 print it.
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
+      app.exit(e);
+      return false;
+    }
+    throw UsageError(std::string(e.what()) + " (see gpipe-run --help)");
+  }
+
+  const auto extras = app.remaining();
+  for (const auto& extra : extras) {
+    usage_check(
+        extra.empty() || extra[0] != '-',
+        "unknown flag '",
+        extra,
+        "' (see gpipe-run --help)");
+  }
+  // Checked here rather than by CLI11, to say what N is.
+  usage_check(
+      app.count("-n") > 0,
+      "-n N is required: the number of processes to start; the usage is ",
+      kUsage);
+  args.processes = parse_integer(
+      "-n", processes_text, 1, kMaxProcesses, "the number of processes");
+  usage_check(
+      !args.master_addr.empty(),
+      "--master-addr needs an address, such as 127.0.0.1");
+  if (app.count("--master-port") > 0) {
+    args.master_port = static_cast<int>(
+        parse_integer("--master-port", port_text, 1, 65535, "a TCP port"));
+  }
+  if (app.count("--grace") > 0) {
+    args.grace_seconds = parse_seconds("--grace", grace_text);
+  }
+
+  if (!extras.empty()) {
+    usage_check(
+        has_separator,
+        "missing '--' before the program '",
+        extras.front(),
+        "'; the usage is ",
+        kUsage);
+    usage_check(
+        false,
+        "unexpected argument '",
+        extras.front(),
+        "' before '--'; the program and its arguments go after '--'");
+  }
+  usage_check(
+      has_separator,
+      "missing '--' and the program after it; the usage is ",
+      kUsage);
+  usage_check(
+      split + 1 < argc && argv[split + 1][0] != '\0',
+      "missing the program after '--'; the usage is ",
+      kUsage);
+  args.command.assign(argv + split + 1, argv + argc);
+  return true;
+}
+
+}  // namespace gpipe_run
