@@ -605,11 +605,19 @@ void Connection::wait_sends(
     try {
       work->wait(timeout);
     } catch (const std::exception& e) {
+      // A send completes when its receiver takes it.
+      const std::string error = e.what();
+      const bool timed_out = error.find("imed out") != std::string::npos;
       fail(
           "rank " + std::to_string(rank) +
-          " could not finish sending to another rank (it died or closed its "
-          "connection) [c10d: " +
-          std::string(e.what()).substr(0, 300) + "]");
+          (timed_out
+               ? " gave up after " + std::to_string(timeout.count() / 1000) +
+                     " s (GPIPE_DIST_TIMEOUT) waiting for another rank to take "
+                     "its messages: that rank stopped answering, or runs other "
+                     "passes"
+               : " could not finish sending to another rank (it died or "
+                 "closed its connection)") +
+          " [c10d: " + error.substr(0, 300) + "]");
     }
   }
   if (failure()) {

@@ -369,15 +369,17 @@ namespace {
 
 // Rank 0 starts a pass; the others learn what it is and check it against
 // what they were asked to run.
+// Rank 0's sends go into `sends`, to be waited for at the end of the pass
+// (a send completes only when its receiver takes it).
 Begin begin_pass(
     detail::Connection& connection,
     int64_t pass,
     Begin local,
-    const std::vector<int64_t>& sizes) {
+    const std::vector<int64_t>& sizes,
+    std::vector<c10::intrusive_ptr<c10d::Work>>& sends) {
   const auto rank = connection.rank;
   if (rank == 0) {
     local.sizes = sizes;
-    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
     for (const auto r : c10::irange(int64_t{1}, connection.size)) {
       connection.send(
           r,
@@ -386,7 +388,6 @@ Begin begin_pass(
           Message{{local.encode()}, true},
           sends);
     }
-    connection.wait_sends(sends);
     return local;
   }
   auto m = connection.recv(0, pass, MessageId{MessageKind::Begin, 0, 0});
@@ -474,7 +475,9 @@ torch::Tensor PipelineStageImpl::train_step(
     }
     gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
     local.seed = seeds.seed();
-    const auto begin = begin_pass(connection, pass_id, local, sizes);
+    std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
+    const auto begin =
+        begin_pass(connection, pass_id, local, sizes, begin_sends);
     sizes = begin.sizes;
     const auto m = static_cast<int64_t>(sizes.size());
     int64_t total = 0;
@@ -555,6 +558,7 @@ torch::Tensor PipelineStageImpl::train_step(
       }
     }
     transport.finish();
+    connection.wait_sends(begin_sends);
     held.unlock();
     if (!dx.empty()) {
       auto g = gpipe::detail::join_input_grad(
@@ -601,7 +605,9 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
     }
     gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
     local.seed = seeds.seed();
-    const auto begin = begin_pass(connection, pass_id, local, sizes);
+    std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
+    const auto begin =
+        begin_pass(connection, pass_id, local, sizes, begin_sends);
     const auto m = static_cast<int64_t>(begin.sizes.size());
     gpipe::detail::PassOptions pass_options;
     pass_options.training = begin.training;
@@ -634,6 +640,7 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
       output = gather(outputs)[0];
     }
     transport.finish();
+    connection.wait_sends(begin_sends);
     return output;
   } catch (...) {
     connection.fail(

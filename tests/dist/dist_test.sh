@@ -38,6 +38,32 @@ launch() {
   status=$?
 }
 
+# by_hand N ARGS...: the worker on N ranks started here rather than by
+# gpipe-run (which stops the others when one fails, before they can print
+# their own error); leaves $status (the worst exit code), $codes and
+# $tmp/out with every rank's lines.
+by_hand() {
+  local n=$1
+  shift
+  local port
+  port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+  local pids=()
+  for ((r = 0; r < n; r++)); do
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$r WORLD_SIZE=$n \
+      LOCAL_RANK=$r timeout 120 "$prog" "$@" >"$tmp/rank$r" 2>&1 &
+    pids+=($!)
+  done
+  codes=()
+  status=0
+  for p in "${pids[@]}"; do
+    wait "$p"
+    local code=$?
+    codes+=("$code")
+    ((code > status)) && status=$code
+  done
+  cat "$tmp"/rank* >"$tmp/out"
+}
+
 parity() {
   local n=$1
   shift
@@ -77,12 +103,12 @@ case $mode in
     ;;
   failures)
     # Another balance on rank 1: refused at construction on both ranks.
-    launch 2 --scenario mismatch
+    by_hand 2 --scenario mismatch
     expect_error "another balance" "rank [01] has balance .* but rank [01] has" 2
 
     # The last rank's loss throws in step 2: both ranks fail with it, and
     # neither hangs.
-    launch 2 --scenario throw
+    by_hand 2 --scenario throw
     expect_error "a failing loss" "the loss broke on purpose" 2
 
     # gpipe-run: a rank killed by a signal stops the job, non-zero.
@@ -96,20 +122,8 @@ case $mode in
     # Without gpipe-run stopping them: the survivors of a killed rank fail
     # on their own, fast and with a message naming it (4 ranks, rank 2
     # killed; the timeout is 60 s, so passing here is not the timeout).
-    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
-    pids=()
     start=$(date +%s)
-    for r in 0 1 2 3; do
-      MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$r WORLD_SIZE=4 \
-        LOCAL_RANK=$r timeout 120 "$prog" --scenario kill --kill-rank 2 \
-        --kill-step 1 >"$tmp/rank$r" 2>&1 &
-      pids+=($!)
-    done
-    codes=()
-    for p in "${pids[@]}"; do
-      wait "$p"
-      codes+=($?)
-    done
+    by_hand 4 --scenario kill --kill-rank 2 --kill-step 1
     elapsed=$(($(date +%s) - start))
     for r in 0 1 3; do
       if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*rank" "$tmp/rank$r"; then
@@ -123,6 +137,18 @@ case $mode in
       fail "the survivors took ${elapsed} s to fail"
     else
       echo "ok: survivors of a killed rank failed in ${elapsed} s: $(grep error "$tmp/rank3" | head -c 200)"
+    fi
+
+    # A rank that stops answering (asleep for 8 s) is given up on after
+    # GPIPE_DIST_TIMEOUT (2 s here) with a message that says so; the
+    # sleeper then learns of the failure when it wakes.
+    GPIPE_DIST_TIMEOUT=2 by_hand 2 --scenario stall --kill-rank 1 --kill-step 1
+    if [[ ${codes[0]} -ne 3 ]] || ! grep -q "gave up after 2 s" "$tmp/rank0"; then
+      fail "a stalled rank 1: rank 0 exited ${codes[0]}: $(tail -2 "$tmp/rank0")"
+    elif [[ ${codes[1]} -ne 3 ]]; then
+      fail "the stalled rank exited ${codes[1]}: $(tail -2 "$tmp/rank1")"
+    else
+      echo "ok: a stalled rank: $(grep error "$tmp/rank0" | head -c 200)"
     fi
     ;;
   train)

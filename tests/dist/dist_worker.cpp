@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -148,6 +149,10 @@ int main(int argc, char** argv) {
       if (scenario == "kill" && r == kill_rank && step == kill_step) {
         std::raise(SIGKILL);
       }
+      if (scenario == "stall" && r == kill_rank && step == kill_step) {
+        // Alive but silent for longer than GPIPE_DIST_TIMEOUT.
+        std::this_thread::sleep_for(std::chrono::seconds(8));
+      }
       torch::manual_seed(500 + step);
       auto loss = stage->train_step(
           r == 0 ? x : torch::Tensor(),
@@ -181,7 +186,7 @@ int main(int argc, char** argv) {
         }
       }
       std::cout << "rank " << r << ": step " << step << " loss "
-                << loss.item<double>() << "\n";
+                << loss.item<double>() << std::endl;
     }
     if (scenario != "parity") {
       std::cout << "rank " << r << ": no error in scenario " << scenario
@@ -201,11 +206,11 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::cout << "rank " << r << ": OK (" << stage->named_parameters().size()
-              << " parameters)\n";
+              << " parameters)" << std::endl;
     return 0;
   } catch (const c10::Error& e) {
     std::cout << "rank " << std::getenv("RANK")
-              << " error: " << e.what_without_backtrace() << "\n";
+              << " error: " << e.what_without_backtrace() << std::endl;
     return 3;
   }
 }
