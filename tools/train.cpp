@@ -8,7 +8,6 @@
 #include <gpipe/gpipe.h>
 #include <gpipe/models/resnet.h>
 #include <gpipe/models/unet.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -27,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <type_traits>
 #include <vector>
 

@@ -28,7 +28,7 @@ C10dTransport::~C10dTransport() {
   if (!sends_.empty()) {
     // The pass failed before finish(): the sends may never complete.
     for (auto& work : sends_) {
-      (void)work.release();
+      keep_forever(std::move(work));
     }
   }
 }

@@ -216,6 +216,19 @@ const char* kind_name(MessageKind kind) {
 
 }  // namespace
 
+void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object) {
+  static std::mutex mutex;
+  static auto* kept =
+      new std::vector<c10::intrusive_ptr<c10::intrusive_ptr_target>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  kept->push_back(std::move(object));
+}
+
+std::string describe_pass(int64_t pass) {
+  return "pass " + std::to_string(pass & ((int64_t{1} << kPassBits) - 1)) +
+         " of stage " + std::to_string(pass >> kPassBits);
+}
+
 std::string to_string(MessageKind kind) {
   return kind_name(kind);
 }
@@ -278,8 +291,8 @@ Connection::~Connection() {
   }
   if (failure_) {
     // Receives may still be posted into the group: leave it alone.
-    (void)group.release();
-    (void)listening_.release();
+    keep_forever(std::move(group));
+    keep_forever(std::move(listening_));
   }
 }
 
@@ -369,7 +382,7 @@ void Connection::fail(const std::string& message) {
           tensors,
           static_cast<int>(peer),
           MessageId{MessageKind::Control, 0, 0}.tag());
-      (void)work.release();  // never waited for, never freed
+      keep_forever(std::move(work));  // never waited for
     } catch (...) {
       // That peer is gone already.
     }
@@ -446,7 +459,7 @@ torch::Tensor Connection::receive_bytes(
             << " [c10d: " << error.substr(0, 300) << "]";
     fail(message.str());
   }
-  (void)work.release();  // aborted: c10d may still write into it
+  keep_forever(std::move(work));  // aborted: c10d may still write into it
   throw_failure();
 }
 
@@ -541,8 +554,8 @@ Message Connection::recv(int64_t peer, int64_t pass, const MessageId& id) {
   const auto* w = words(head);
   auto refuse = [&](const std::string& why) {
     std::ostringstream message;
-    message << "rank " << rank << " expected " << what << " of pass " << pass
-            << " from rank " << peer << ", but " << why;
+    message << "rank " << rank << " expected " << what << " of "
+            << describe_pass(pass) << " from rank " << peer << ", but " << why;
     fail(message.str());
     throw_failure();
   };
@@ -553,8 +566,8 @@ Message Connection::recv(int64_t peer, int64_t pass, const MessageId& id) {
   }
   if (w[kPassWord] != pass) {
     refuse(
-        "rank " + std::to_string(peer) + " sent it for pass " +
-        std::to_string(w[kPassWord]) +
+        "rank " + std::to_string(peer) + " sent it for " +
+        describe_pass(w[kPassWord]) +
         ": every rank must run the same passes (train_step, forward) in the "
         "same order");
   }
@@ -622,7 +635,7 @@ void Connection::wait_sends(
   }
   if (failure()) {
     for (auto& work : pending) {
-      (void)work.release();  // still posted: leave it alone
+      keep_forever(std::move(work));  // still posted: leave it alone
     }
     pending.clear();
     throw_failure();

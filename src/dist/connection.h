@@ -81,6 +81,12 @@ struct MessageId {
   std::string describe() const;
 };
 
+/// A pass number carries its stage's number above kPassBits, so that
+/// passes of two PipelineStages on one World are told apart.
+constexpr int64_t kPassBits = 40;
+/// "pass 3 of stage 0".
+std::string describe_pass(int64_t pass);
+
 constexpr int64_t kMaxMicroBatches = (int64_t{1} << 14) - 1;
 constexpr int64_t kMaxIndex = (int64_t{1} << 12) - 1;
 
@@ -90,6 +96,12 @@ struct Message {
   std::vector<torch::Tensor> tensors;
   bool atomic = true;
 };
+
+/// Keeps a c10d object that Gloo may still use after a failure (a posted
+/// receive, a send nobody takes, the group that holds them) for the life of
+/// the process, reachable, so that neither its destructor nor
+/// LeakSanitizer trips over it.
+void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object);
 
 struct Connection {
   Connection(

@@ -187,6 +187,11 @@ struct PipelineStageImpl::Engine {
   mutable std::mutex trace_mutex;
   std::shared_ptr<Trace> trace;  // guarded by trace_mutex
 
+  // A pass number that also names the stage (see describe_pass).
+  int64_t next_pass() {
+    return (stage_id << detail::kPassBits) | ++passes;
+  }
+
   std::shared_ptr<Trace> current_trace() const {
     std::lock_guard<std::mutex> lock(trace_mutex);
     return trace;
@@ -406,8 +411,8 @@ Begin begin_pass(
         here,
         " but rank 0 runs ",
         there,
-        " (pass ",
-        pass,
+        " (",
+        detail::describe_pass(pass),
         "): every rank must run the same passes in the same order");
   };
   differ("pass", kind_name(local.kind), kind_name(theirs.kind));
@@ -453,7 +458,7 @@ torch::Tensor PipelineStageImpl::train_step(
       "InferenceMode)");
   auto held = pipeline.begin_pass();
   connection.check();
-  const auto pass_id = ++engine_->passes;
+  const auto pass_id = engine_->next_pass();
   try {
     Begin local;
     local.kind = PassKind::Train;
@@ -586,7 +591,7 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
   torch::NoGradGuard no_grad;
   auto held = pipeline.begin_pass();
   connection.check();
-  const auto pass_id = ++engine_->passes;
+  const auto pass_id = engine_->next_pass();
   try {
     Begin local;
     local.kind = PassKind::Forward;
@@ -709,7 +714,7 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
   // A pass of its own, so that its messages cannot meet a step's.
   auto* engine = impl.engine_.get();
   auto held = engine->pipeline->begin_pass();
-  const auto pass = ++engine->passes;
+  const auto pass = engine->next_pass();
   if (connection.rank != 0) {
     std::vector<double> values;
     for (const auto& e : trace->events()) {

@@ -111,6 +111,11 @@ case $mode in
     by_hand 2 --scenario throw
     expect_error "a failing loss" "the loss broke on purpose" 2
 
+    # Rank 1 runs forward while rank 0 runs train_step: both fail, naming
+    # both passes.
+    by_hand 2 --scenario other-pass
+    expect_error "another pass" "rank 1 runs pass forward but rank 0 runs train_step" 2
+
     # gpipe-run: a rank killed by a signal stops the job, non-zero.
     launch 2 --scenario kill --kill-rank 1 --kill-step 1
     if [[ $status -eq 0 ]] || ! grep -q "rank 1" "$tmp/out"; then
