@@ -125,7 +125,14 @@ torch::Tensor C10dTransport::recv_skip(
 void C10dTransport::send_message(
     int64_t peer, const MessageId& id, const Message& m) {
   std::vector<c10::intrusive_ptr<c10d::Work>> posted;
-  connection_->send(peer, pass_, id, m, posted);
+  try {
+    connection_->send(peer, pass_, id, m, posted);
+  } catch (...) {
+    for (auto& work : posted) {
+      keep_forever(std::move(work));  // may still be posted
+    }
+    throw;
+  }
   std::lock_guard<std::mutex> lock(sends_mutex_);
   for (auto& work : posted) {
     sends_.push_back(std::move(work));
@@ -176,6 +183,14 @@ void C10dTransport::abort() {
 void C10dTransport::abort_with(const std::string& why) {
   local_.abort();
   connection_->fail("rank " + std::to_string(me()) + ": " + why);
+}
+
+std::string C10dTransport::failure() const {
+  auto f = connection_->failure();
+  return f ? *f + " (gpipe::dist: the connection between ranks is closed after "
+                  "a "
+                  "failure; restart the job)"
+           : std::string();
 }
 
 bool C10dTransport::aborted() const {

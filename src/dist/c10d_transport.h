@@ -55,6 +55,7 @@ class C10dTransport final : public gpipe::detail::Transport {
   void abort() override;
   void abort_with(const std::string& why) override;
   bool aborted() const override;
+  std::string failure() const override;
 
   /// Sends a message of the driver's (begin, loss, trace) to `peer`.
   void send_message(int64_t peer, const MessageId& id, const Message& m);

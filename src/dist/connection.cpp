@@ -50,10 +50,6 @@ std::vector<int64_t> layout_of(const Message& message) {
       layout.push_back(0);
       continue;
     }
-    TORCH_CHECK_VALUE(
-        t.device().is_cpu(),
-        "gpipe::dist sends CPU tensors over Gloo, but got a tensor on ",
-        t.device());
     layout.push_back(1);
     layout.push_back(static_cast<int64_t>(t.scalar_type()));
     layout.push_back(t.requires_grad() ? 1 : 0);
@@ -145,7 +141,8 @@ void write_payload(const Message& message, torch::Tensor& out, int64_t offset) {
     if (!t.defined()) {
       continue;
     }
-    auto c = t.detach().contiguous();
+    // Gloo carries host memory: a CUDA tensor is copied here.
+    auto c = t.detach().to(torch::kCPU).contiguous();
     const auto bytes = static_cast<int64_t>(c.nbytes());
     if (bytes > 0) {
       std::memcpy(base + offset, c.data_ptr(), bytes);
@@ -217,10 +214,11 @@ const char* kind_name(MessageKind kind) {
 }  // namespace
 
 void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object) {
-  static std::mutex mutex;
+  // Never destroyed: a World destroyed at exit may still call this.
+  static auto* mutex = new std::mutex();
   static auto* kept =
       new std::vector<c10::intrusive_ptr<c10::intrusive_ptr_target>>();
-  std::lock_guard<std::mutex> lock(mutex);
+  std::lock_guard<std::mutex> lock(*mutex);
   kept->push_back(std::move(object));
 }
 
@@ -349,6 +347,7 @@ bool Connection::record_failure(const std::string& message) {
     failure_ = message;
     receiving.swap(receiving_);
   }
+  failure_cv_.notify_all();
   for (const auto& work : receiving) {
     work->abort();
   }
@@ -359,7 +358,10 @@ void Connection::fail(const std::string& message) {
   if (!record_failure(message)) {
     return;
   }
-  // Tell the others; nobody waits for these sends.
+  // Tell the others, and give the messages a moment to leave: a control
+  // message moves only when this process's Gloo thread answers the
+  // receiver, and this process may be about to exit.
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
   const auto text =
       message.substr(0, static_cast<size_t>(kControlBytes - kHeaderBytes));
   for (const auto peer : c10::irange(size)) {
@@ -378,14 +380,27 @@ void Connection::fail(const std::string& message) {
         text.size());
     std::vector<at::Tensor> tensors{buffer};
     try {
-      auto work = group->send(
+      sends.push_back(group->send(
           tensors,
           static_cast<int>(peer),
-          MessageId{MessageKind::Control, 0, 0}.tag());
-      keep_forever(std::move(work));  // never waited for
+          MessageId{MessageKind::Control, 0, 0}.tag()));
     } catch (...) {
       // That peer is gone already.
     }
+  }
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  for (auto& work : sends) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    try {
+      if (left.count() > 0) {
+        work->wait(left);
+      }
+    } catch (...) {
+      // That peer is gone, or did not answer in time.
+    }
+    keep_forever(std::move(work));
   }
 }
 
@@ -414,6 +429,7 @@ torch::Tensor Connection::receive_bytes(
   auto buffer = bytes(n);
   std::vector<at::Tensor> tensors{buffer};
   c10::intrusive_ptr<c10d::Work> work;
+  std::string refused;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure_) {
@@ -421,8 +437,8 @@ torch::Tensor Connection::receive_bytes(
     }
     try {
       work = group->recv(tensors, static_cast<int>(peer), tag);
-    } catch (...) {
-      // Fails below, outside the lock.
+    } catch (const std::exception& e) {
+      refused = e.what();  // fails below, outside the lock
     }
     if (work) {
       receiving_.insert(work);
@@ -439,13 +455,22 @@ torch::Tensor Connection::receive_bytes(
     std::lock_guard<std::mutex> lock(mutex_);
     receiving_.erase(work);
   } else {
-    error = "c10d refused the receive";
+    error = refused.empty() ? "c10d refused the receive" : refused;
   }
   if (received) {
     return buffer;
   }
+  const bool timed_out = error.find("imed out") != std::string::npos;
+  if (!error.empty() && !timed_out) {
+    // A rank that failed tells the others before its connections close:
+    // give its message a moment to arrive, so that it, not "lost the
+    // connection", is what this rank reports.
+    std::unique_lock<std::mutex> lock(mutex_);
+    failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {
+      return failure_.has_value();
+    });
+  }
   if (!error.empty()) {
-    const bool timed_out = error.find("imed out") != std::string::npos;
     std::ostringstream message;
     message << "rank " << rank << " was waiting for " << what << " from rank "
             << peer << " and "
@@ -522,7 +547,8 @@ void Connection::send(
     TORCH_INTERNAL_ASSERT(parse_layout(*agreed, a, old));
     first += payload_bytes(old);
   }
-  auto head = bytes(first);
+  // A relayout message has the agreed size; its payload part is unused.
+  auto head = agreed ? torch::zeros({first}, torch::kByte) : bytes(first);
   header(head, agreed ? kRelayout : kHeaderOnly);
   post(std::move(head));
   const auto layout_bytes = static_cast<int64_t>(layout.size()) * 8;
@@ -583,8 +609,9 @@ Message Connection::recv(int64_t peer, int64_t pass, const MessageId& id) {
   }
   const auto mode = w[kModeWord];
   if (mode == kCombined) {
-    if (!agreed) {
-      refuse("it came without its layout");
+    if (!agreed || w[kLayoutWord] != static_cast<int64_t>(agreed->size()) ||
+        w[kPayloadWord] != first - kHeaderBytes) {
+      refuse("its layout is not the one both sides agreed on");
     }
     return read_payload(head, kHeaderBytes, atomic, specs);
   }

@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -153,6 +154,9 @@ struct Connection {
   const int64_t local_rank;
   const int64_t local_size;
   const std::chrono::milliseconds timeout;
+  /// Held by a pass (train_step, forward, gather_trace) of any stage:
+  /// stages share the connection's tags, so their passes take turns.
+  std::mutex passes_mutex;
 
  private:
   void listen();
@@ -168,6 +172,7 @@ struct Connection {
 
   mutable std::mutex mutex_;
   std::optional<std::string> failure_;                  // guarded by mutex_
+  std::condition_variable failure_cv_;                  // failure_ was set
   std::set<c10::intrusive_ptr<c10d::Work>> receiving_;  // guarded by mutex_
   // Agreed layouts, by (peer, tag): what was last sent and last received.
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> sent_layouts_;

@@ -203,62 +203,75 @@ PipelineStageImpl::PipelineStageImpl(
     : options(std::move(options_)), world_(std::move(world)) {
   const auto rank = world_.rank();
   const auto size = world_.size();
-  verify_module(module);
-  for (const auto& named : module->named_modules("", /*include_self=*/false)) {
-    TORCH_CHECK_VALUE(
-        named.value()->as<gpipe::GPipeImpl>() == nullptr,
-        "gpipe::dist::PipelineStage cannot hold a gpipe::GPipe (layer '",
-        named.key(),
-        "' is one): pass the inner model's Sequential instead");
-  }
-  verify_skippables(module);
-  verify_chunks(options.chunks());
-  verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+  auto& connection = world_.connection();
+  // Each rank publishes what it built (or why it could not) under this
+  // prefix, and reads the others'.
+  const auto stage_id = connection->next_stage_id();
+  const auto prefix = "stage" + std::to_string(stage_id) + "/";
+  auto& store = connection->store;
   const auto n = static_cast<int64_t>(options.balance().size());
-  TORCH_CHECK_VALUE(
-      n == size,
-      "gpipe::dist::PipelineStage expects one partition per rank: balance "
-      "has ",
-      n,
-      " partitions but the world has ",
-      size,
-      " ranks");
-  TORCH_CHECK_VALUE(
-      options.chunks() <= detail::kMaxMicroBatches,
-      "gpipe::dist::PipelineStage supports at most ",
-      detail::kMaxMicroBatches,
-      " chunks, but got ",
-      options.chunks());
-  TORCH_CHECK_VALUE(
-      n <= detail::kMaxIndex,
-      "gpipe::dist::PipelineStage supports at most ",
-      detail::kMaxIndex,
-      " ranks, but got ",
-      n);
-  TORCH_CHECK_VALUE(
-      options.threads_per_lane() >= 0,
-      "threads_per_lane must be 0 (automatic) or positive, but got ",
-      options.threads_per_lane());
-  if (!options.devices().empty()) {
-    verify_devices(options.devices(), n);
-    device_ = gpipe::detail::normalize_device(options.devices()[rank]);
-  } else if (torch::cuda::is_available()) {
-    device_ = torch::Device(torch::kCUDA, world_.local_rank());
-  }
-  if (options.deferred_batch_norm()) {
-    module = convert_deferred_batch_norm(module, options.chunks());
+  try {
+    verify_module(module);
+    for (const auto& named :
+         module->named_modules("", /*include_self=*/false)) {
+      TORCH_CHECK_VALUE(
+          named.value()->as<gpipe::GPipeImpl>() == nullptr,
+          "gpipe::dist::PipelineStage cannot hold a gpipe::GPipe (layer '",
+          named.key(),
+          "' is one): pass the inner model's Sequential instead");
+    }
+    verify_skippables(module);
+    verify_chunks(options.chunks());
+    verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+    TORCH_CHECK_VALUE(
+        n == size,
+        "gpipe::dist::PipelineStage expects one partition per rank: balance "
+        "has ",
+        n,
+        " partitions but the world has ",
+        size,
+        " ranks");
+    TORCH_CHECK_VALUE(
+        options.chunks() <= detail::kMaxMicroBatches,
+        "gpipe::dist::PipelineStage supports at most ",
+        detail::kMaxMicroBatches,
+        " chunks, but got ",
+        options.chunks());
+    TORCH_CHECK_VALUE(
+        n <= detail::kMaxIndex,
+        "gpipe::dist::PipelineStage supports at most ",
+        detail::kMaxIndex,
+        " ranks, but got ",
+        n);
+    TORCH_CHECK_VALUE(
+        options.threads_per_lane() >= 0,
+        "threads_per_lane must be 0 (automatic) or positive, but got ",
+        options.threads_per_lane());
+    if (!options.devices().empty()) {
+      verify_devices(options.devices(), n);
+      device_ = gpipe::detail::normalize_device(options.devices()[rank]);
+    } else if (torch::cuda::is_available()) {
+      device_ = torch::Device(torch::kCUDA, world_.local_rank());
+    }
+    if (options.deferred_batch_norm()) {
+      module = convert_deferred_batch_norm(module, options.chunks());
+    }
+  } catch (...) {
+    // Tell the others at once, rather than leaving them waiting.
+    const auto text = "error=" + message_of(std::current_exception());
+    store->set(
+        prefix + std::to_string(rank),
+        std::vector<uint8_t>(text.begin(), text.end()));
+    throw;
   }
 
   // Every rank must have built the same thing: compare before any pass.
-  auto& connection = world_.connection();
   const auto mine = fingerprint(module, options, size);
   engine_ = std::make_shared<Engine>();
   engine_->connection = connection;
-  engine_->stage_id = connection->next_stage_id();
+  engine_->stage_id = stage_id;
   {
-    const auto prefix = "stage" + std::to_string(engine_->stage_id) + "/";
     const auto text = join_fields(mine);
-    auto& store = connection->store;
     store->set(
         prefix + std::to_string(rank),
         std::vector<uint8_t>(text.begin(), text.end()));
@@ -282,7 +295,14 @@ PipelineStageImpl::PipelineStageImpl(
             std::string(e.what()).substr(0, 300),
             "]");
       }
-      const auto theirs = split_fields(std::string(value.begin(), value.end()));
+      const std::string published(value.begin(), value.end());
+      TORCH_CHECK_VALUE(
+          published.rfind("error=", 0) != 0,
+          "gpipe::dist::PipelineStage: rank ",
+          r,
+          " could not build its stage: ",
+          published.substr(6));
+      const auto theirs = split_fields(published);
       for (const auto k : c10::irange(mine.size())) {
         const std::string other =
             k < theirs.size() ? theirs[k].second : std::string("(missing)");
@@ -449,17 +469,22 @@ torch::Tensor PipelineStageImpl::train_step(
   const auto n = world_.size();
   const bool first = rank == 0;
   const bool last = rank == n - 1;
-  // Checks every rank makes alike, before anything travels.
-  TORCH_CHECK_VALUE(
-      static_cast<bool>(loss_fn), "train_step expects a loss_fn, but got none");
-  TORCH_CHECK(
-      torch::GradMode::is_enabled(),
-      "train_step needs grad mode on, but it is off (torch::NoGradGuard or "
-      "InferenceMode)");
+  // One pass at a time on the whole connection (stages share its tags).
+  std::lock_guard<std::mutex> passes(connection.passes_mutex);
   auto held = pipeline.begin_pass();
   connection.check();
   const auto pass_id = engine_->next_pass();
+  std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
   try {
+    // A mistake on one rank fails the pass on every rank (below), rather
+    // than leaving the others waiting.
+    TORCH_CHECK_VALUE(
+        static_cast<bool>(loss_fn),
+        "train_step expects a loss_fn, but got none");
+    TORCH_CHECK(
+        torch::GradMode::is_enabled(),
+        "train_step needs grad mode on, but it is off (torch::NoGradGuard or "
+        "InferenceMode)");
     Begin local;
     local.kind = PassKind::Train;
     local.schedule = static_cast<int64_t>(schedule);
@@ -480,7 +505,6 @@ torch::Tensor PipelineStageImpl::train_step(
     }
     gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
     local.seed = seeds.seed();
-    std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
     const auto begin =
         begin_pass(connection, pass_id, local, sizes, begin_sends);
     sizes = begin.sizes;
@@ -543,6 +567,7 @@ torch::Tensor PipelineStageImpl::train_step(
     }
     pipeline.run_and_commit(
         pass, training_plan(static_cast<Schedule>(begin.schedule), m, n));
+    connection.check();
 
     torch::Tensor loss;
     const MessageId loss_id{MessageKind::Loss, 0, 0};
@@ -574,6 +599,9 @@ torch::Tensor PipelineStageImpl::train_step(
     }
     return loss;
   } catch (...) {
+    for (auto& work : begin_sends) {
+      detail::keep_forever(std::move(work));  // may still be posted
+    }
     connection.fail(
         "rank " + std::to_string(rank) + ": " +
         message_of(std::current_exception()));
@@ -589,9 +617,11 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
   const bool first = rank == 0;
   const bool last = rank == n - 1;
   torch::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> passes(connection.passes_mutex);
   auto held = pipeline.begin_pass();
   connection.check();
   const auto pass_id = engine_->next_pass();
+  std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
   try {
     Begin local;
     local.kind = PassKind::Forward;
@@ -610,7 +640,6 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
     }
     gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
     local.seed = seeds.seed();
-    std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
     const auto begin =
         begin_pass(connection, pass_id, local, sizes, begin_sends);
     const auto m = static_cast<int64_t>(begin.sizes.size());
@@ -630,6 +659,7 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
       }
     }
     pipeline.run_and_commit(pass, forward_plan(m, n));
+    connection.check();
     torch::Tensor output;
     if (last) {
       std::vector<Batch> outputs;
@@ -648,6 +678,9 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
     connection.wait_sends(begin_sends);
     return output;
   } catch (...) {
+    for (auto& work : begin_sends) {
+      detail::keep_forever(std::move(work));  // may still be posted
+    }
     connection.fail(
         "rank " + std::to_string(rank) + ": " +
         message_of(std::current_exception()));
@@ -699,71 +732,100 @@ void PipelineStageImpl::pretty_print(std::ostream& stream) const {
 
 namespace gpipe::dist {
 
+namespace {
+
+// When `trace` began, in microseconds of the system clock (steady clocks
+// of different hosts do not share an epoch).
+double system_origin_us(const Trace& trace) {
+  using us = std::chrono::duration<double, std::micro>;
+  const auto age = std::chrono::steady_clock::now() - trace.origin();
+  return us((std::chrono::system_clock::now() - age).time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
 std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
   const auto& impl = *stage;
   auto& connection = *impl.world().connection();
-  auto trace = impl.trace();
-  TORCH_CHECK_VALUE(
-      trace != nullptr,
-      "gather_trace expects a stage with a trace set (set_trace), on every "
-      "rank");
-  connection.check();
-  using us = std::chrono::duration<double, std::micro>;
-  const double origin = us(trace->origin().time_since_epoch()).count();
-  const MessageId id{MessageKind::Trace, 0, 0};
-  // A pass of its own, so that its messages cannot meet a step's.
   auto* engine = impl.engine_.get();
+  // A pass of its own, so that its messages cannot meet a step's.
+  std::lock_guard<std::mutex> passes(connection.passes_mutex);
   auto held = engine->pipeline->begin_pass();
+  connection.check();
   const auto pass = engine->next_pass();
-  if (connection.rank != 0) {
-    std::vector<double> values;
-    for (const auto& e : trace->events()) {
-      values.insert(
-          values.end(),
-          {static_cast<double>(e.lane),
-           static_cast<double>(e.micro_batch),
-           static_cast<double>(static_cast<int>(e.kind)),
-           e.start_us + origin,
-           e.end_us + origin});
+  const MessageId id{MessageKind::Trace, 0, 0};
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+  try {
+    auto trace = impl.trace();
+    TORCH_CHECK_VALUE(
+        trace != nullptr,
+        "gather_trace expects a stage with a trace set (set_trace) on every "
+        "rank, but rank ",
+        connection.rank,
+        " has none");
+    const double origin = system_origin_us(*trace);
+    if (connection.rank != 0) {
+      std::vector<double> values;
+      for (const auto& e : trace->events()) {
+        values.insert(
+            values.end(),
+            {static_cast<double>(e.lane),
+             static_cast<double>(e.micro_batch),
+             static_cast<double>(static_cast<int>(e.kind)),
+             e.start_us + origin,
+             e.end_us + origin});
+      }
+      connection.send(
+          0,
+          pass,
+          id,
+          Message{{torch::tensor(values, torch::kDouble)}, true},
+          sends);
+      connection.wait_sends(sends);
+      return nullptr;
     }
-    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-    connection.send(
-        0,
-        pass,
-        id,
-        Message{{torch::tensor(values, torch::kDouble)}, true},
-        sends);
-    connection.wait_sends(sends);
-    return nullptr;
+    auto merged = std::make_shared<Trace>();
+    const double base = system_origin_us(*merged);
+    auto add = [&](const std::vector<TraceEvent>& events, double from) {
+      for (auto e : events) {
+        e.start_us += from - base;
+        e.end_us += from - base;
+        merged->add(e);
+      }
+    };
+    add(trace->events(), origin);
+    for (const auto r : c10::irange(int64_t{1}, connection.size)) {
+      auto m = connection.recv(r, pass, id);
+      TORCH_CHECK(
+          m.tensors.size() == 1 && m.tensors[0].defined() &&
+              m.tensors[0].scalar_type() == torch::kDouble,
+          "gpipe::dist: a malformed trace message came from rank ",
+          r);
+      auto t = m.tensors[0].contiguous();
+      const auto* p = t.data_ptr<double>();
+      std::vector<TraceEvent> events;
+      for (int64_t k = 0; k + 5 <= t.numel(); k += 5) {
+        TraceEvent e;
+        e.lane = static_cast<int64_t>(p[k]);
+        e.micro_batch = static_cast<int64_t>(p[k + 1]);
+        e.kind = static_cast<TraceKind>(static_cast<int>(p[k + 2]));
+        e.start_us = p[k + 3];
+        e.end_us = p[k + 4];
+        events.push_back(e);
+      }
+      add(events, 0.0);
+    }
+    return merged;
+  } catch (...) {
+    for (auto& work : sends) {
+      detail::keep_forever(std::move(work));
+    }
+    connection.fail(
+        "rank " + std::to_string(connection.rank) + ": " +
+        message_of(std::current_exception()));
+    throw;
   }
-  auto merged = std::make_shared<Trace>();
-  const double base = us(merged->origin().time_since_epoch()).count();
-  auto add = [&](const std::vector<TraceEvent>& events, double from) {
-    for (auto e : events) {
-      e.start_us += from - base;
-      e.end_us += from - base;
-      merged->add(e);
-    }
-  };
-  add(trace->events(), origin);
-  for (const auto r : c10::irange(int64_t{1}, connection.size)) {
-    auto m = connection.recv(r, pass, id);
-    TORCH_CHECK(m.tensors.size() == 1, "gpipe::dist: malformed trace message");
-    auto t = m.tensors[0].contiguous();
-    const auto* p = t.data_ptr<double>();
-    std::vector<TraceEvent> events;
-    for (int64_t k = 0; k + 5 <= t.numel(); k += 5) {
-      TraceEvent e;
-      e.lane = static_cast<int64_t>(p[k]);
-      e.micro_batch = static_cast<int64_t>(p[k + 1]);
-      e.kind = static_cast<TraceKind>(static_cast<int>(p[k + 2]));
-      e.start_us = p[k + 3];
-      e.end_us = p[k + 4];
-      events.push_back(e);
-    }
-    add(events, 0.0);
-  }
-  return merged;
 }
 
 }  // namespace gpipe::dist

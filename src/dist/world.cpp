@@ -126,8 +126,12 @@ World init_from_env(std::chrono::milliseconds timeout) {
         std::string(e.what()).substr(0, 300),
         "]");
   }
-  // Our own keys, apart from torchrun's.
-  auto store = c10::make_intrusive<c10d::PrefixStore>("gpipe", tcp);
+  // Our own keys, apart from torchrun's and from an earlier attempt's after
+  // an elastic restart.
+  const char* attempt = env("TORCHELASTIC_RESTART_COUNT");
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      std::string("gpipe/attempt_") + (attempt != nullptr ? attempt : "0"),
+      tcp);
   auto group_options = c10d::ProcessGroupGloo::Options::create(timeout);
   const char* iface = env("GLOO_SOCKET_IFNAME");
   if (iface != nullptr) {

@@ -89,6 +89,16 @@ void Pass::run(
     }
     countdown->wait();
   }
+  if (!error_.has()) {
+    const auto why = transport_->failure();
+    if (!why.empty()) {
+      try {
+        TORCH_CHECK(false, why);
+      } catch (...) {
+        error_.set(std::current_exception());
+      }
+    }
+  }
   error_.rethrow_and_clear();
 }
 

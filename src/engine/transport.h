@@ -56,6 +56,12 @@ class Transport {
   virtual void abort_with(const std::string& why) {
     abort();
   }
+  /// Why the pass was ended from outside this process (another rank
+  /// failed); empty when it was not. Cells skipped because of it leave no
+  /// error of their own, so the runner reports this one.
+  virtual std::string failure() const {
+    return {};
+  }
   virtual bool aborted() const = 0;
 };
 

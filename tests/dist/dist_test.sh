@@ -116,6 +116,20 @@ case $mode in
     by_hand 2 --scenario other-pass
     expect_error "another pass" "rank 1 runs pass forward but rank 0 runs train_step" 2
 
+    # Inference in which rank 0's layer throws on the last micro-batch: the
+    # last rank fails with that error instead of waiting for it.
+    by_hand 2 --scenario forward-throw
+    expect_error "a failing layer in inference" "the layer broke on purpose" 2
+
+    # A mistake on one rank only (train_step under NoGradGuard on rank 1):
+    # both fail at once with it, rank 0 does not wait out the timeout.
+    start=$(date +%s)
+    by_hand 2 --scenario no-grad
+    expect_error "grad mode off on one rank" "needs grad mode on" 2
+    if (($(date +%s) - start > 20)); then
+      fail "grad mode off on one rank took $(($(date +%s) - start)) s"
+    fi
+
     # gpipe-run: a rank killed by a signal stops the job, non-zero.
     launch 2 --scenario kill --kill-rank 1 --kill-step 1
     if [[ $status -eq 0 ]] || ! grep -q "rank 1" "$tmp/out"; then

@@ -19,10 +19,19 @@
 
 namespace {
 
+// Set by the forward-throw scenario: the stashing layer (rank 0) throws,
+// and the popping layer (the last rank) is slow, so that the failure
+// reaches the last rank while it is busy with earlier micro-batches.
+bool break_stash = false;
+bool slow_pop = false;
+
 struct StashImpl : torch::nn::Cloneable<StashImpl>, gpipe::Skippable {
   StashImpl() : gpipe::Skippable({"skip"}, {}) {}
   void reset() override {}
   torch::Tensor forward(torch::Tensor x) {
+    if (break_stash && x.size(0) < 3) {  // the last, smaller micro-batch
+      throw std::runtime_error("the layer broke on purpose");
+    }
     stash("skip", x * 0.5);
     return x;
   }
@@ -33,6 +42,9 @@ struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, gpipe::Skippable {
   PopAddImpl() : gpipe::Skippable({}, {"skip"}) {}
   void reset() override {}
   torch::Tensor forward(torch::Tensor x) {
+    if (slow_pop) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
     return x + pop("skip");
   }
 };
@@ -152,6 +164,19 @@ int main(int argc, char** argv) {
       if (scenario == "stall" && r == kill_rank && step == kill_step) {
         // Alive but silent for longer than GPIPE_DIST_TIMEOUT.
         std::this_thread::sleep_for(std::chrono::seconds(8));
+      }
+      if (scenario == "forward-throw" && step == 1) {
+        // Inference where rank 0's layer fails on the last micro-batch while
+        // the last rank still works on the others: its forward must fail
+        // with that error, not wait for a micro-batch that never comes.
+        break_stash = r == 0;
+        slow_pop = r == n - 1;
+        c10::InferenceMode guard;
+        stage->forward(r == 0 ? x : torch::Tensor());
+      }
+      if (scenario == "no-grad" && r == 1 && step == 1) {
+        torch::NoGradGuard no_grad;  // a mistake on rank 1 only
+        stage->train_step(torch::Tensor(), y, loss_fn, schedule);
       }
       if (scenario == "other-pass" && r == 1 && step == 1) {
         stage->forward();  // while rank 0 runs train_step
