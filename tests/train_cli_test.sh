@@ -130,6 +130,18 @@ if [[ $mode == bad ]]; then
   bad --timeline "${d[@]}" --timeline "$tmp/no-such-folder/t.svg"
   bad --timeline "${d[@]}" --trace "$tmp/t.out" --timeline "$tmp/t.out"
 
+  # Under a launcher (WORLD_SIZE set): one partition per rank, no autograd
+  # schedule, a well-formed WORLD_SIZE; all refused before joining the job.
+  export WORLD_SIZE=2
+  bad --partitions "${d[@]}" --partitions 3
+  bad --balance "${d[@]}" --balance 4,4,5
+  bad --schedule "${d[@]}" --schedule autograd
+  export WORLD_SIZE=two
+  bad WORLD_SIZE "${d[@]}"
+  export WORLD_SIZE=0
+  bad WORLD_SIZE "${d[@]}"
+  unset WORLD_SIZE
+
   # --help still prints the flags and exits 0.
   run --help
   if [[ $status -ne 0 ]] || ! grep -qF -- --threads-per-lane "$tmp/out"; then

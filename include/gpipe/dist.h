@@ -63,7 +63,8 @@ class World {
   /// How long a rank waits for another before it gives up.
   std::chrono::milliseconds timeout() const;
   /// The c10d group (Gloo) the stages talk over; usable for collectives of
-  /// one's own between passes.
+  /// one's own between passes (point-to-point: tags from 2^30 up; gpipe's
+  /// own use those below).
   const c10::intrusive_ptr<c10d::ProcessGroupGloo>& group() const;
   /// The rendezvous store.
   const c10::intrusive_ptr<c10d::Store>& store() const;
