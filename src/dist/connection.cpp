@@ -430,19 +430,24 @@ torch::Tensor Connection::receive_bytes(
   std::vector<at::Tensor> tensors{buffer};
   c10::intrusive_ptr<c10d::Work> work;
   std::string refused;
+  bool failed = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_) {
-      throw_failure();
+    // Thrown below: throw_failure() takes mutex_ itself.
+    failed = failure_.has_value();
+    if (!failed) {
+      try {
+        work = group->recv(tensors, static_cast<int>(peer), tag);
+      } catch (const std::exception& e) {
+        refused = e.what();  // fails below, outside the lock
+      }
+      if (work) {
+        receiving_.insert(work);
+      }
     }
-    try {
-      work = group->recv(tensors, static_cast<int>(peer), tag);
-    } catch (const std::exception& e) {
-      refused = e.what();  // fails below, outside the lock
-    }
-    if (work) {
-      receiving_.insert(work);
-    }
+  }
+  if (failed) {
+    throw_failure();
   }
   bool received = false;
   std::string error;
