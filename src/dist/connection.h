@@ -39,6 +39,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,6 +51,8 @@
 #include <utility>
 #include <vector>
 
+#include "dist/wire.h"
+
 namespace c10d {
 class ProcessGroupGloo;
 class Store;
@@ -57,52 +60,14 @@ class Store;
 
 namespace gpipe::dist::detail {
 
-/// What a message carries; part of its tag and header.
-enum class MessageKind : int64_t {
-  Control = 0,   // a failure (listener only)
-  Begin = 1,     // rank 0 starts a pass: its kind, seed and micro-batches
-  Forward = 2,   // activations at a boundary
-  Backward = 3,  // gradients at a boundary
-  ForwardSkip = 4,
-  BackwardSkip = 5,
-  Loss = 6,   // the last rank's loss, to every rank
-  Trace = 7,  // a rank's trace events, to rank 0
-};
-
-std::string to_string(MessageKind kind);
-
-/// Which message: tag and header fields.
-struct MessageId {
-  MessageKind kind = MessageKind::Control;
-  int64_t micro_batch = 0;
-  int64_t index = 0;  // boundary, skip number, or 0
-
-  /// Fits 4 bits of kind, 14 of micro-batch, 12 of index.
-  int tag() const;
-  std::string describe() const;
-};
-
-/// A pass number carries its stage's number above kPassBits, so that
-/// passes of two PipelineStages on one World are told apart.
-constexpr int64_t kPassBits = 40;
-/// "pass 3 of stage 0".
-std::string describe_pass(int64_t pass);
-
-constexpr int64_t kMaxMicroBatches = (int64_t{1} << 14) - 1;
-constexpr int64_t kMaxIndex = (int64_t{1} << 12) - 1;
-
-/// A message's tensors (undefined ones travel as such) and whether they came
-/// as one tensor.
-struct Message {
-  std::vector<torch::Tensor> tensors;
-  bool atomic = true;
-};
-
 /// Keeps a c10d object that Gloo may still use after a failure (a posted
 /// receive, a send nobody takes, the group that holds them) for the life of
 /// the process, reachable, so that neither its destructor nor
 /// LeakSanitizer trips over it.
 void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object);
+
+/// The message of an exception (c10::Error without its backtrace).
+std::string message_of(std::exception_ptr error);
 
 struct Connection {
   Connection(

@@ -23,69 +23,24 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "device.h"
+#include "dist/agreement.h"
 #include "dist/c10d_transport.h"
 #include "dist/connection.h"
+#include "dist/stage_engine.h"
 #include "engine/autograd_node.h"
 #include "engine/pipeline.h"
 #include "random.h"
 
 namespace gpipe::dist {
 
+using detail::Begin;
 using detail::C10dTransport;
 using detail::Message;
 using detail::MessageId;
 using detail::MessageKind;
+using detail::PassKind;
 
 namespace {
-
-enum class PassKind : int64_t { Forward = 0, Train = 1 };
-
-// What rank 0 tells the others when it starts a pass.
-struct Begin {
-  PassKind kind = PassKind::Forward;
-  int64_t schedule = 0;
-  int64_t checkpoint_stop = 0;
-  bool training = false;
-  uint64_t seed = 0;
-  std::vector<int64_t> sizes;  // rows of each micro-batch
-
-  torch::Tensor encode() const {
-    std::vector<int64_t> words{
-        static_cast<int64_t>(kind),
-        schedule,
-        checkpoint_stop,
-        training ? 1 : 0,
-        0};
-    std::memcpy(&words[4], &seed, sizeof(seed));
-    words.insert(words.end(), sizes.begin(), sizes.end());
-    return torch::tensor(words, torch::kLong);
-  }
-  static Begin decode(const torch::Tensor& t) {
-    TORCH_CHECK(
-        t.defined() && t.scalar_type() == torch::kLong && t.dim() == 1 &&
-            t.numel() >= 6,
-        "gpipe::dist: a malformed begin message came from rank 0");
-    auto w = t.contiguous();
-    const auto* p = w.data_ptr<int64_t>();
-    Begin b;
-    b.kind = static_cast<PassKind>(p[0]);
-    b.schedule = p[1];
-    b.checkpoint_stop = p[2];
-    b.training = p[3] != 0;
-    std::memcpy(&b.seed, &p[4], sizeof(b.seed));
-    b.sizes.assign(p + 5, p + w.numel());
-    return b;
-  }
-};
-
-const char* kind_name(PassKind kind) {
-  return kind == PassKind::Train ? "train_step" : "forward";
-}
-
-std::string schedule_name(int64_t s) {
-  return s == static_cast<int64_t>(Schedule::OneFOneB) ? "OneFOneB"
-                                                       : "FillDrain";
-}
 
 int64_t checkpoint_stop(const GPipeOptions& options, bool training) {
   if (!training) {
@@ -102,101 +57,7 @@ int64_t checkpoint_stop(const GPipeOptions& options, bool training) {
   return 0;
 }
 
-std::string message_of(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
-// What every rank must agree on at construction, field by field.
-std::vector<std::pair<std::string, std::string>> fingerprint(
-    const torch::nn::Sequential& module,
-    const GPipeOptions& options,
-    int64_t world_size) {
-  std::vector<std::pair<std::string, std::string>> fields;
-  auto str = [](const auto& v) {
-    std::ostringstream out;
-    out << v;
-    return out.str();
-  };
-  fields.emplace_back("world size", str(world_size));
-  fields.emplace_back("balance", str(c10::IntArrayRef(options.balance())));
-  fields.emplace_back("chunks", str(options.chunks()));
-  fields.emplace_back("checkpoint", to_string(options.checkpoint()));
-  fields.emplace_back(
-      "deferred_batch_norm", options.deferred_batch_norm() ? "true" : "false");
-  std::ostringstream layers;
-  std::ostringstream tensors;
-  for (const auto& named : module->named_children()) {
-    layers << named.key() << ":" << named.value()->name() << ";";
-  }
-  for (const auto& p : module->named_parameters()) {
-    tensors << p.key() << p.value().sizes() << p.value().scalar_type() << ";";
-  }
-  for (const auto& b : module->named_buffers()) {
-    tensors << b.key() << b.value().sizes() << b.value().scalar_type() << ";";
-  }
-  fields.emplace_back(
-      "layers",
-      str(module->size()) + " layers, names and types hashed to " +
-          str(std::hash<std::string>{}(layers.str())));
-  fields.emplace_back(
-      "parameters and buffers",
-      "hashed to " + str(std::hash<std::string>{}(tensors.str())));
-  return fields;
-}
-
-std::string join_fields(
-    const std::vector<std::pair<std::string, std::string>>& fields) {
-  std::string out;
-  for (const auto& f : fields) {
-    out += f.first + "=" + f.second + "\n";
-  }
-  return out;
-}
-
-std::vector<std::pair<std::string, std::string>> split_fields(
-    const std::string& text) {
-  std::vector<std::pair<std::string, std::string>> fields;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto eq = line.find('=');
-    if (eq != std::string::npos) {
-      fields.emplace_back(line.substr(0, eq), line.substr(eq + 1));
-    }
-  }
-  return fields;
-}
-
 }  // namespace
-
-struct PipelineStageImpl::Engine {
-  std::shared_ptr<detail::Connection> connection;
-  std::shared_ptr<gpipe::detail::Pipeline> pipeline;
-  detail::Placement placement;
-  int64_t stage_id = 0;
-  int64_t passes = 0;   // passes started, the same count on every rank
-  int64_t current = 0;  // the pass whose transport is being made
-  mutable std::mutex trace_mutex;
-  std::shared_ptr<Trace> trace;  // guarded by trace_mutex
-
-  // A pass number that also names the stage (see describe_pass).
-  int64_t next_pass() {
-    return (stage_id << detail::kPassBits) | ++passes;
-  }
-
-  std::shared_ptr<Trace> current_trace() const {
-    std::lock_guard<std::mutex> lock(trace_mutex);
-    return trace;
-  }
-};
 
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential module, GPipeOptions options_, World world)
@@ -208,7 +69,6 @@ PipelineStageImpl::PipelineStageImpl(
   // prefix, and reads the others'.
   const auto stage_id = connection->next_stage_id();
   const auto prefix = "stage" + std::to_string(stage_id) + "/";
-  auto& store = connection->store;
   const auto n = static_cast<int64_t>(options.balance().size());
   try {
     verify_module(module);
@@ -258,71 +118,17 @@ PipelineStageImpl::PipelineStageImpl(
     }
   } catch (...) {
     // Tell the others at once, rather than leaving them waiting.
-    const auto text = "error=" + message_of(std::current_exception());
-    store->set(
-        prefix + std::to_string(rank),
-        std::vector<uint8_t>(text.begin(), text.end()));
+    detail::publish_build_error(
+        *connection, prefix, detail::message_of(std::current_exception()));
     throw;
   }
 
   // Every rank must have built the same thing: compare before any pass.
-  const auto mine = fingerprint(module, options, size);
   engine_ = std::make_shared<Engine>();
   engine_->connection = connection;
   engine_->stage_id = stage_id;
-  {
-    const auto text = join_fields(mine);
-    store->set(
-        prefix + std::to_string(rank),
-        std::vector<uint8_t>(text.begin(), text.end()));
-    for (const auto r : c10::irange(size)) {
-      if (r == rank) {
-        continue;
-      }
-      std::vector<uint8_t> value;
-      try {
-        value = store->get(prefix + std::to_string(r));
-      } catch (const std::exception& e) {
-        TORCH_CHECK(
-            false,
-            "gpipe::dist::PipelineStage: rank ",
-            rank,
-            " waited ",
-            world_.timeout().count() / 1000.0,
-            " s for rank ",
-            r,
-            " to build its stage [c10d: ",
-            std::string(e.what()).substr(0, 300),
-            "]");
-      }
-      const std::string published(value.begin(), value.end());
-      TORCH_CHECK_VALUE(
-          published.rfind("error=", 0) != 0,
-          "gpipe::dist::PipelineStage: rank ",
-          r,
-          " could not build its stage: ",
-          published.substr(6));
-      const auto theirs = split_fields(published);
-      for (const auto k : c10::irange(mine.size())) {
-        const std::string other =
-            k < theirs.size() ? theirs[k].second : std::string("(missing)");
-        TORCH_CHECK_VALUE(
-            mine[k].second == other,
-            "gpipe::dist::PipelineStage: rank ",
-            rank,
-            " has ",
-            mine[k].first,
-            " ",
-            mine[k].second,
-            " but rank ",
-            r,
-            " has ",
-            other,
-            ": every rank must build the same Sequential with the same "
-            "GPipeOptions");
-      }
-    }
-  }
+  detail::agree_on_build(
+      *connection, prefix, detail::fingerprint(module, options, size));
 
   // Split the layers; each keeps its name. Only this rank's partition moves
   // to its device and becomes this module's.
@@ -392,68 +198,52 @@ PipelineStageImpl::~PipelineStageImpl() = default;
 
 namespace {
 
-// Rank 0 starts a pass; the others learn what it is and check it against
-// what they were asked to run.
-// Rank 0's sends go into `sends`, to be waited for at the end of the pass
-// (a send completes only when its receiver takes it).
-Begin begin_pass(
+using Sends = std::vector<c10::intrusive_ptr<c10d::Work>>;
+
+// One collective pass (train_step, forward): one pass at a time on the
+// connection, the pipeline held, a pass number; `body(pass, sends, held)`
+// runs it, rank 0's begin messages going into `sends`. Any error fails the
+// connection, so that every other rank stops with it instead of waiting.
+torch::Tensor collective_pass(
     detail::Connection& connection,
-    int64_t pass,
-    Begin local,
-    const std::vector<int64_t>& sizes,
-    std::vector<c10::intrusive_ptr<c10d::Work>>& sends) {
-  const auto rank = connection.rank;
-  if (rank == 0) {
-    local.sizes = sizes;
-    for (const auto r : c10::irange(int64_t{1}, connection.size)) {
-      connection.send(
-          r,
-          pass,
-          MessageId{MessageKind::Begin, 0, 0},
-          Message{{local.encode()}, true},
-          sends);
+    gpipe::detail::Pipeline& pipeline,
+    const std::function<int64_t()>& next_pass,
+    const std::function<
+        torch::Tensor(int64_t, Sends&, std::unique_lock<std::mutex>&)>& body) {
+  std::lock_guard<std::mutex> passes(connection.passes_mutex);
+  auto held = pipeline.begin_pass();
+  connection.check();
+  const auto pass = next_pass();
+  Sends begin_sends;
+  try {
+    return body(pass, begin_sends, held);
+  } catch (...) {
+    for (auto& work : begin_sends) {
+      detail::keep_forever(std::move(work));  // may still be posted
     }
-    return local;
+    connection.fail(
+        "rank " + std::to_string(connection.rank) + ": " +
+        detail::message_of(std::current_exception()));
+    throw;
   }
-  auto m = connection.recv(0, pass, MessageId{MessageKind::Begin, 0, 0});
-  TORCH_CHECK(m.tensors.size() == 1, "gpipe::dist: malformed begin message");
-  auto theirs = Begin::decode(m.tensors[0]);
-  auto differ = [&](const std::string& what,
-                    const std::string& here,
-                    const std::string& there) {
-    TORCH_CHECK_VALUE(
-        here == there,
-        "gpipe::dist: rank ",
-        rank,
-        " runs ",
-        what,
-        " ",
-        here,
-        " but rank 0 runs ",
-        there,
-        " (",
-        detail::describe_pass(pass),
-        "): every rank must run the same passes in the same order");
-  };
-  differ("pass", kind_name(local.kind), kind_name(theirs.kind));
-  if (local.kind == PassKind::Train) {
-    differ(
-        "schedule",
-        schedule_name(local.schedule),
-        schedule_name(theirs.schedule));
+}
+
+// Rank 0's input cut into micro-batches, and the rows of each.
+void scatter_input(
+    const torch::Tensor& input,
+    int64_t chunks,
+    const char* call,
+    std::vector<Batch>& micro,
+    std::vector<int64_t>& sizes) {
+  TORCH_CHECK_TYPE(
+      input.defined(),
+      call,
+      " expects the input on rank 0, but got an undefined tensor");
+  verify_batch({input});
+  micro = scatter({input}, chunks);
+  for (const auto& b : micro) {
+    sizes.push_back(b[0].size(0));
   }
-  differ(
-      "in mode",
-      local.training ? "train()" : "eval()",
-      theirs.training ? "train()" : "eval()");
-  differ(
-      "with checkpointed micro-batches below",
-      std::to_string(local.checkpoint_stop),
-      std::to_string(theirs.checkpoint_stop));
-  TORCH_CHECK(
-      !theirs.sizes.empty(),
-      "gpipe::dist: rank 0 started a pass without micro-batches");
-  return theirs;
 }
 
 }  // namespace
@@ -469,144 +259,131 @@ torch::Tensor PipelineStageImpl::train_step(
   const auto n = world_.size();
   const bool first = rank == 0;
   const bool last = rank == n - 1;
-  // One pass at a time on the whole connection (stages share its tags).
-  std::lock_guard<std::mutex> passes(connection.passes_mutex);
-  auto held = pipeline.begin_pass();
-  connection.check();
-  const auto pass_id = engine_->next_pass();
-  std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
-  try {
-    // A mistake on one rank fails the pass on every rank (below), rather
-    // than leaving the others waiting.
-    TORCH_CHECK_VALUE(
-        static_cast<bool>(loss_fn),
-        "train_step expects a loss_fn, but got none");
-    TORCH_CHECK(
-        torch::GradMode::is_enabled(),
-        "train_step needs grad mode on, but it is off (torch::NoGradGuard or "
-        "InferenceMode)");
-    Begin local;
-    local.kind = PassKind::Train;
-    local.schedule = static_cast<int64_t>(schedule);
-    local.training = is_training();
-    local.checkpoint_stop = checkpoint_stop(options, is_training());
-    std::vector<Batch> micro;
-    std::vector<int64_t> sizes;
-    if (first) {
-      TORCH_CHECK_TYPE(
-          input.defined(),
-          "train_step expects the input on rank 0, but got an undefined "
-          "tensor");
-      verify_batch({input});
-      micro = scatter({input}, options.chunks());
-      for (const auto& b : micro) {
-        sizes.push_back(b[0].size(0));
-      }
-    }
-    gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
-    local.seed = seeds.seed();
-    const auto begin =
-        begin_pass(connection, pass_id, local, sizes, begin_sends);
-    sizes = begin.sizes;
-    const auto m = static_cast<int64_t>(sizes.size());
-    int64_t total = 0;
-    for (auto s : sizes) {
-      total += s;
-    }
+  auto next_pass = [this] { return engine_->next_pass(); };
+  return collective_pass(
+      connection,
+      pipeline,
+      next_pass,
+      [&](int64_t pass_id,
+          Sends& begin_sends,
+          std::unique_lock<std::mutex>& held) {
+        // A mistake on one rank fails the pass on every rank, rather than
+        // leaving the others waiting.
+        TORCH_CHECK_VALUE(
+            static_cast<bool>(loss_fn),
+            "train_step expects a loss_fn, but got none");
+        TORCH_CHECK(
+            torch::GradMode::is_enabled(),
+            "train_step needs grad mode on, but it is off (torch::NoGradGuard "
+            "or "
+            "InferenceMode)");
+        Begin local;
+        local.kind = PassKind::Train;
+        local.schedule = static_cast<int64_t>(schedule);
+        local.training = is_training();
+        local.checkpoint_stop = checkpoint_stop(options, is_training());
+        std::vector<Batch> micro;
+        std::vector<int64_t> sizes;
+        if (first) {
+          scatter_input(input, options.chunks(), "train_step", micro, sizes);
+        }
+        gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
+        local.seed = seeds.seed();
+        const auto begin =
+            begin_pass(connection, pass_id, local, sizes, begin_sends);
+        sizes = begin.sizes;
+        const auto m = static_cast<int64_t>(sizes.size());
+        int64_t total = 0;
+        for (auto s : sizes) {
+          total += s;
+        }
 
-    std::vector<torch::Tensor> targets;
-    if (last) {
-      TORCH_CHECK_TYPE(
-          target.defined(),
-          "train_step expects the target on the last rank (",
-          rank,
-          "), but got an undefined tensor");
-      TORCH_CHECK_VALUE(
-          target.dim() > 0 && target.size(0) == total,
-          "train_step expects a target with the input's batch size ",
-          total,
-          " (rank 0's) in dimension 0, but got shape ",
-          target.sizes());
-      for (auto& piece : scatter({target.to(device_)}, options.chunks())) {
-        targets.push_back(piece[0]);
-      }
-      TORCH_CHECK_VALUE(
-          static_cast<int64_t>(targets.size()) == m,
-          "train_step: the target splits into ",
-          targets.size(),
-          " micro-batches but the input into ",
-          m);
-    }
+        std::vector<torch::Tensor> targets;
+        if (last) {
+          TORCH_CHECK_TYPE(
+              target.defined(),
+              "train_step expects the target on the last rank (",
+              rank,
+              "), but got an undefined tensor");
+          TORCH_CHECK_VALUE(
+              target.dim() > 0 && target.size(0) == total,
+              "train_step expects a target with the input's batch size ",
+              total,
+              " (rank 0's) in dimension 0, but got shape ",
+              target.sizes());
+          for (auto& piece : scatter({target.to(device_)}, options.chunks())) {
+            targets.push_back(piece[0]);
+          }
+          TORCH_CHECK_VALUE(
+              static_cast<int64_t>(targets.size()) == m,
+              "train_step: the target splits into ",
+              targets.size(),
+              " micro-batches but the input into ",
+              m);
+        }
 
-    gpipe::detail::PassOptions pass_options;
-    pass_options.training = begin.training;
-    pass_options.checkpoint_stop = begin.checkpoint_stop;
-    engine_->current = pass_id;
-    const Batch originals = first ? Batch{input} : Batch{};
-    auto pass = pipeline.start_pass(m, originals, pass_options);
-    pass->grad = true;
-    pass->step_seed = begin.seed;
-    auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
-    if (last) {
-      pass->loss_fn = &loss_fn;
-      pass->targets = std::move(targets);
-      pass->losses.resize(m);
-      for (const auto i : c10::irange(m)) {
-        pass->loss_scales.push_back(
-            static_cast<double>(sizes[i]) / static_cast<double>(total));
-      }
-    }
-    if (first) {
-      for (const auto i : c10::irange(m)) {
-        transport.send(
-            Phase::Forward,
-            i,
-            0,
-            gpipe::detail::Packet{std::move(micro[i]), true});
-      }
-    }
-    pipeline.run_and_commit(
-        pass, training_plan(static_cast<Schedule>(begin.schedule), m, n));
-    connection.check();
+        gpipe::detail::PassOptions pass_options;
+        pass_options.training = begin.training;
+        pass_options.checkpoint_stop = begin.checkpoint_stop;
+        engine_->current = pass_id;
+        const Batch originals = first ? Batch{input} : Batch{};
+        auto pass = pipeline.start_pass(m, originals, pass_options);
+        pass->grad = true;
+        pass->step_seed = begin.seed;
+        auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
+        if (last) {
+          pass->loss_fn = &loss_fn;
+          pass->targets = std::move(targets);
+          pass->losses.resize(m);
+          for (const auto i : c10::irange(m)) {
+            pass->loss_scales.push_back(
+                static_cast<double>(sizes[i]) / static_cast<double>(total));
+          }
+        }
+        if (first) {
+          for (const auto i : c10::irange(m)) {
+            transport.send(
+                Phase::Forward,
+                i,
+                0,
+                gpipe::detail::Packet{std::move(micro[i]), true});
+          }
+        }
+        pipeline.run_and_commit(
+            pass, training_plan(static_cast<Schedule>(begin.schedule), m, n));
+        connection.check();
 
-    torch::Tensor loss;
-    const MessageId loss_id{MessageKind::Loss, 0, 0};
-    if (last) {
-      loss = torch::stack(pass->losses).sum();
-      for (const auto r : c10::irange(n - 1)) {
-        transport.send_message(r, loss_id, Message{{loss}, true});
-      }
-    } else {
-      auto m = transport.recv_message(n - 1, loss_id);
-      TORCH_CHECK(m.tensors.size() == 1, "gpipe::dist: malformed loss message");
-      loss = m.tensors[0].clone();
-    }
-    std::vector<gpipe::detail::Packet> dx;
-    if (first && input.requires_grad()) {
-      for (const auto i : c10::irange(m)) {
-        dx.push_back(transport.recv(Phase::Backward, i, 0));
-      }
-    }
-    transport.finish();
-    connection.wait_sends(begin_sends);
-    held.unlock();
-    if (!dx.empty()) {
-      auto g = gpipe::detail::join_input_grad(
-          dx, 0, sizes, input.sizes().vec(), input.options());
-      if (g.defined()) {
-        torch::autograd::backward({input}, {g});
-      }
-    }
-    return loss;
-  } catch (...) {
-    for (auto& work : begin_sends) {
-      detail::keep_forever(std::move(work));  // may still be posted
-    }
-    connection.fail(
-        "rank " + std::to_string(rank) + ": " +
-        message_of(std::current_exception()));
-    throw;
-  }
+        torch::Tensor loss;
+        const MessageId loss_id{MessageKind::Loss, 0, 0};
+        if (last) {
+          loss = torch::stack(pass->losses).sum();
+          for (const auto r : c10::irange(n - 1)) {
+            transport.send_message(r, loss_id, Message{{loss}, true});
+          }
+        } else {
+          auto m = transport.recv_message(n - 1, loss_id);
+          TORCH_CHECK(
+              m.tensors.size() == 1, "gpipe::dist: malformed loss message");
+          loss = m.tensors[0].clone();
+        }
+        std::vector<gpipe::detail::Packet> dx;
+        if (first && input.requires_grad()) {
+          for (const auto i : c10::irange(m)) {
+            dx.push_back(transport.recv(Phase::Backward, i, 0));
+          }
+        }
+        transport.finish();
+        connection.wait_sends(begin_sends);
+        held.unlock();
+        if (!dx.empty()) {
+          auto g = gpipe::detail::join_input_grad(
+              dx, 0, sizes, input.sizes().vec(), input.options());
+          if (g.defined()) {
+            torch::autograd::backward({input}, {g});
+          }
+        }
+        return loss;
+      });
 }
 
 torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
@@ -617,75 +394,60 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
   const bool first = rank == 0;
   const bool last = rank == n - 1;
   torch::NoGradGuard no_grad;
-  std::lock_guard<std::mutex> passes(connection.passes_mutex);
-  auto held = pipeline.begin_pass();
-  connection.check();
-  const auto pass_id = engine_->next_pass();
-  std::vector<c10::intrusive_ptr<c10d::Work>> begin_sends;
-  try {
-    Begin local;
-    local.kind = PassKind::Forward;
-    local.training = is_training();
-    std::vector<Batch> micro;
-    std::vector<int64_t> sizes;
-    if (first) {
-      TORCH_CHECK_TYPE(
-          input.defined(),
-          "forward expects the input on rank 0, but got an undefined tensor");
-      verify_batch({input});
-      micro = scatter({input}, options.chunks());
-      for (const auto& b : micro) {
-        sizes.push_back(b[0].size(0));
-      }
-    }
-    gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
-    local.seed = seeds.seed();
-    const auto begin =
-        begin_pass(connection, pass_id, local, sizes, begin_sends);
-    const auto m = static_cast<int64_t>(begin.sizes.size());
-    gpipe::detail::PassOptions pass_options;
-    pass_options.training = begin.training;
-    engine_->current = pass_id;
-    auto pass = pipeline.start_pass(m, {}, pass_options);
-    pass->step_seed = begin.seed;
-    auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
-    if (first) {
-      for (const auto i : c10::irange(m)) {
-        transport.send(
-            Phase::Forward,
-            i,
-            0,
-            gpipe::detail::Packet{std::move(micro[i]), true});
-      }
-    }
-    pipeline.run_and_commit(pass, forward_plan(m, n));
-    connection.check();
-    torch::Tensor output;
-    if (last) {
-      std::vector<Batch> outputs;
-      for (const auto i : c10::irange(m)) {
-        auto packet = transport.recv(Phase::Forward, i, n);
-        TORCH_CHECK_TYPE(
-            packet.atomic && packet.tensors.size() == 1,
-            "the last layer returned ",
-            packet.tensors.size(),
-            " tensors; gpipe::dist::PipelineStage::forward returns one");
-        outputs.push_back(std::move(packet.tensors));
-      }
-      output = gather(outputs)[0];
-    }
-    transport.finish();
-    connection.wait_sends(begin_sends);
-    return output;
-  } catch (...) {
-    for (auto& work : begin_sends) {
-      detail::keep_forever(std::move(work));  // may still be posted
-    }
-    connection.fail(
-        "rank " + std::to_string(rank) + ": " +
-        message_of(std::current_exception()));
-    throw;
-  }
+  auto next_pass = [this] { return engine_->next_pass(); };
+  return collective_pass(
+      connection,
+      pipeline,
+      next_pass,
+      [&](int64_t pass_id, Sends& begin_sends, std::unique_lock<std::mutex>&) {
+        Begin local;
+        local.kind = PassKind::Forward;
+        local.training = is_training();
+        std::vector<Batch> micro;
+        std::vector<int64_t> sizes;
+        if (first) {
+          scatter_input(input, options.chunks(), "forward", micro, sizes);
+        }
+        gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
+        local.seed = seeds.seed();
+        const auto begin =
+            begin_pass(connection, pass_id, local, sizes, begin_sends);
+        const auto m = static_cast<int64_t>(begin.sizes.size());
+        gpipe::detail::PassOptions pass_options;
+        pass_options.training = begin.training;
+        engine_->current = pass_id;
+        auto pass = pipeline.start_pass(m, {}, pass_options);
+        pass->step_seed = begin.seed;
+        auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
+        if (first) {
+          for (const auto i : c10::irange(m)) {
+            transport.send(
+                Phase::Forward,
+                i,
+                0,
+                gpipe::detail::Packet{std::move(micro[i]), true});
+          }
+        }
+        pipeline.run_and_commit(pass, forward_plan(m, n));
+        connection.check();
+        torch::Tensor output;
+        if (last) {
+          std::vector<Batch> outputs;
+          for (const auto i : c10::irange(m)) {
+            auto packet = transport.recv(Phase::Forward, i, n);
+            TORCH_CHECK_TYPE(
+                packet.atomic && packet.tensors.size() == 1,
+                "the last layer returned ",
+                packet.tensors.size(),
+                " tensors; gpipe::dist::PipelineStage::forward returns one");
+            outputs.push_back(std::move(packet.tensors));
+          }
+          output = gather(outputs)[0];
+        }
+        transport.finish();
+        connection.wait_sends(begin_sends);
+        return output;
+      });
 }
 
 void PipelineStageImpl::to(
@@ -726,106 +488,6 @@ void PipelineStageImpl::pretty_print(std::ostream& stream) const {
          << ", chunks=" << options.chunks()
          << ", checkpoint=" << to_string(options.checkpoint())
          << ", device=" << device_ << ")";
-}
-
-}  // namespace gpipe::dist
-
-namespace gpipe::dist {
-
-namespace {
-
-// When `trace` began, in microseconds of the system clock (steady clocks
-// of different hosts do not share an epoch).
-double system_origin_us(const Trace& trace) {
-  using us = std::chrono::duration<double, std::micro>;
-  const auto age = std::chrono::steady_clock::now() - trace.origin();
-  return us((std::chrono::system_clock::now() - age).time_since_epoch())
-      .count();
-}
-
-}  // namespace
-
-std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
-  const auto& impl = *stage;
-  auto& connection = *impl.world().connection();
-  auto* engine = impl.engine_.get();
-  // A pass of its own, so that its messages cannot meet a step's.
-  std::lock_guard<std::mutex> passes(connection.passes_mutex);
-  auto held = engine->pipeline->begin_pass();
-  connection.check();
-  const auto pass = engine->next_pass();
-  const MessageId id{MessageKind::Trace, 0, 0};
-  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-  try {
-    auto trace = impl.trace();
-    TORCH_CHECK_VALUE(
-        trace != nullptr,
-        "gather_trace expects a stage with a trace set (set_trace) on every "
-        "rank, but rank ",
-        connection.rank,
-        " has none");
-    const double origin = system_origin_us(*trace);
-    if (connection.rank != 0) {
-      std::vector<double> values;
-      for (const auto& e : trace->events()) {
-        values.insert(
-            values.end(),
-            {static_cast<double>(e.lane),
-             static_cast<double>(e.micro_batch),
-             static_cast<double>(static_cast<int>(e.kind)),
-             e.start_us + origin,
-             e.end_us + origin});
-      }
-      connection.send(
-          0,
-          pass,
-          id,
-          Message{{torch::tensor(values, torch::kDouble)}, true},
-          sends);
-      connection.wait_sends(sends);
-      return nullptr;
-    }
-    auto merged = std::make_shared<Trace>();
-    const double base = system_origin_us(*merged);
-    auto add = [&](const std::vector<TraceEvent>& events, double from) {
-      for (auto e : events) {
-        e.start_us += from - base;
-        e.end_us += from - base;
-        merged->add(e);
-      }
-    };
-    add(trace->events(), origin);
-    for (const auto r : c10::irange(int64_t{1}, connection.size)) {
-      auto m = connection.recv(r, pass, id);
-      TORCH_CHECK(
-          m.tensors.size() == 1 && m.tensors[0].defined() &&
-              m.tensors[0].scalar_type() == torch::kDouble,
-          "gpipe::dist: a malformed trace message came from rank ",
-          r);
-      auto t = m.tensors[0].contiguous();
-      const auto* p = t.data_ptr<double>();
-      std::vector<TraceEvent> events;
-      for (int64_t k = 0; k + 5 <= t.numel(); k += 5) {
-        TraceEvent e;
-        e.lane = static_cast<int64_t>(p[k]);
-        e.micro_batch = static_cast<int64_t>(p[k + 1]);
-        e.kind = static_cast<TraceKind>(static_cast<int>(p[k + 2]));
-        e.start_us = p[k + 3];
-        e.end_us = p[k + 4];
-        events.push_back(e);
-      }
-      add(events, 0.0);
-    }
-    return merged;
-  } catch (...) {
-    for (auto& work : sends) {
-      detail::keep_forever(std::move(work));
-    }
-    connection.fail(
-        "rank " + std::to_string(connection.rank) + ": " +
-        message_of(std::current_exception()));
-    throw;
-  }
 }
 
 }  // namespace gpipe::dist

@@ -1,0 +1,205 @@
+#include "dist/agreement.h"
+
+#include <c10/util/irange.h>
+#include <gpipe/schedule.h>
+
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace gpipe::dist::detail {
+
+namespace {
+
+std::string join_fields(
+    const std::vector<std::pair<std::string, std::string>>& fields) {
+  std::string out;
+  for (const auto& f : fields) {
+    out += f.first + "=" + f.second + "\n";
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> split_fields(
+    const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> fields;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto eq = line.find('=');
+    if (eq != std::string::npos) {
+      fields.emplace_back(line.substr(0, eq), line.substr(eq + 1));
+    }
+  }
+  return fields;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> fingerprint(
+    const torch::nn::Sequential& module,
+    const GPipeOptions& options,
+    int64_t world_size) {
+  std::vector<std::pair<std::string, std::string>> fields;
+  auto str = [](const auto& v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  };
+  fields.emplace_back("world size", str(world_size));
+  fields.emplace_back("balance", str(c10::IntArrayRef(options.balance())));
+  fields.emplace_back("chunks", str(options.chunks()));
+  fields.emplace_back("checkpoint", to_string(options.checkpoint()));
+  fields.emplace_back(
+      "deferred_batch_norm", options.deferred_batch_norm() ? "true" : "false");
+  std::ostringstream layers;
+  std::ostringstream tensors;
+  for (const auto& named : module->named_children()) {
+    layers << named.key() << ":" << named.value()->name() << ";";
+  }
+  for (const auto& p : module->named_parameters()) {
+    tensors << p.key() << p.value().sizes() << p.value().scalar_type() << ";";
+  }
+  for (const auto& b : module->named_buffers()) {
+    tensors << b.key() << b.value().sizes() << b.value().scalar_type() << ";";
+  }
+  fields.emplace_back(
+      "layers",
+      str(module->size()) + " layers, names and types hashed to " +
+          str(std::hash<std::string>{}(layers.str())));
+  fields.emplace_back(
+      "parameters and buffers",
+      "hashed to " + str(std::hash<std::string>{}(tensors.str())));
+  return fields;
+}
+
+void publish_build_error(
+    Connection& connection, const std::string& prefix, const std::string& why) {
+  const auto text = "error=" + why;
+  connection.store->set(
+      prefix + std::to_string(connection.rank),
+      std::vector<uint8_t>(text.begin(), text.end()));
+}
+
+void agree_on_build(
+    Connection& connection,
+    const std::string& prefix,
+    const std::vector<std::pair<std::string, std::string>>& mine) {
+  const auto rank = connection.rank;
+  const auto size = connection.size;
+  auto& store = connection.store;
+  const auto text = join_fields(mine);
+  store->set(
+      prefix + std::to_string(rank),
+      std::vector<uint8_t>(text.begin(), text.end()));
+  for (const auto r : c10::irange(size)) {
+    if (r == rank) {
+      continue;
+    }
+    std::vector<uint8_t> value;
+    try {
+      value = store->get(prefix + std::to_string(r));
+    } catch (const std::exception& e) {
+      TORCH_CHECK(
+          false,
+          "gpipe::dist::PipelineStage: rank ",
+          rank,
+          " waited ",
+          connection.timeout.count() / 1000.0,
+          " s for rank ",
+          r,
+          " to build its stage [c10d: ",
+          std::string(e.what()).substr(0, 300),
+          "]");
+    }
+    const std::string published(value.begin(), value.end());
+    TORCH_CHECK_VALUE(
+        published.rfind("error=", 0) != 0,
+        "gpipe::dist::PipelineStage: rank ",
+        r,
+        " could not build its stage: ",
+        published.substr(6));
+    const auto theirs = split_fields(published);
+    for (const auto k : c10::irange(mine.size())) {
+      const std::string other =
+          k < theirs.size() ? theirs[k].second : std::string("(missing)");
+      TORCH_CHECK_VALUE(
+          mine[k].second == other,
+          "gpipe::dist::PipelineStage: rank ",
+          rank,
+          " has ",
+          mine[k].first,
+          " ",
+          mine[k].second,
+          " but rank ",
+          r,
+          " has ",
+          other,
+          ": every rank must build the same Sequential with the same "
+          "GPipeOptions");
+    }
+  }
+}
+
+Begin begin_pass(
+    detail::Connection& connection,
+    int64_t pass,
+    Begin local,
+    const std::vector<int64_t>& sizes,
+    std::vector<c10::intrusive_ptr<c10d::Work>>& sends) {
+  const auto rank = connection.rank;
+  if (rank == 0) {
+    local.sizes = sizes;
+    for (const auto r : c10::irange(int64_t{1}, connection.size)) {
+      connection.send(
+          r,
+          pass,
+          MessageId{MessageKind::Begin, 0, 0},
+          Message{{local.encode()}, true},
+          sends);
+    }
+    return local;
+  }
+  auto m = connection.recv(0, pass, MessageId{MessageKind::Begin, 0, 0});
+  TORCH_CHECK(m.tensors.size() == 1, "gpipe::dist: malformed begin message");
+  auto theirs = Begin::decode(m.tensors[0]);
+  auto differ = [&](const std::string& what,
+                    const std::string& here,
+                    const std::string& there) {
+    TORCH_CHECK_VALUE(
+        here == there,
+        "gpipe::dist: rank ",
+        rank,
+        " runs ",
+        what,
+        " ",
+        here,
+        " but rank 0 runs ",
+        there,
+        " (",
+        detail::describe_pass(pass),
+        "): every rank must run the same passes in the same order");
+  };
+  differ("pass", kind_name(local.kind), kind_name(theirs.kind));
+  if (local.kind == PassKind::Train) {
+    differ(
+        "schedule",
+        schedule_name(local.schedule),
+        schedule_name(theirs.schedule));
+  }
+  differ(
+      "in mode",
+      local.training ? "train()" : "eval()",
+      theirs.training ? "train()" : "eval()");
+  differ(
+      "with checkpointed micro-batches below",
+      std::to_string(local.checkpoint_stop),
+      std::to_string(theirs.checkpoint_stop));
+  TORCH_CHECK(
+      !theirs.sizes.empty(),
+      "gpipe::dist: rank 0 started a pass without micro-batches");
+  return theirs;
+}
+
+}  // namespace gpipe::dist::detail

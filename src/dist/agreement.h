@@ -1,0 +1,102 @@
+#pragma once
+
+// What the ranks of a pipeline must agree on, and how they check it: the
+// model and options when they build their stages (through the store), and
+// each pass's kind, schedule, mode, micro-batch sizes and seed (rank 0's
+// begin message). A difference is an error naming both sides.
+
+#include <gpipe/options.h>
+#include <gpipe/schedule.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dist/connection.h"
+
+namespace gpipe::dist::detail {
+
+enum class PassKind : int64_t { Forward = 0, Train = 1 };
+
+/// What rank 0 tells the others when it starts a pass.
+struct Begin {
+  PassKind kind = PassKind::Forward;
+  int64_t schedule = 0;
+  int64_t checkpoint_stop = 0;
+  bool training = false;
+  uint64_t seed = 0;
+  std::vector<int64_t> sizes;  // rows of each micro-batch
+
+  torch::Tensor encode() const {
+    std::vector<int64_t> words{
+        static_cast<int64_t>(kind),
+        schedule,
+        checkpoint_stop,
+        training ? 1 : 0,
+        0};
+    std::memcpy(&words[4], &seed, sizeof(seed));
+    words.insert(words.end(), sizes.begin(), sizes.end());
+    return torch::tensor(words, torch::kLong);
+  }
+  static Begin decode(const torch::Tensor& t) {
+    TORCH_CHECK(
+        t.defined() && t.scalar_type() == torch::kLong && t.dim() == 1 &&
+            t.numel() >= 6,
+        "gpipe::dist: a malformed begin message came from rank 0");
+    auto w = t.contiguous();
+    const auto* p = w.data_ptr<int64_t>();
+    Begin b;
+    b.kind = static_cast<PassKind>(p[0]);
+    b.schedule = p[1];
+    b.checkpoint_stop = p[2];
+    b.training = p[3] != 0;
+    std::memcpy(&b.seed, &p[4], sizeof(b.seed));
+    b.sizes.assign(p + 5, p + w.numel());
+    return b;
+  }
+};
+
+inline const char* kind_name(PassKind kind) {
+  return kind == PassKind::Train ? "train_step" : "forward";
+}
+
+inline std::string schedule_name(int64_t s) {
+  return s == static_cast<int64_t>(gpipe::Schedule::OneFOneB) ? "OneFOneB"
+                                                       : "FillDrain";
+}
+
+/// What every rank must agree on at construction, field by field.
+std::vector<std::pair<std::string, std::string>> fingerprint(
+    const torch::nn::Sequential& module,
+    const GPipeOptions& options,
+    int64_t world_size);
+
+/// Publishes this rank's fields under `prefix` in the store and compares
+/// them with every other rank's; throws naming the first difference, or the
+/// other rank's own error.
+void agree_on_build(
+    Connection& connection,
+    const std::string& prefix,
+    const std::vector<std::pair<std::string, std::string>>& mine);
+
+/// Publishes why this rank could not build its stage, so that the others
+/// fail at once with it.
+void publish_build_error(
+    Connection& connection, const std::string& prefix, const std::string& why);
+
+/// Rank 0 starts a pass; the others learn what it is and check it against
+/// what they were asked to run (`local`), failing with both sides named.
+/// Rank 0's sends go into `sends`, to be waited for at the end of the pass
+/// (a send completes only when its receiver takes it).
+Begin begin_pass(
+    Connection& connection,
+    int64_t pass,
+    Begin local,
+    const std::vector<int64_t>& sizes,
+    std::vector<c10::intrusive_ptr<c10d::Work>>& sends);
+
+}  // namespace gpipe::dist::detail

@@ -1,0 +1,40 @@
+#pragma once
+
+// What a PipelineStage holds beside its module: its connection, the engine's
+// pipeline with only its own stage local, where every stage lives, and its
+// pass count. Shared by pipeline_stage.cpp and gather_trace.cpp.
+
+#include <gpipe/dist.h>
+#include <gpipe/trace.h>
+
+#include <memory>
+#include <mutex>
+
+#include "dist/c10d_transport.h"
+#include "dist/connection.h"
+#include "engine/pipeline.h"
+
+namespace gpipe::dist {
+
+struct PipelineStageImpl::Engine {
+  std::shared_ptr<detail::Connection> connection;
+  std::shared_ptr<gpipe::detail::Pipeline> pipeline;
+  detail::Placement placement;
+  int64_t stage_id = 0;
+  int64_t passes = 0;   // passes started, the same count on every rank
+  int64_t current = 0;  // the pass whose transport is being made
+  mutable std::mutex trace_mutex;
+  std::shared_ptr<Trace> trace;  // guarded by trace_mutex
+
+  // A pass number that also names the stage (see describe_pass).
+  int64_t next_pass() {
+    return (stage_id << detail::kPassBits) | ++passes;
+  }
+
+  std::shared_ptr<Trace> current_trace() const {
+    std::lock_guard<std::mutex> lock(trace_mutex);
+    return trace;
+  }
+};
+
+}  // namespace gpipe::dist
