@@ -66,7 +66,7 @@ inline const char* kind_name(PassKind kind) {
 
 inline std::string schedule_name(int64_t s) {
   return s == static_cast<int64_t>(gpipe::Schedule::OneFOneB) ? "OneFOneB"
-                                                       : "FillDrain";
+                                                              : "FillDrain";
 }
 
 /// What every rank must agree on at construction, field by field.
