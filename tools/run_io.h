@@ -1,0 +1,60 @@
+#pragma once
+
+// gpipe-run's plumbing: the ranks' output printed as whole lines with their
+// prefix, gpipe-run's own messages, pipes and descriptors, a free port, and
+// how a rank ended. Plain POSIX; one thread uses all of it.
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <string>
+
+namespace gpipe_run {
+
+// Bytes read from a pipe at a time.
+constexpr size_t kReadSize = 64 * 1024;
+// A line longer than this is printed in pieces of this size, each with the
+// prefix, rather than held in memory until its newline comes.
+constexpr size_t kMaxLine = 1 << 20;
+
+// One of a rank's two output streams.
+struct Stream {
+  // The read end of the pipe; -1 once it is closed.
+  int fd = -1;
+  // Where its lines go: STDOUT_FILENO or STDERR_FILENO.
+  int out_fd = -1;
+  // What was read after the last newline.
+  std::string partial;
+};
+
+struct Rank {
+  int64_t rank = 0;
+  // Also its process group: each rank leads one of its own, so that SIGTERM
+  // reaches whatever it started too.
+  pid_t pid = -1;
+  bool running = false;
+  Stream streams[2];
+  // "[rank] ", before each of its lines.
+  std::string prefix;
+};
+
+std::string errno_text(int error);
+/// Throws std::runtime_error with `what` and errno's text.
+[[noreturn]] void fail_system(const std::string& what);
+std::string signal_name(int signo);
+void write_all(int fd, const char* data, size_t size);
+void report(const std::string& message);
+void open_standard_fds();
+bool make_pipe(int fds[2]);
+void set_non_blocking(int fd);
+int find_free_port();
+void print_lines(
+    const Rank& rank,
+    Stream& stream,
+    const char* data,
+    size_t size,
+    bool flush);
+void read_stream(const Rank& rank, Stream& stream, int reads);
+std::string describe_status(int status);
+
+}  // namespace gpipe_run
