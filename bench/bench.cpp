@@ -433,136 +433,15 @@ int main(int argc, char** argv) {
   }
 
   // Schedules: FillDrain against OneFOneB through train_step, checkpoint
-  // never, 2 and 4 lanes (one thread each; 4 lanes share the 2 cores).
+  // never, 2 and 4 lanes.
   if (want("schedules")) {
-    at::set_num_threads(1);
-    auto wide = mlp(16, 256);
-    auto xw = torch::randn({4096, 256});
-    auto target = torch::zeros({4096, 256});
-    auto loss_fn = [](torch::Tensor y, torch::Tensor t) {
-      return torch::mse_loss(y, t);
-    };
-    json schedules = json::array();
-    std::printf(
-        "\n# schedules: 16 x (Linear(256,256)+ReLU), batch 4096, train_step, "
-        "checkpoint never\n");
-    std::printf(
-        "%2s %6s %12s %12s %12s %12s %10s %10s\n",
-        "n",
-        "chunks",
-        "fd_step_ms",
-        "1f1b_step_ms",
-        "fd_peak_MiB",
-        "1f1b_peak_MiB",
-        "time_ratio",
-        "mem_ratio");
-    for (int64_t n : {2, 4}) {
-      for (int64_t chunks : {4, 8, 16, 32}) {
-        std::vector<int64_t> balance(n, 32 / n);
-        gpipe::GPipe model(
-            wide,
-            gpipe::GPipeOptions(balance)
-                .chunks(chunks)
-                .checkpoint(Checkpoint::Never)
-                .threads_per_lane(1));
-        auto step_of = [&](gpipe::Schedule schedule) {
-          return std::function<void()>(
-              [&model, &xw, &target, loss_fn, schedule] {
-                model->zero_grad();
-                model->train_step(xw, target, loss_fn, schedule);
-              });
-        };
-        auto fd = step_of(gpipe::Schedule::FillDrain);
-        auto ofob = step_of(gpipe::Schedule::OneFOneB);
-        const auto [t_fd, t_1f1b] =
-            gpipe::bench::time_paired(fd, ofob, 1, iters);
-        const double m_fd = peak_mib(fd);
-        const double m_1f1b = peak_mib(ofob);
-        std::printf(
-            "%2lld %6lld %12.1f %12.1f %12.1f %12.1f %10.3f %10.3f\n",
-            (long long)n,
-            (long long)chunks,
-            t_fd * 1e3,
-            t_1f1b * 1e3,
-            m_fd,
-            m_1f1b,
-            t_1f1b / t_fd,
-            m_1f1b / m_fd);
-        schedules.push_back(
-            {{"partitions", n},
-             {"chunks", chunks},
-             {"fill_drain_step_seconds", t_fd},
-             {"one_f_one_b_step_seconds", t_1f1b},
-             {"fill_drain_peak_mib", m_fd},
-             {"one_f_one_b_peak_mib", m_1f1b},
-             {"time_ratio", t_1f1b / t_fd},
-             {"memory_ratio", m_1f1b / m_fd}});
-      }
-    }
-    out["schedules"] = schedules;
+    out["schedules"] = gpipe::bench::schedules_section(iters);
   }
 
   // Inference: forward under InferenceMode, samples per second.
   if (want("inference")) {
-    auto net = mlp(blocks, width);
-    auto x = torch::randn({batch, width});
-    json inference = json::array();
-    std::printf(
-        "\n# inference: %lld x (Linear(%lld,%lld)+ReLU), batch %lld, "
-        "InferenceMode\n",
-        (long long)blocks,
-        (long long)width,
-        (long long)width,
-        (long long)batch);
-    std::printf(
-        "%-22s %10s %12s %10s\n", "config", "ms", "samples/s", "vs_plain1");
-    double plain1 = 0;
-    auto report = [&](const std::string& name, double t) {
-      if (plain1 == 0) {
-        plain1 = t;
-      }
-      std::printf(
-          "%-22s %10.1f %12.1f %10.3f\n",
-          name.c_str(),
-          t * 1e3,
-          batch / t,
-          plain1 / t);
-      inference.push_back(
-          {{"config", name},
-           {"seconds", t},
-           {"samples_per_second", batch / t},
-           {"speedup_vs_plain_1t", plain1 / t}});
-    };
-    for (int threads : {1, 2}) {
-      at::set_num_threads(threads);
-      report(
-          "plain-" + std::to_string(threads) + "t",
-          time_median(
-              [&] {
-                c10::InferenceMode guard;
-                net->forward(x);
-              },
-              2,
-              iters));
-    }
-    at::set_num_threads(1);
-    for (int64_t chunks : {1, 4, 8}) {
-      gpipe::GPipe model(
-          net,
-          gpipe::GPipeOptions({blocks, blocks})
-              .chunks(chunks)
-              .threads_per_lane(1));
-      report(
-          "gpipe-2p-chunks" + std::to_string(chunks),
-          time_median(
-              [&] {
-                c10::InferenceMode guard;
-                model->forward(x);
-              },
-              2,
-              iters));
-    }
-    out["inference"] = inference;
+    out["inference"] =
+        gpipe::bench::inference_section(blocks, width, batch, iters);
   }
 
   // Tracing: a training step with a trace on and off, timed in

@@ -18,6 +18,17 @@ namespace gpipe::bench {
 /// returns the numbers.
 nlohmann::json random_section();
 
+/// FillDrain against OneFOneB through train_step on 16 x Linear(256), batch
+/// 4096, checkpoint never, 2 and 4 lanes: step time (in alternation) and
+/// peak memory. Prints a table and returns its rows.
+nlohmann::json schedules_section(int iters);
+
+/// Forward under InferenceMode of `blocks` x Linear(`width`), batch
+/// `batch`: the plain model on 1 and 2 threads, GPipe on 2 partitions at
+/// chunks 1, 4 and 8. Prints a table and returns its rows.
+nlohmann::json inference_section(
+    int64_t blocks, int64_t width, int64_t batch, int iters);
+
 /// Training steps with a gpipe::Trace recording against none, on the speed
 /// model (`blocks` x Linear(`width`), batch `batch`, `iters` rounds) and on
 /// a tiny-layer model, and one recorded event alone. Returns "trace" (per
