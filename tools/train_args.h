@@ -91,6 +91,8 @@ int64_t world_size_from_env();
 void add_options(CLI::App& app, Args& args);
 /// Checks every flag (throws UsageError) and fills `args.balance`.
 void verify_args(const CLI::App& app, Args& args);
+/// Every --model entry.
+const std::vector<ModelSpec>& model_specs();
 /// The --model entry called `name` (verify_args checked it exists).
 const ModelSpec& model_spec(const std::string& name);
 /// A new model for `spec`.
