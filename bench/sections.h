@@ -18,9 +18,11 @@ namespace gpipe::bench {
 /// returns the numbers.
 nlohmann::json random_section();
 
-/// FillDrain against OneFOneB through train_step on 16 x Linear(256), batch
-/// 4096, checkpoint never, 2 and 4 lanes: step time (in alternation) and
-/// peak memory. Prints a table and returns its rows.
+/// The four schedules through train_step, 4 lanes, 8 micro-batches: on
+/// fixed-cost layers against their simulations ("fixed_cost": step time,
+/// simulated time, bubble, bubble over 1F1B's, micro-batches held), and on
+/// 16 x Linear(1024) ("real": step time and peak memory). Prints two
+/// tables and returns their rows.
 nlohmann::json schedules_section(int iters);
 
 /// Forward under InferenceMode of `blocks` x Linear(`width`), batch

@@ -92,20 +92,31 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     module = convert_deferred_batch_norm(module, options.chunks());
   }
   const auto n = static_cast<int64_t>(options.balance().size());
-  auto devices = options.devices().empty() ? detail::default_devices(n)
+  const auto v = options.stages_per_lane();
+  TORCH_CHECK_VALUE(
+      v >= 1 && n % v == 0,
+      "stages_per_lane must be positive and divide the number of partitions "
+      "(balance has ",
+      n,
+      "), but got ",
+      v);
+  const auto lanes = n / v;
+  auto devices = options.devices().empty() ? detail::default_devices(lanes)
                                            : options.devices();
-  verify_devices(devices, n);
+  verify_devices(devices, lanes);
   TORCH_CHECK_VALUE(
       options.threads_per_lane() >= 0,
       "threads_per_lane must be 0 (automatic) or positive, but got ",
       options.threads_per_lane());
-  devices.erase(devices.begin() + n, devices.end());
+  devices.erase(devices.begin() + lanes, devices.end());
   for (auto& d : devices) {
     d = detail::normalize_device(d);
   }
-  devices_ = devices;
   threads_per_lane_ =
-      detail::threads_per_lane(options.threads_per_lane(), devices_);
+      detail::threads_per_lane(options.threads_per_lane(), devices);
+  for (const auto j : c10::irange(n)) {
+    devices_.push_back(devices[j % std::max<int64_t>(lanes, 1)]);
+  }
 
   // Split the layers; each keeps its name in the Sequential.
   partitions_ = register_module("partitions", torch::nn::ModuleList());
@@ -124,8 +135,8 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     parts.push_back(part);
   }
   if (n > 0) {
-    pipeline_ =
-        std::make_shared<Engine>(std::move(parts), devices_, threads_per_lane_);
+    pipeline_ = std::make_shared<Engine>(
+        std::move(parts), devices_, threads_per_lane_, std::vector<bool>{}, v);
   }
 }
 
@@ -186,6 +197,25 @@ torch::Tensor GPipeImpl::train_step(
     torch::Tensor target,
     const LossFunction& loss_fn,
     Schedule schedule) {
+  return run_train_step(
+      std::move(input), std::move(target), loss_fn, &schedule, nullptr);
+}
+
+torch::Tensor GPipeImpl::train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    const Plan& plan) {
+  return run_train_step(
+      std::move(input), std::move(target), loss_fn, nullptr, &plan);
+}
+
+torch::Tensor GPipeImpl::run_train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    const Schedule* schedule,
+    const Plan* plan) {
   verify_batch({input});
   TORCH_CHECK_VALUE(
       static_cast<bool>(loss_fn), "train_step expects a loss_fn, but got none");
@@ -208,13 +238,24 @@ torch::Tensor GPipeImpl::train_step(
     packets.push_back(detail::Packet{std::move(micro[i]), /*atomic=*/true});
     target_pieces.push_back(targets[i][0]);
   }
+  const auto m = static_cast<int64_t>(packets.size());
+  Plan made;
+  if (plan == nullptr) {
+    made = make_plan(*schedule, m, lanes(), options.stages_per_lane());
+    plan = &made;
+  }
   return pipeline_->train(
       std::move(packets),
       std::move(target_pieces),
       {input},
       loss_fn,
-      schedule,
+      *plan,
       pass_options(is_training(), options));
+}
+
+int64_t GPipeImpl::lanes() const {
+  return static_cast<int64_t>(options.balance().size()) /
+      options.stages_per_lane();
 }
 
 void GPipeImpl::to(
@@ -244,7 +285,11 @@ void GPipeImpl::to(torch::Device device, bool non_blocking) {
 void GPipeImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::GPipe(balance=" << c10::IntArrayRef(options.balance())
          << ", chunks=" << options.chunks()
-         << ", checkpoint=" << to_string(options.checkpoint()) << ")";
+         << ", checkpoint=" << to_string(options.checkpoint());
+  if (options.stages_per_lane() > 1) {
+    stream << ", stages_per_lane=" << options.stages_per_lane();
+  }
+  stream << ")";
 }
 
 int64_t GPipeImpl::size() const {

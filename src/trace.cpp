@@ -24,6 +24,8 @@ const char* colour_of(TraceKind kind) {
       return "#e15759";
     case TraceKind::Send:
       return "#b07aa1";
+    case TraceKind::Weight:
+      return "#8cd17d";
   }
   return "#000000";
 }
@@ -58,6 +60,8 @@ std::string to_string(TraceKind kind) {
       return "receive";
     case TraceKind::Send:
       return "send";
+    case TraceKind::Weight:
+      return "weight";
   }
   return "unknown";
 }
@@ -109,8 +113,19 @@ void Trace::clear() {
   origin_ = std::chrono::steady_clock::now();
 }
 
+void Trace::set_row_label(std::string label) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  row_label_ = std::move(label);
+}
+
+std::string Trace::row_label() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return row_label_;
+}
+
 std::string Trace::chrome_json() const {
   const auto events = this->events();
+  const auto label = row_label();
   int64_t lanes = 0;
   for (const auto& e : events) {
     lanes = std::max(lanes, e.lane + 1);
@@ -125,7 +140,7 @@ std::string Trace::chrome_json() const {
   for (int64_t lane = 0; lane < lanes; ++lane) {
     comma();
     out << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << lane
-        << ",\"args\":{\"name\":\"lane " << lane << "\"}}";
+        << ",\"args\":{\"name\":\"" << label << " " << lane << "\"}}";
   }
   for (const auto& e : events) {
     comma();
@@ -142,6 +157,7 @@ std::string Trace::chrome_json() const {
 
 std::string Trace::svg() const {
   const auto events = this->events();
+  const auto label = row_label();
   int64_t lanes = 0;
   double begin = events.empty() ? 0 : events.front().start_us;
   double end = begin;
@@ -160,12 +176,12 @@ std::string Trace::svg() const {
       << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
   out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   out << "<text x=\"" << left << "\" y=\"18\" font-size=\"13\">gpipe "
-      << "timeline: " << events.size() << " intervals on " << lanes
-      << " lanes, " << fixed(span / 1000.0, 2) << " ms</text>\n";
+      << "timeline: " << events.size() << " intervals on " << lanes << " "
+      << label << "s, " << fixed(span / 1000.0, 2) << " ms</text>\n";
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const double y = top + row * static_cast<double>(lane);
-    out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">lane "
-        << lane << "</text>\n";
+    out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">"
+        << label << " " << lane << "</text>\n";
     out << "<rect x=\"" << left << "\" y=\"" << fixed(y + 2, 1) << "\" width=\""
         << width << "\" height=\"" << row - 4
         << "\" fill=\"none\" stroke=\"#dddddd\"/>\n";
@@ -202,7 +218,8 @@ std::string Trace::svg() const {
         TraceKind::Recompute,
         TraceKind::Copy,
         TraceKind::Receive,
-        TraceKind::Send}) {
+        TraceKind::Send,
+        TraceKind::Weight}) {
     out << "<rect x=\"" << fixed(lx, 1) << "\" y=\"" << fixed(axis + 10, 1)
         << "\" width=\"12\" height=\"12\" fill=\"" << colour_of(kind)
         << "\"/><text x=\"" << fixed(lx + 16, 1) << "\" y=\""

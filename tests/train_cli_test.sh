@@ -130,6 +130,20 @@ if [[ $mode == bad ]]; then
   bad --timeline "${d[@]}" --timeline "$tmp/no-such-folder/t.svg"
   bad --timeline "${d[@]}" --trace "$tmp/t.out" --timeline "$tmp/t.out"
 
+  # Schedules and plans.
+  bad --stages-per-lane "${d[@]}" --schedule interleaved --stages-per-lane 3
+  bad --stages-per-lane "${d[@]}" --schedule 1f1b --stages-per-lane 0
+  bad --stages-per-lane "${d[@]}" --stages-per-lane 2
+  bad --plan "${d[@]}" --plan "$tmp/no-such-plan.csv"
+  printf '0F0,0B0\n1F0,1B0\n' >"$tmp/plan.csv"
+  bad --plan "${d[@]}" --plan "$tmp/plan.csv" --schedule 1f1b
+  printf '0F0,0X0\n' >"$tmp/bad.csv"
+  bad --plan "${d[@]}" --plan "$tmp/bad.csv"
+  printf '0F0,0B0\n1B0,1F0\n' >"$tmp/deadlock.csv"
+  bad --plan "${d[@]}" --plan "$tmp/deadlock.csv"
+  printf '0F0,1F0,1B0,0B0\n' >"$tmp/one-lane.csv"
+  bad --plan "${d[@]}" --plan "$tmp/one-lane.csv"
+
   # Under a launcher (WORLD_SIZE set): one partition per rank, no autograd
   # schedule, a well-formed WORLD_SIZE; all refused before joining the job.
   export WORLD_SIZE=2
@@ -165,6 +179,27 @@ elif [[ $mode == run ]]; then
     fail "a valid run wrote no trace: $(cat "$tmp/out")"
   else
     echo "ok: valid run: $(tail -n 1 "$tmp/out")"
+  fi
+  # The new schedules, and a plan written by hand (4 micro-batches on 2
+  # lanes, zero-bubble style), run.
+  for schedule in interleaved zero_bubble; do
+    run --data-dir "$data" --epochs 1 --limit 256 --json --partitions 4 \
+      --schedule "$schedule"
+    if [[ $status -ne 0 ]] || ! grep -q '"steps":4' "$tmp/out"; then
+      fail "--schedule $schedule exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
+    else
+      echo "ok: --schedule $schedule: $(grep -o '"stages_per_lane":[0-9]*' "$tmp/out")"
+    fi
+  done
+  {
+    echo "0F0,0F1,0B0,0W0,0F2,0B1,0W1,0F3,0B2,0W2,0B3,0W3"
+    echo "1F0,1B0,1F1,1B1,1W0,1F2,1B2,1W1,1F3,1B3,1W2,1W3"
+  } >"$tmp/zb.csv"
+  run --data-dir "$data" --epochs 1 --limit 256 --json --plan "$tmp/zb.csv"
+  if [[ $status -ne 0 ]] || ! grep -q '"schedule":"plan"' "$tmp/out"; then
+    fail "--plan exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
+  else
+    echo "ok: --plan: $(tail -n 1 "$tmp/out")"
   fi
   # Too few steps to trace is known only once the data is read: still 2.
   bad --trace-steps --data-dir "$data" --epochs 1 --limit 256 \

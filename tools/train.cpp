@@ -34,6 +34,7 @@
 
 namespace {
 
+
 using namespace gpipe_train;
 
 std::vector<uint8_t> read_gzip(const std::string& path) {
@@ -158,7 +159,9 @@ int train(const Args& args) {
       gpipe::GPipeOptions(args.balance)
           .chunks(args.chunks)
           .checkpoint(gpipe::checkpoint_from_string(args.checkpoint))
-          .threads_per_lane(args.threads_per_lane);
+          .threads_per_lane(args.threads_per_lane)
+          .stages_per_lane(args.stages_per_lane);
+  const auto& plan = args.plan;
   gpipe::GPipe model{nullptr};
   gpipe::dist::PipelineStage stage{nullptr};
   torch::nn::Module* module = nullptr;
@@ -199,6 +202,7 @@ int train(const Args& args) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   int64_t step = 0;
+  int64_t skipped_batches = 0;
   double last_loss = 0;
   double train_seconds = 0;
   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
@@ -222,6 +226,15 @@ int train(const Args& args) {
             last ? y : torch::Tensor(),
             loss_fn,
             gpipe::schedule_from_string(args.schedule));
+      } else if (args.schedule == "plan") {
+        if (gpipe::scatter({x}, args.chunks).size() !=
+            static_cast<size_t>(plan.micro_batches)) {
+          // A short last batch cuts into fewer micro-batches than the plan
+          // has; it is left out rather than run by another plan.
+          ++skipped_batches;
+          continue;
+        }
+        loss = model->train_step(x, y, loss_fn, plan);
       } else if (args.schedule == "autograd") {
         loss = loss_fn(model->forward(x), y);
         loss.backward();
@@ -305,6 +318,13 @@ int train(const Args& args) {
         static_cast<long long>(epoch + 1),
         accuracy,
         total);
+    if (skipped_batches > 0) {
+      std::printf(
+          "left out %lld short batches: they cut into fewer micro-batches "
+          "than --plan has\n",
+          static_cast<long long>(skipped_batches));
+      skipped_batches = 0;
+    }
     if (epoch + 1 == epochs) {
       std::printf("total time %.1f s\n", total);
       if (args.json) {
@@ -314,6 +334,7 @@ int train(const Args& args) {
             {"chunks", args.chunks},
             {"checkpoint", args.checkpoint},
             {"schedule", args.schedule},
+            {"stages_per_lane", args.stages_per_lane},
             {"threads_per_lane",
              world ? int64_t{0} : model->threads_per_lane()},
             {"ranks", ranks},

@@ -20,7 +20,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -237,9 +239,23 @@ void add_options(CLI::App& app, Args& args) {
   app.add_option(
          "--schedule",
          args.schedule,
-         "autograd: forward, then loss.backward(); fill_drain | 1f1b: "
-         "train_step with the loss inside the pipeline")
-      ->check(CLI::IsMember({"autograd", "fill_drain", "1f1b"}));
+         "autograd: forward, then loss.backward(); fill_drain | 1f1b | "
+         "interleaved | zero_bubble: train_step with the loss inside the "
+         "pipeline")
+      ->check(CLI::IsMember(
+          {"autograd", "fill_drain", "1f1b", "interleaved", "zero_bubble"}));
+  app.add_option(
+         "--stages-per-lane",
+         args.stages_per_lane,
+         "Partitions per lane, partition j on lane j % lanes (default 1; "
+         "with --schedule interleaved, 2 when the partitions are an even "
+         "number of at least 4)")
+      ->check(int64);
+  app.add_option(
+      "--plan",
+      args.plan_path,
+      "Run each step by this plan (CSV: one row per lane, actions such as "
+      "0F3,1B3,1W3) instead of a schedule");
   app.add_option(
       "--trace",
       args.trace_path,
@@ -314,7 +330,7 @@ void verify_args(const CLI::App& app, Args& args) {
     usage_check(
         args.schedule != "autograd",
         "--schedule autograd runs in one process; across ranks use "
-        "fill_drain or 1f1b");
+        "fill_drain, 1f1b or zero_bubble");
   }
   usage_check(
       args.partitions >= 1 && args.partitions <= spec.layers,
@@ -402,6 +418,66 @@ void verify_args(const CLI::App& app, Args& args) {
         "--trace and --timeline both name '",
         args.trace_path,
         "'; give them different files");
+  }
+
+  const bool per_lane = app.count("--stages-per-lane") > 0;
+  if (!per_lane && args.schedule == "interleaved" && args.world_size == 1 &&
+      args.partitions >= 4 && args.partitions % 2 == 0) {
+    args.stages_per_lane = 2;
+  }
+  usage_check(
+      args.stages_per_lane >= 1 &&
+          args.partitions % args.stages_per_lane == 0,
+      "--stages-per-lane must be positive and divide the ",
+      args.partitions,
+      " partitions, but got ",
+      args.stages_per_lane);
+  usage_check(
+      args.world_size == 1 || args.stages_per_lane == 1,
+      "--stages-per-lane ",
+      args.stages_per_lane,
+      " runs in one process; across ranks each rank runs one partition");
+  usage_check(
+      !per_lane || args.schedule != "autograd",
+      "--stages-per-lane needs a train_step schedule (fill_drain, 1f1b, "
+      "interleaved or zero_bubble), but --schedule is autograd");
+  if (app.count("--plan") > 0) {
+    usage_check(
+        app.count("--schedule") == 0,
+        "--plan and --schedule both say how to run a step; give one");
+    usage_check(
+        args.world_size == 1,
+        "--plan runs in one process; across ranks use --schedule");
+    std::error_code error;
+    usage_check(
+        fs::is_regular_file(args.plan_path, error),
+        "--plan '",
+        args.plan_path,
+        "' is not a readable file");
+    std::ifstream in(args.plan_path);
+    std::stringstream text;
+    text << in.rdbuf();
+    const auto lanes = args.partitions / args.stages_per_lane;
+    try {
+      args.plan = gpipe::Plan::from_csv(text.str());
+      args.plan.validate();
+      TORCH_CHECK_VALUE(
+          static_cast<int64_t>(args.plan.lanes.size()) == lanes &&
+              args.plan.stages == args.partitions,
+          "it has ",
+          args.plan.stages,
+          " stages on ",
+          args.plan.lanes.size(),
+          " rows (lanes), but the pipeline has ",
+          args.partitions,
+          " partitions on ",
+          lanes,
+          " lanes");
+    } catch (const c10::Error& e) {
+      usage_check(
+          false, "--plan '", args.plan_path, "': ", e.what_without_backtrace());
+    }
+    args.schedule = "plan";
   }
 
   // Last, so that an uninstalled data set does not hide other mistakes.

@@ -4,6 +4,7 @@
 // line on stderr and exit status 2), and the models it can train.
 
 #include <c10/util/StringUtil.h>
+#include <gpipe/plan.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <CLI/CLI.hpp>
@@ -73,6 +74,13 @@ struct Args {
   uint64_t seed = 0;
   bool json = false;
   std::string schedule = "autograd";
+  // Partitions per lane (stage j on lane j % lanes): --stages-per-lane, or
+  // for --schedule interleaved 2 when the partitions allow it.
+  int64_t stages_per_lane = 1;
+  // --plan: a CSV plan run as written instead of a schedule, read and
+  // checked by verify_args.
+  std::string plan_path;
+  gpipe::Plan plan;
   std::string trace_path;
   std::string timeline_path;
   int64_t trace_steps = 3;

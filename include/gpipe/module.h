@@ -1,6 +1,7 @@
 #pragma once
 
 #include <gpipe/options.h>
+#include <gpipe/plan.h>
 #include <gpipe/schedule.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -65,6 +66,19 @@ class GPipeImpl : public torch::nn::Module {
       const LossFunction& loss_fn,
       Schedule schedule = Schedule::FillDrain);
 
+  /// The same with a plan of one's own (`gpipe::make_plan`, or written by
+  /// hand, or `Plan::from_csv`): each lane runs its row exactly as
+  /// written. The plan must have `partitions().size()` stages on `lanes()`
+  /// lanes (stage j on lane j % lanes()), one micro-batch per piece the
+  /// batch is cut into, a forward for every cell and a whole or split
+  /// backward for every cell, and must run (`Plan::validate`); otherwise
+  /// `c10::ValueError` says what differs.
+  torch::Tensor train_step(
+      torch::Tensor input,
+      torch::Tensor target,
+      const LossFunction& loss_fn,
+      const Plan& plan);
+
   /// Refused: GPipe owns device placement.
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
       override;
@@ -90,6 +104,8 @@ class GPipeImpl : public torch::nn::Module {
   const std::vector<torch::Device>& devices() const {
     return devices_;
   }
+  /// Number of lanes: partitions / stages_per_lane.
+  int64_t lanes() const;
   /// Number of micro-batches per mini-batch.
   int64_t chunks() const {
     return options.chunks();
@@ -115,6 +131,13 @@ class GPipeImpl : public torch::nn::Module {
   GPipeOptions options;
 
  private:
+  torch::Tensor run_train_step(
+      torch::Tensor input,
+      torch::Tensor target,
+      const LossFunction& loss_fn,
+      const Schedule* schedule,
+      const Plan* plan);
+
   torch::nn::ModuleList partitions_;
   std::vector<torch::Device> devices_;
   int64_t threads_per_lane_ = 1;

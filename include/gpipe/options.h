@@ -46,10 +46,15 @@ struct GPipeOptions {
   /// layers of the Sequential.
   TORCH_ARG(std::vector<int64_t>, balance);
 
-  /// Device of each partition; may repeat a device. Extra devices are ignored.
-  /// Default: every CUDA device if there is one, else one CPU lane per
-  /// partition.
+  /// Device of each lane (of each partition when stages_per_lane is 1);
+  /// may repeat a device. Extra devices are ignored. Default: every CUDA
+  /// device if there is one, else one CPU lane per partition.
   TORCH_ARG(std::vector<torch::Device>, devices) = {};
+
+  /// Partitions per lane: with `balance.size() == n * v`, partition j runs
+  /// on lane j % n (and its device), so each lane holds v partitions that
+  /// are not adjacent, as `Schedule::Interleaved1F1B` needs. Default: 1.
+  TORCH_ARG(int64_t, stages_per_lane) = 1;
 
   /// Number of micro-batches each mini-batch is cut into. Default: 1.
   TORCH_ARG(int64_t, chunks) = 1;

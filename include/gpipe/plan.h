@@ -9,18 +9,27 @@
 #include <gpipe/schedule.h>
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
+#include <string>
 #include <vector>
 
 namespace gpipe {
 
-/// The ordered cells of every lane.
+/// The ordered cells (actions) of every lane.
 ///
 /// A stage (partition) belongs to exactly one lane; a lane may hold several
 /// stages (as interleaved schedules put several on one device). Each lane
 /// runs its cells one after the other; a cell waits for its inputs: the
 /// forward of micro-batch i on stage j for the forward of (i, j-1), the
-/// backward of (i, j) for the backward of (i, j+1) and for its own forward.
+/// backward (or its input part) of (i, j) for the backward (or input part)
+/// of (i, j+1) and for its own forward, the weight part for the input part.
+/// The loss runs inside the last stage's forward; messages between lanes
+/// (or ranks) are sent as soon as a cell is done and received when the cell
+/// that needs them starts, so they are not actions of their own.
+///
+/// A training step's plan gives every cell a forward and either a whole
+/// backward or both parts of a split one; cells of both kinds may mix.
 struct Plan {
   int64_t micro_batches = 0;
   int64_t stages = 0;
@@ -29,9 +38,23 @@ struct Plan {
 
   /// Throws `c10::ValueError` naming the first problem: a cell outside
   /// (micro_batches, stages), a cell listed twice, a stage on two lanes,
-  /// forwards or backwards present for some cells but not all, or a cell
+  /// forwards or backwards present for some cells but not all, a cell with
+  /// a whole backward and a split one, half a split backward, or a cell
   /// whose inputs can never be ready (the lanes would deadlock).
   void validate() const;
+
+  /// One row per lane, one action per column, in torch.distributed
+  /// .pipelining's spelling: `<stage><kind><micro-batch>`, kind F
+  /// (forward), B (backward; the input part when the same cell has a W),
+  /// W (weight part), e.g. `0F3,1B3,1W3`. Lanes with no actions are empty
+  /// rows.
+  std::string to_csv() const;
+  /// Reads `to_csv()`'s format (also `I` for an input part, as newer
+  /// PyTorch writes it; empty columns are skipped). micro_batches and
+  /// stages are the largest indices plus one. Throws `c10::ValueError`
+  /// naming the row, column and text of a malformed action; the plan is
+  /// not validated (call `validate()`).
+  static Plan from_csv(const std::string& text);
 
   /// The lane that runs `stage`'s cells, or -1 when none does.
   int64_t lane_of(int64_t stage) const;
@@ -41,6 +64,61 @@ struct Plan {
   /// the bubbles are. Throws like `validate()` when the plan deadlocks.
   Steps steps() const;
 };
+
+/// The training step of `schedule` on `lanes` lanes holding
+/// `stages_per_lane` stages each (stage j on lane j % lanes), for
+/// `micro_batches` micro-batches. Fill-drain and 1F1B with several stages
+/// per lane run each lane's cells in the order of the one-lane-per-stage
+/// plan's time steps. Throws `c10::ValueError` for sizes below 1 (0
+/// micro-batches gives an empty plan).
+Plan make_plan(
+    Schedule schedule,
+    int64_t micro_batches,
+    int64_t lanes,
+    int64_t stages_per_lane = 1);
+
+/// What each action costs in `simulate`, in any time unit.
+struct ActionCosts {
+  double forward = 1.0;
+  double backward = 2.0;         // a whole backward
+  double backward_input = 1.0;   // the input part of a split backward
+  double backward_weight = 1.0;  // the weight part
+  /// Added to a cell's start when an input comes from another lane.
+  double transfer = 0.0;
+  /// When set, the cost of each action (e.g. by stage); the fields above
+  /// are then unused but `transfer`.
+  std::function<double(const Cell&)> cost;
+};
+
+/// One action as simulated.
+struct SimulatedAction {
+  Cell cell;
+  double start = 0;
+  double end = 0;
+};
+
+/// A plan run with fixed action costs: each lane runs its cells in order,
+/// each starting as soon as its lane is free and its inputs are done.
+struct Simulation {
+  /// From the first start to the last end.
+  double makespan = 0;
+  /// Per lane: the time it computes.
+  std::vector<double> busy;
+  /// Mean idle time per lane (makespan - busy): the bubble.
+  double bubble = 0;
+  /// bubble / makespan.
+  double bubble_fraction = 0;
+  /// Per stage: the most micro-batches between their forward and the end
+  /// of their backward (their weight part when split): activation memory.
+  std::vector<int64_t> peak_live;
+  /// Per lane: the most micro-batches its stages hold together.
+  std::vector<int64_t> lane_peak_live;
+  /// Per lane: its actions with their times.
+  std::vector<std::vector<SimulatedAction>> lanes;
+};
+
+/// Simulates `plan` (validated first: throws like `validate()`).
+Simulation simulate(const Plan& plan, const ActionCosts& costs = {});
 
 /// One lane per stage, forwards only, in GPipe's clock-cycle order.
 Plan forward_plan(int64_t micro_batches, int64_t stages);
@@ -57,7 +135,8 @@ Plan training_plan(Schedule schedule, int64_t micro_batches, int64_t stages);
 /// lane 0 | F0 F1 .  .  B1 B0
 /// lane 1 | .  F0 F1 B1 B0 .
 /// ```
-/// (with the stage after the letter when a lane holds several stages).
+/// (with the stage before the letter when a lane holds several stages; a
+/// split backward prints as B then W).
 std::ostream& operator<<(std::ostream& out, const Plan& plan);
 
 }  // namespace gpipe

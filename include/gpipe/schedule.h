@@ -11,7 +11,19 @@
 namespace gpipe {
 
 /// What a cell does.
-enum class Phase { Forward, Backward };
+enum class Phase {
+  /// The forward of a micro-batch on a stage (with its loss on the last).
+  Forward,
+  /// The whole backward: input and parameter gradients together.
+  Backward,
+  /// The first part of a split backward (zero-bubble schedules' "B"): the
+  /// gradients of the cell's inputs, sent upstream at once. Parameter
+  /// gradients wait for the cell's `BackwardWeight`.
+  BackwardInput,
+  /// The second part (zero-bubble schedules' "W"): the gradients of the
+  /// parameters, accumulated into `.grad`; nothing is sent.
+  BackwardWeight,
+};
 
 /// One unit of pipeline work: micro-batch `micro_batch` through partition
 /// `partition`, in one direction.
@@ -44,7 +56,9 @@ Steps reverse_clock_cycles(int64_t micro_batches, int64_t partitions);
 /// exactly this list, one cell after the other.
 std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition);
 
-/// "F(0,1)" / "B(2,0)": for messages and test output.
+/// "F(0,1)" / "B(2,0)" / "I(2,0)" / "W(2,0)" (micro-batch, stage): for
+/// messages and test output. "I" is the input-gradient part of a split
+/// backward.
 std::string to_string(const Cell& cell);
 
 /// The order of forward and backward cells in a training step.
@@ -57,11 +71,24 @@ enum class Schedule {
   /// one forward and one backward, then drains the backwards. It holds at
   /// most n - j micro-batches in flight; the bubble is the same.
   OneFOneB,
+  /// Megatron-LM's interleaved 1F1B: each lane holds v stages
+  /// (`GPipeOptions::stages_per_lane`), stage j on lane j % n, and runs
+  /// them in groups of n micro-batches; the bubble shrinks to (n-1)/(v m)
+  /// of the ideal step. Best when the micro-batches are a multiple of the
+  /// lanes. With v = 1 it is OneFOneB.
+  Interleaved1F1B,
+  /// ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism" (2023): every
+  /// backward is split into its input part (B, sent upstream at once) and
+  /// its parameter part (W); stage j defers its W by j micro-batches to
+  /// fill the bubble of the drain. The bubble is about a third of 1F1B's
+  /// when F, B and W cost alike; every lane holds at most n micro-batches,
+  /// 1F1B's peak (its first stage's).
+  ZeroBubble,
 };
 
-/// "fill_drain" / "1f1b".
+/// "fill_drain" / "1f1b" / "interleaved" / "zero_bubble".
 std::string to_string(Schedule schedule);
-/// Parses "fill_drain" / "1f1b"; throws std::invalid_argument otherwise.
+/// Parses those names; throws std::invalid_argument otherwise.
 Schedule schedule_from_string(const std::string& name);
 
 /// The cells partition `partition` runs in a training step under
@@ -80,8 +107,8 @@ std::vector<Cell> lane_order(
 Steps training_steps(
     Schedule schedule, int64_t micro_batches, int64_t partitions);
 
-/// The most micro-batches partition `partition` holds between their
-/// forward and their backward when it runs `cells` (its lane order).
+/// The most micro-batches held between their forward and their (last part
+/// of) backward when a lane runs `cells` in order.
 int64_t max_in_flight(const std::vector<Cell>& cells);
 
 }  // namespace gpipe

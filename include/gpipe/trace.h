@@ -31,9 +31,10 @@ enum class TraceKind {
   Copy,       // moving a cell's inputs to its device
   Receive,    // waiting for a message from another rank (gpipe::dist)
   Send,       // waiting for this rank's sends to finish (gpipe::dist)
+  Weight,     // the weight part of a split backward (zero-bubble schedules)
 };
 
-/// "forward", "backward", "recompute", "copy", "receive", "send".
+/// "forward", "backward", "recompute", "copy", "receive", "send", "weight".
 std::string to_string(TraceKind kind);
 
 /// One interval on one lane. Times are microseconds since the trace began.
@@ -68,6 +69,11 @@ class Trace {
   /// Forgets every event and restarts the clock.
   void clear();
 
+  /// What the rows of the pictures are called: "lane" (the default), or
+  /// "rank" for a trace gathered from several processes.
+  void set_row_label(std::string label);
+  std::string row_label() const;
+
   /// Chrome trace JSON: one complete ("X") event per interval, one thread
   /// per lane.
   std::string chrome_json() const;
@@ -84,6 +90,7 @@ class Trace {
   mutable std::mutex mutex_;
   std::chrono::steady_clock::time_point origin_;
   std::vector<TraceEvent> events_;  // guarded by mutex_
+  std::string row_label_ = "lane";  // guarded by mutex_
 };
 
 }  // namespace gpipe

@@ -70,6 +70,7 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
       return nullptr;
     }
     auto merged = std::make_shared<Trace>();
+    merged->set_row_label("rank");
     const double base = system_origin_us(*merged);
     auto add = [&](const std::vector<TraceEvent>& events, double from) {
       for (auto e : events) {

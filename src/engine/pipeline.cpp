@@ -8,6 +8,7 @@
 #include "engine/autograd_node.h"
 #include "engine/in_process_transport.h"
 #include "random.h"
+#include "schedule/plan_builders.h"
 
 namespace gpipe::detail {
 
@@ -25,21 +26,90 @@ Pipeline::Pipeline(
     std::vector<torch::nn::Sequential> partitions,
     std::vector<torch::Device> devices,
     int64_t threads_per_lane,
-    std::vector<bool> local)
+    std::vector<bool> local,
+    int64_t stages_per_lane)
     : devices_(std::move(devices)), skip_layout_(partitions) {
-  TORCH_INTERNAL_ASSERT(partitions.size() == devices_.size());
-  TORCH_INTERNAL_ASSERT(local.empty() || local.size() == partitions.size());
-  for (const auto j : c10::irange(partitions.size())) {
+  const auto n = partitions.size();
+  TORCH_INTERNAL_ASSERT(n == devices_.size());
+  TORCH_INTERNAL_ASSERT(local.empty() || local.size() == n);
+  TORCH_INTERNAL_ASSERT(
+      stages_per_lane >= 1 && n % static_cast<size_t>(stages_per_lane) == 0);
+  local_ = local.empty() ? std::vector<bool>(n, true) : local;
+  for (const auto j : c10::irange(n)) {
     stages_.push_back(std::make_unique<Stage>(
         static_cast<int64_t>(j), partitions[j], devices_[j], skip_layout_));
-    if (!local.empty() && !local[j]) {
+  }
+  const auto lanes = n / static_cast<size_t>(stages_per_lane);
+  for (const auto l : c10::irange(lanes)) {
+    bool here = false;
+    for (size_t j = l; j < n; j += lanes) {
+      here = here || local_[j];
+    }
+    if (!here) {
       lanes_.push_back(nullptr);
       continue;
     }
-    backward_inline_ = backward_inline_ || devices_[j].is_cuda();
+    backward_inline_ = backward_inline_ || devices_[l].is_cuda();
     lanes_.push_back(
-        std::make_unique<Lane>(lane_init(devices_[j], threads_per_lane)));
+        std::make_unique<Lane>(lane_init(devices_[l], threads_per_lane)));
   }
+}
+
+Plan Pipeline::on_lanes(Plan flat) const {
+  if (lanes() == size()) {
+    return flat;
+  }
+  return fold_onto_lanes(flat, lanes());
+}
+
+void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
+  TORCH_CHECK_VALUE(
+      plan.stages == size() && static_cast<int64_t>(plan.lanes.size()) == lanes(),
+      "train_step: the plan has ",
+      plan.stages,
+      " stages on ",
+      plan.lanes.size(),
+      " lanes, but the pipeline has ",
+      size(),
+      " partitions on ",
+      lanes(),
+      " lanes");
+  TORCH_CHECK_VALUE(
+      plan.micro_batches == m,
+      "train_step: the plan is for ",
+      plan.micro_batches,
+      " micro-batches, but the mini-batch was cut into ",
+      m,
+      " (chunks, or fewer when the batch has fewer rows)");
+  plan.validate();
+  for (const auto l : c10::irange(plan.lanes.size())) {
+    for (const auto& c : plan.lanes[l]) {
+      TORCH_CHECK_VALUE(
+          c.partition % lanes() == static_cast<int64_t>(l),
+          "train_step: the plan runs stage ",
+          c.partition,
+          " on lane ",
+          l,
+          ", but the pipeline runs it on lane ",
+          c.partition % lanes());
+    }
+  }
+  int64_t forwards = 0;
+  int64_t backwards = 0;
+  for (const auto& row : plan.lanes) {
+    for (const auto& c : row) {
+      forwards += c.phase == Phase::Forward ? 1 : 0;
+      backwards += c.phase == Phase::Forward ? 0 : 1;
+    }
+  }
+  TORCH_CHECK_VALUE(
+      m == 0 || (forwards > 0 && backwards > 0),
+      "train_step: expected a plan with every forward and every backward, "
+      "but it has ",
+      forwards,
+      " forwards and ",
+      backwards,
+      " backward actions");
 }
 
 Pipeline::~Pipeline() = default;
@@ -118,7 +188,7 @@ Packet Pipeline::forward(
       rows.push_back(inputs[i].tensors.at(0).size(0));
       pass->transport().send(Phase::Forward, i, 0, std::move(inputs[i]));
     }
-    run_and_commit(pass, forward_plan(m, n));
+    run_and_commit(pass, on_lanes(forward_plan(m, n)));
   }
   std::vector<Packet> outputs;
   for (const auto i : c10::irange(m)) {
@@ -137,7 +207,9 @@ void Pipeline::backward(const std::shared_ptr<Pass>& pass) {
   // notice. See Note [Random streams of concurrent cells].
   StepSeed seeds(devices_, /*draw=*/false);
   pass->run(
-      backward_plan(pass->micro_batches(), size()), backward_inline_, pass);
+      on_lanes(backward_plan(pass->micro_batches(), size())),
+      backward_inline_,
+      pass);
 }
 
 torch::Tensor Pipeline::train(
@@ -145,11 +217,11 @@ torch::Tensor Pipeline::train(
     std::vector<torch::Tensor> targets,
     const Batch& original_inputs,
     const LossFunction& loss_fn,
-    Schedule schedule,
+    const Plan& plan,
     const PassOptions& options) {
   auto held = begin_pass();
   const auto m = static_cast<int64_t>(inputs.size());
-  const auto n = size();
+  check_training_plan(plan, m);
   auto pass = start_pass(m, original_inputs, options);
   TORCH_CHECK(
       pass->grad,
@@ -174,7 +246,7 @@ torch::Tensor Pipeline::train(
     for (const auto i : c10::irange(m)) {
       pass->transport().send(Phase::Forward, i, 0, std::move(inputs[i]));
     }
-    run_and_commit(pass, training_plan(schedule, m, n));
+    run_and_commit(pass, plan);
   }
   std::vector<Packet> dx(m);
   for (const auto i : c10::irange(m)) {

@@ -30,15 +30,18 @@ namespace gpipe::detail {
 
 class Pipeline : public std::enable_shared_from_this<Pipeline> {
  public:
-  /// One lane per partition; CPU lanes get `threads_per_lane` intra-op
+  /// One lane per `stages_per_lane` partitions (partition j on lane
+  /// j % lanes, on `devices[j]`); CPU lanes get `threads_per_lane` intra-op
   /// threads. With `local` given, only the partitions it marks run here
-  /// (stages in other processes: src/dist/); the others get no lane, their
-  /// cells are another process's, and their layers stay where they are.
+  /// (stages in other processes: src/dist/); lanes holding none of them are
+  /// not made, their cells are another process's, and their layers stay
+  /// where they are.
   Pipeline(
       std::vector<torch::nn::Sequential> partitions,
       std::vector<torch::Device> devices,
       int64_t threads_per_lane,
-      std::vector<bool> local = {});
+      std::vector<bool> local = {},
+      int64_t stages_per_lane = 1);
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
@@ -63,8 +66,19 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       std::vector<torch::Tensor> targets,
       const Batch& original_inputs,
       const LossFunction& loss_fn,
-      Schedule schedule,
+      const Plan& plan,
       const PassOptions& options);
+
+  /// Number of lanes (partitions / stages_per_lane).
+  int64_t lanes() const {
+    return static_cast<int64_t>(lanes_.size());
+  }
+  /// A one-lane-per-stage plan on this pipeline's lanes.
+  Plan on_lanes(Plan flat) const;
+  /// Throws `c10::ValueError` unless `plan` fits this pipeline (its stages,
+  /// its lanes, `micro_batches` micro-batches, stage j on lane j % lanes)
+  /// and is a whole training step that runs.
+  void check_training_plan(const Plan& plan, int64_t micro_batches) const;
 
   /// Holds this pipeline for one pass: passes from several threads run one
   /// after the other. Refused from inside a cell (a nested pipeline).
@@ -110,7 +124,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   }
   /// True when partition `j` runs in this process.
   bool is_local(int64_t j) const {
-    return lanes_[j] != nullptr;
+    return local_[j];
   }
   const std::vector<torch::Device>& devices() const {
     return devices_;
@@ -137,8 +151,9 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   std::vector<torch::Device> devices_;
   SkipLayout skip_layout_;
   std::vector<std::unique_ptr<Stage>> stages_;
+  std::vector<bool> local_;  // per partition
   // Declared after stages_ so that lanes are joined before stages go away.
-  // Null for a partition that runs in another process.
+  // Null for a lane whose partitions run in another process.
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;
   TransportFactory transport_factory_;  // empty: in-process

@@ -34,6 +34,20 @@ class Countdown {
   int64_t count_;
 };
 
+const char* phase_name(Phase phase) {
+  switch (phase) {
+    case Phase::Forward:
+      return ", forward";
+    case Phase::Backward:
+      return ", backward";
+    case Phase::BackwardInput:
+      return ", backward (input part)";
+    case Phase::BackwardWeight:
+      return ", backward (weight part)";
+  }
+  return "";
+}
+
 }  // namespace
 
 Pass::Pass(Pipeline& pipeline, int64_t m, PassOptions options)
@@ -66,7 +80,7 @@ void Pass::run(
     std::vector<int64_t> lanes;
     for (const auto l : c10::irange(plan.lanes.size())) {
       const auto& row = plan.lanes[l];
-      if (row.empty() || pipeline_.is_local(row.front().partition)) {
+      if (!row.empty() && pipeline_.is_local(row.front().partition)) {
         lanes.push_back(static_cast<int64_t>(l));
       }
     }
@@ -125,10 +139,24 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
     if (transport_->aborted()) {
       return;  // a cell that depends on a failed one never starts
     }
-    if (cell.phase == Phase::Forward) {
-      forward_cell(cell.micro_batch, cell.partition, lane);
-    } else {
-      backward_cell(cell.micro_batch, cell.partition, lane);
+    switch (cell.phase) {
+      case Phase::Forward:
+        forward_cell(cell.micro_batch, cell.partition, lane);
+        break;
+      case Phase::Backward:
+      case Phase::BackwardInput:
+        backward_cell(
+            cell.micro_batch,
+            cell.partition,
+            lane,
+            cell.phase == Phase::BackwardInput);
+        break;
+      case Phase::BackwardWeight:
+        pipeline_.stage(cell.partition)
+            .backward_weight(
+                cells_[cell.micro_batch][cell.partition],
+                context(cell.micro_batch, cell.partition, lane));
+        break;
     }
   } catch (const Aborted&) {
     // The error that aborted the pass is recorded already.
@@ -137,7 +165,7 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
         std::current_exception(),
         "partition " + std::to_string(cell.partition) + ", micro-batch " +
             std::to_string(cell.micro_batch) +
-            (cell.phase == Phase::Forward ? ", forward" : ", backward"));
+            phase_name(cell.phase));
     error_.set(error);
     std::string why;
     try {
@@ -175,7 +203,7 @@ void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
   }
 }
 
-void Pass::backward_cell(int64_t i, int64_t j, int64_t lane) {
+void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow dy;
@@ -185,7 +213,8 @@ void Pass::backward_cell(int64_t i, int64_t j, int64_t lane) {
   for (const auto& key : stage.skips_out()) {
     dy.skips.push_back(t.recv_skip(Phase::Backward, i, key));
   }
-  auto dx = stage.backward(cells_[i][j], std::move(dy), context(i, j, lane));
+  auto dx = stage.backward(
+      cells_[i][j], std::move(dy), context(i, j, lane), input_only);
   for (const auto k : c10::irange(stage.skips_in().size())) {
     t.send_skip(
         Phase::Backward, i, stage.skips_in()[k], std::move(dx.skips[k]));

@@ -67,7 +67,7 @@ class Pass {
  private:
   void run_cell(const Cell& cell, int64_t lane);
   void forward_cell(int64_t i, int64_t j, int64_t lane);
-  void backward_cell(int64_t i, int64_t j, int64_t lane);
+  void backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only);
   CellContext context(int64_t i, int64_t j, int64_t lane) const;
 
   Pipeline& pipeline_;

@@ -1,5 +1,7 @@
 #include "engine/stage.h"
 
+#include "engine/split_backward.h"
+
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
 #include <gpipe/batchnorm.h>
@@ -316,7 +318,8 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   return out;
 }
 
-Flow Stage::backward(CellState& c, Flow dy, const CellContext& ctx) {
+Flow Stage::backward(
+    CellState& c, Flow dy, const CellContext& ctx, bool input_only) {
   CellScope scope(device_);
   const auto started = stamp(ctx);
   Flow dx;
@@ -403,6 +406,26 @@ Flow Stage::backward(CellState& c, Flow dy, const CellContext& ctx) {
       }
     }
   }
+  if (input_only) {
+    std::vector<torch::Tensor> leaves = c.skip_inputs;
+    leaves.insert(leaves.end(), c.input.tensors.begin(), c.input.tensors.end());
+    auto grads_in = backward_input(roots, grads, leaves, c.weight);
+    roots.clear();
+    grads.clear();
+    y = Packet{};
+    buffers.restore();
+    for (const auto k : c10::irange(skips_in_.size())) {
+      dx.skips[k] = std::move(grads_in[k]);
+    }
+    for (const auto k : c10::irange(c.input.tensors.size())) {
+      dx.boundary.tensors[k] = std::move(grads_in[skips_in_.size() + k]);
+    }
+    auto weight = std::move(c.weight);
+    c = CellState{};
+    c.weight = std::move(weight);
+    record(ctx, TraceKind::Backward, backward_started, Clock::now());
+    return dx;
+  }
   if (!roots.empty()) {
     torch::autograd::backward(
         roots, grads, /*retain_graph=*/ctx.retain, /*create_graph=*/false);
@@ -427,6 +450,18 @@ Flow Stage::backward(CellState& c, Flow dy, const CellContext& ctx) {
   }
   record(ctx, TraceKind::Backward, backward_started, Clock::now());
   return dx;
+}
+
+void Stage::backward_weight(CellState& c, const CellContext& ctx) {
+  CellScope scope(device_);
+  const auto started = stamp(ctx);
+  auto weight = std::move(c.weight);
+  c = CellState{};
+  if (weight) {
+    detail::backward_weight(*weight, /*retain=*/false);
+    weight.reset();
+  }
+  record(ctx, TraceKind::Weight, started, Clock::now());
 }
 
 void Stage::commit_batch_norms() {

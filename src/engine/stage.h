@@ -27,6 +27,8 @@ class Trace;
 
 namespace gpipe::detail {
 
+struct WeightWork;
+
 /// What flows into or out of a cell: the boundary packet and the skips that
 /// cross stages. Forward: activations in, activations out. Backward: the
 /// gradients of the outputs in, the gradients of the inputs out.
@@ -45,6 +47,8 @@ struct CellState {
   std::vector<torch::Tensor> skip_outputs;  // with graph, unless checkpointed
   torch::Tensor loss;  // with graph: train step, last stage, not checkpointed
   torch::Tensor loss_value;  // detached
+  /// After the input part of a split backward: what its weight part does.
+  std::shared_ptr<WeightWork> weight;
   bool has_graph = false;    // backward has something to do
   bool checkpointed = false;
   uint64_t seed = 0;
@@ -117,7 +121,15 @@ class Stage {
   /// `dy` (and the loss), and returns the gradients of the cell's inputs
   /// (undefined where none reached them). Does nothing for a cell without
   /// graph or without incoming gradient. Frees `c` unless `ctx.retain`.
-  Flow backward(CellState& c, Flow dy, const CellContext& ctx);
+  /// With `input_only`, the input part of a split backward: parameter
+  /// gradients are left for `backward_weight`, and `c` keeps what that
+  /// needs.
+  Flow backward(
+      CellState& c, Flow dy, const CellContext& ctx, bool input_only = false);
+
+  /// The weight part of a split backward: accumulates the parameters'
+  /// gradients and frees `c`.
+  void backward_weight(CellState& c, const CellContext& ctx);
 
   /// DeferredBatchNorm layers: fold the mini-batch's statistics into the
   /// running ones, or drop them after a failure.

@@ -47,46 +47,102 @@ Key key_of(const Cell& c) {
   return {c.micro_batch, c.partition, static_cast<int>(c.phase)};
 }
 
-// Which directions a plan holds (validate() checks it holds all or none of
-// each).
-struct Directions {
+}  // namespace
+
+namespace detail {
+
+// What a plan holds: whether it has forwards, and which cells split their
+// backward (their inputs differ).
+struct PlanShape {
   bool forward = false;
-  bool backward = false;
+  std::set<std::pair<int64_t, int64_t>> split;  // (i, j) with an input part
+
+  bool is_split(int64_t i, int64_t j) const {
+    return split.count({i, j}) > 0;
+  }
 };
 
-Directions directions_of(const Plan& plan) {
-  Directions d;
+}  // namespace detail
+
+using detail::PlanShape;
+
+namespace {
+
+PlanShape shape_of(const Plan& plan) {
+  PlanShape s;
   for (const auto& lane : plan.lanes) {
     for (const auto& c : lane) {
-      (c.phase == Phase::Forward ? d.forward : d.backward) = true;
+      s.forward = s.forward || c.phase == Phase::Forward;
+      if (c.phase == Phase::BackwardInput) {
+        s.split.insert({c.micro_batch, c.partition});
+      }
     }
   }
-  return d;
+  return s;
 }
 
-// The cell `c` waits for, or nullopt-like (micro_batch -1) when none is
-// left: the first of its inputs that has not finished by `before`.
+// The cell `c` waits for, or (micro_batch -1) when none is left: the first
+// of its inputs that has not finished.
 template <typename Finished>
 Cell missing_input(
-    const Cell& c, int64_t n, const Directions& d, const Finished& finished) {
+    const Cell& c, int64_t n, const PlanShape& s, const Finished& finished) {
   const auto i = c.micro_batch;
   const auto j = c.partition;
-  if (c.phase == Phase::Forward) {
-    if (j > 0 && !finished(Cell{i, j - 1, Phase::Forward})) {
-      return Cell{i, j - 1, Phase::Forward};
+  switch (c.phase) {
+    case Phase::Forward:
+      if (j > 0 && !finished(Cell{i, j - 1, Phase::Forward})) {
+        return Cell{i, j - 1, Phase::Forward};
+      }
+      break;
+    case Phase::Backward:
+    case Phase::BackwardInput: {
+      if (s.forward && !finished(Cell{i, j, Phase::Forward})) {
+        return Cell{i, j, Phase::Forward};
+      }
+      if (j + 1 < n) {
+        const Cell next{
+            i,
+            j + 1,
+            s.is_split(i, j + 1) ? Phase::BackwardInput : Phase::Backward};
+        if (!finished(next)) {
+          return next;
+        }
+      }
+      break;
     }
-  } else {
-    if (d.forward && !finished(Cell{i, j, Phase::Forward})) {
-      return Cell{i, j, Phase::Forward};
-    }
-    if (j + 1 < n && !finished(Cell{i, j + 1, Phase::Backward})) {
-      return Cell{i, j + 1, Phase::Backward};
-    }
+    case Phase::BackwardWeight:
+      if (!finished(Cell{i, j, Phase::BackwardInput})) {
+        return Cell{i, j, Phase::BackwardInput};
+      }
+      break;
   }
   return Cell{-1, -1, Phase::Forward};
 }
 
 }  // namespace
+
+namespace detail {
+
+CellInputs::CellInputs(const Plan& plan)
+    : stages_(plan.stages),
+      shape_(std::make_shared<PlanShape>(shape_of(plan))) {}
+
+std::vector<Cell> CellInputs::of(const Cell& c) const {
+  std::vector<Cell> inputs;
+  std::set<Key> taken;
+  for (;;) {
+    const auto missing = missing_input(c, stages_, *shape_, [&](const Cell& d) {
+      return taken.count(key_of(d)) > 0;
+    });
+    if (missing.micro_batch < 0) {
+      return inputs;
+    }
+    taken.insert(key_of(missing));
+    inputs.push_back(missing);
+  }
+}
+
+}  // namespace detail
 
 int64_t Plan::lane_of(int64_t stage) const {
   for (size_t l = 0; l < lanes.size(); ++l) {
@@ -100,7 +156,7 @@ int64_t Plan::lane_of(int64_t stage) const {
 }
 
 Steps Plan::steps() const {
-  const auto d = directions_of(*this);
+  const auto d = shape_of(*this);
   size_t remaining = 0;
   for (const auto& lane : lanes) {
     remaining += lane.size();
@@ -158,7 +214,7 @@ void Plan::validate() const {
   std::set<Key> seen;
   std::map<int64_t, size_t> stage_lane;
   size_t forwards = 0;
-  size_t backwards = 0;
+  size_t backwards = 0;  // whole backwards and input parts
   for (size_t l = 0; l < lanes.size(); ++l) {
     for (const auto& c : lanes[l]) {
       TORCH_CHECK_VALUE(
@@ -190,27 +246,59 @@ void Plan::validate() const {
           " and on lane ",
           l,
           "; a stage belongs to one lane");
-      (c.phase == Phase::Forward ? forwards : backwards) += 1;
+      if (c.phase == Phase::Forward) {
+        ++forwards;
+      } else if (c.phase != Phase::BackwardWeight) {
+        ++backwards;
+      }
     }
   }
+  auto has = [&](int64_t i, int64_t j, Phase phase) {
+    return seen.count(key_of(Cell{i, j, phase})) > 0;
+  };
   const auto all = static_cast<size_t>(micro_batches * stages);
-  for (auto [count, phase] :
-       {std::make_pair(forwards, Phase::Forward),
-        std::make_pair(backwards, Phase::Backward)}) {
-    if (count == 0 || count == all) {
-      continue;
-    }
-    for (int64_t i = 0; i < micro_batches; ++i) {
-      for (int64_t j = 0; j < stages; ++j) {
-        const Cell c{i, j, phase};
-        TORCH_CHECK_VALUE(
-            seen.count(key_of(c)) > 0,
-            "plan: ",
-            to_string(c),
-            " is never run, although other ",
-            phase == Phase::Forward ? "forwards" : "backwards",
-            " are");
-      }
+  for (int64_t i = 0; i < micro_batches; ++i) {
+    for (int64_t j = 0; j < stages; ++j) {
+      TORCH_CHECK_VALUE(
+          forwards == 0 || forwards == all || has(i, j, Phase::Forward),
+          "plan: ",
+          to_string(Cell{i, j, Phase::Forward}),
+          " is never run, although other forwards are");
+      const bool whole = has(i, j, Phase::Backward);
+      const bool input = has(i, j, Phase::BackwardInput);
+      const bool weight = has(i, j, Phase::BackwardWeight);
+      TORCH_CHECK_VALUE(
+          !(whole && (input || weight)),
+          "plan: micro-batch ",
+          i,
+          " on stage ",
+          j,
+          " has a whole backward ",
+          to_string(Cell{i, j, Phase::Backward}),
+          " and a split one; give it one or the other");
+      TORCH_CHECK_VALUE(
+          input == weight,
+          "plan: ",
+          to_string(Cell{
+              i, j, input ? Phase::BackwardInput : Phase::BackwardWeight}),
+          " has no ",
+          input ? "weight part " : "input part ",
+          to_string(Cell{
+              i, j, input ? Phase::BackwardWeight : Phase::BackwardInput}),
+          "; a split backward needs both");
+      TORCH_CHECK_VALUE(
+          backwards == 0 || whole || input,
+          "plan: the backward of micro-batch ",
+          i,
+          " on stage ",
+          j,
+          " (",
+          to_string(Cell{i, j, Phase::Backward}),
+          ", or ",
+          to_string(Cell{i, j, Phase::BackwardInput}),
+          " and ",
+          to_string(Cell{i, j, Phase::BackwardWeight}),
+          ") is never run, although other backwards are");
     }
   }
   steps();
@@ -227,8 +315,7 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
   auto label = [&](const Cell& c) {
     const auto l = static_cast<size_t>(plan.lane_of(c.partition));
     std::string s = stages_of[l].size() > 1 ? std::to_string(c.partition) : "";
-    return s + (c.phase == Phase::Forward ? "F" : "B") +
-           std::to_string(c.micro_batch);
+    return s + detail::action_letter(c.phase) + std::to_string(c.micro_batch);
   };
   size_t width = 1;
   for (const auto& step : steps) {
@@ -267,25 +354,59 @@ std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition) {
   return cells;
 }
 
+namespace detail {
+
+const char* action_letter(Phase phase) {
+  switch (phase) {
+    case Phase::Forward:
+      return "F";
+    case Phase::Backward:
+    case Phase::BackwardInput:
+      return "B";
+    case Phase::BackwardWeight:
+      return "W";
+  }
+  return "?";
+}
+
+}  // namespace detail
+
 std::string to_string(const Cell& cell) {
-  return std::string(cell.phase == Phase::Forward ? "F(" : "B(") +
-         std::to_string(cell.micro_batch) + "," +
+  const char* letter = cell.phase == Phase::BackwardInput
+      ? "I"
+      : detail::action_letter(cell.phase);
+  return std::string(letter) + "(" + std::to_string(cell.micro_batch) + "," +
          std::to_string(cell.partition) + ")";
 }
 
 std::string to_string(Schedule schedule) {
-  return schedule == Schedule::FillDrain ? "fill_drain" : "1f1b";
+  switch (schedule) {
+    case Schedule::FillDrain:
+      return "fill_drain";
+    case Schedule::OneFOneB:
+      return "1f1b";
+    case Schedule::Interleaved1F1B:
+      return "interleaved";
+    case Schedule::ZeroBubble:
+      return "zero_bubble";
+  }
+  return "unknown";
 }
 
 Schedule schedule_from_string(const std::string& name) {
-  if (name == "fill_drain") {
-    return Schedule::FillDrain;
-  }
-  if (name == "1f1b") {
-    return Schedule::OneFOneB;
+  for (auto s :
+       {Schedule::FillDrain,
+        Schedule::OneFOneB,
+        Schedule::Interleaved1F1B,
+        Schedule::ZeroBubble}) {
+    if (name == to_string(s)) {
+      return s;
+    }
   }
   throw std::invalid_argument(
-      "schedule must be 'fill_drain' or '1f1b', but got '" + name + "'");
+      "schedule must be 'fill_drain', '1f1b', 'interleaved' or "
+      "'zero_bubble', but got '" +
+      name + "'");
 }
 
 std::vector<Cell> lane_order(
@@ -296,8 +417,16 @@ std::vector<Cell> lane_order(
         "schedule: partition " + std::to_string(j) + " is not in [0, " +
         std::to_string(n) + ")");
   }
-  return schedule == Schedule::FillDrain ? detail::fill_drain_lane(m, n, j)
-                                         : detail::one_f_one_b_lane(m, n, j);
+  switch (schedule) {
+    case Schedule::FillDrain:
+      return detail::fill_drain_lane(m, n, j);
+    case Schedule::OneFOneB:
+    case Schedule::Interleaved1F1B:  // one stage per lane: 1F1B
+      return detail::one_f_one_b_lane(m, n, j);
+    case Schedule::ZeroBubble:
+      return detail::zero_bubble_lane(m, n, j);
+  }
+  throw std::invalid_argument("schedule: unknown schedule");
 }
 
 Plan training_plan(Schedule schedule, int64_t m, int64_t n) {
@@ -323,7 +452,11 @@ int64_t max_in_flight(const std::vector<Cell>& cells) {
   int64_t in_flight = 0;
   int64_t most = 0;
   for (const auto& c : cells) {
-    in_flight += c.phase == Phase::Forward ? 1 : -1;
+    if (c.phase == Phase::Forward) {
+      ++in_flight;
+    } else if (c.phase != Phase::BackwardInput) {
+      --in_flight;
+    }
     most = std::max(most, in_flight);
   }
   return most;

@@ -5,6 +5,7 @@
 #include <gpipe/plan.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace gpipe::detail {
@@ -16,8 +17,36 @@ void check_sizes(int64_t micro_batches, int64_t stages);
 /// One lane per stage, each running its cells in the order `steps` gives.
 Plan plan_of_steps(const Steps& steps, int64_t micro_batches, int64_t stages);
 
+/// The cells a cell of `plan` waits for (its inputs), as `validate()` and
+/// the simulations read them.
+struct PlanShape;
+class CellInputs {
+ public:
+  explicit CellInputs(const Plan& plan);
+  std::vector<Cell> of(const Cell& cell) const;
+
+ private:
+  int64_t stages_;
+  std::shared_ptr<const PlanShape> shape_;
+};
+
+/// The one-lane-per-stage plan `flat` on `lanes` lanes (stage j on lane
+/// j % lanes), each lane running its cells in the order of `flat`'s time
+/// steps; never deadlocks.
+Plan fold_onto_lanes(const Plan& flat, int64_t lanes);
+
+/// Interleaved 1F1B's rows, one per lane (`lanes` lanes, `v` stages
+/// each, stage j on lane j % lanes).
+std::vector<std::vector<Cell>> interleaved_lanes(
+    int64_t m, int64_t lanes, int64_t v);
+
+/// "F", "B" (whole backward or input part) or "W": plans' table and CSV
+/// spelling.
+const char* action_letter(Phase phase);
+
 /// The cells stage j runs in a training step, one builder per schedule.
 std::vector<Cell> fill_drain_lane(int64_t m, int64_t n, int64_t j);
 std::vector<Cell> one_f_one_b_lane(int64_t m, int64_t n, int64_t j);
+std::vector<Cell> zero_bubble_lane(int64_t m, int64_t n, int64_t j);
 
 }  // namespace gpipe::detail

@@ -1,0 +1,124 @@
+// Plans as CSV, in torch.distributed.pipelining's spelling: one row per
+// lane, one action per column, `<stage><kind><micro-batch>`.
+
+#include <c10/util/Exception.h>
+#include <gpipe/plan.h>
+
+#include <algorithm>
+#include <cctype>
+#include <set>
+#include <sstream>
+
+#include "schedule/plan_builders.h"
+
+namespace gpipe {
+
+std::string Plan::to_csv() const {
+  std::ostringstream out;
+  for (const auto& lane : lanes) {
+    bool first = true;
+    for (const auto& c : lane) {
+      out << (first ? "" : ",") << c.partition
+          << detail::action_letter(c.phase) << c.micro_batch;
+      first = false;
+    }
+    out << '\n';
+  }
+  return out.str();
+}
+
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto begin = s.find_first_not_of(" \t\r");
+  if (begin == std::string::npos) {
+    return {};
+  }
+  return s.substr(begin, s.find_last_not_of(" \t\r") - begin + 1);
+}
+
+// "12F3" -> (12, 'F', 3); false when malformed.
+bool parse_action(
+    const std::string& text, int64_t& stage, char& kind, int64_t& micro) {
+  size_t k = 0;
+  auto number = [&](int64_t& value) {
+    const size_t begin = k;
+    while (k < text.size() && std::isdigit(static_cast<unsigned char>(text[k]))) {
+      ++k;
+    }
+    if (k == begin || k - begin > 9) {
+      return false;
+    }
+    value = std::stoll(text.substr(begin, k - begin));
+    return true;
+  };
+  if (!number(stage) || k >= text.size()) {
+    return false;
+  }
+  kind = text[k++];
+  return number(micro) && k == text.size();
+}
+
+}  // namespace
+
+Plan Plan::from_csv(const std::string& text) {
+  Plan plan;
+  std::istringstream in(text);
+  std::string line;
+  int64_t row = 0;
+  // B means the input part when the cell also has a W (PyTorch 2.3's
+  // spelling): read every action first, then decide.
+  std::set<std::pair<int64_t, int64_t>> weights;
+  while (std::getline(in, line)) {
+    ++row;
+    std::vector<Cell> lane;
+    std::istringstream fields(line);
+    std::string field;
+    int64_t column = 0;
+    while (std::getline(fields, field, ',')) {
+      ++column;
+      field = trim(field);
+      if (field.empty()) {
+        continue;  // an idle slot
+      }
+      int64_t stage = 0;
+      int64_t micro = 0;
+      char kind = 0;
+      TORCH_CHECK_VALUE(
+          parse_action(field, stage, kind, micro) &&
+              std::string("FBIW").find(kind) != std::string::npos,
+          "plan CSV: row ",
+          row,
+          ", column ",
+          column,
+          ": expected an action <stage><F|B|I|W><micro-batch> such as 0F3, "
+          "but got '",
+          field,
+          "'");
+      Phase phase = Phase::Forward;
+      if (kind == 'B') {
+        phase = Phase::Backward;
+      } else if (kind == 'I') {
+        phase = Phase::BackwardInput;
+      } else if (kind == 'W') {
+        phase = Phase::BackwardWeight;
+        weights.insert({micro, stage});
+      }
+      plan.micro_batches = std::max(plan.micro_batches, micro + 1);
+      plan.stages = std::max(plan.stages, stage + 1);
+      lane.push_back(Cell{micro, stage, phase});
+    }
+    plan.lanes.push_back(std::move(lane));
+  }
+  for (auto& lane : plan.lanes) {
+    for (auto& c : lane) {
+      if (c.phase == Phase::Backward &&
+          weights.count({c.micro_batch, c.partition}) > 0) {
+        c.phase = Phase::BackwardInput;
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace gpipe

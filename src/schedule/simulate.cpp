@@ -1,0 +1,135 @@
+// simulate: a plan run with fixed action costs, for bubbles and memory
+// before anything runs.
+
+#include <c10/util/Exception.h>
+#include <gpipe/plan.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "schedule/plan_builders.h"
+
+namespace gpipe {
+
+namespace {
+
+double cost_of(const Cell& c, const ActionCosts& costs) {
+  if (costs.cost) {
+    return costs.cost(c);
+  }
+  switch (c.phase) {
+    case Phase::Forward:
+      return costs.forward;
+    case Phase::Backward:
+      return costs.backward;
+    case Phase::BackwardInput:
+      return costs.backward_input;
+    case Phase::BackwardWeight:
+      return costs.backward_weight;
+  }
+  return 0;
+}
+
+using Key = std::tuple<int64_t, int64_t, int>;
+
+Key key_of(const Cell& c) {
+  return {c.micro_batch, c.partition, static_cast<int>(c.phase)};
+}
+
+}  // namespace
+
+Simulation simulate(const Plan& plan, const ActionCosts& costs) {
+  plan.validate();
+  const detail::CellInputs inputs(plan);
+  const auto lanes = plan.lanes.size();
+  Simulation sim;
+  sim.busy.assign(lanes, 0.0);
+  sim.lanes.resize(lanes);
+  std::map<Key, std::pair<double, size_t>> done;  // end, lane
+  std::vector<size_t> next(lanes, 0);
+  std::vector<double> free(lanes, 0.0);
+  size_t remaining = 0;
+  for (const auto& lane : plan.lanes) {
+    remaining += lane.size();
+  }
+  // validate() proved the plan runs, so every sweep makes progress.
+  while (remaining > 0) {
+    for (size_t l = 0; l < lanes; ++l) {
+      while (next[l] < plan.lanes[l].size()) {
+        const auto& c = plan.lanes[l][next[l]];
+        double start = free[l];
+        bool ready = true;
+        for (const auto& d : inputs.of(c)) {
+          auto it = done.find(key_of(d));
+          if (it == done.end()) {
+            ready = false;
+            break;
+          }
+          const double arrives =
+              it->second.first + (it->second.second == l ? 0 : costs.transfer);
+          start = std::max(start, arrives);
+        }
+        if (!ready) {
+          break;
+        }
+        const double cost = cost_of(c, costs);
+        TORCH_CHECK_VALUE(
+            cost >= 0,
+            "simulate: expected non-negative costs, but ",
+            to_string(c),
+            " costs ",
+            cost);
+        done[key_of(c)] = {start + cost, l};
+        free[l] = start + cost;
+        sim.busy[l] += cost;
+        sim.lanes[l].push_back(SimulatedAction{c, start, start + cost});
+        ++next[l];
+        --remaining;
+      }
+    }
+  }
+  double first = 0;
+  double last = 0;
+  bool any = false;
+  for (const auto& lane : sim.lanes) {
+    for (const auto& a : lane) {
+      first = any ? std::min(first, a.start) : a.start;
+      last = any ? std::max(last, a.end) : a.end;
+      any = true;
+    }
+  }
+  sim.makespan = last - first;
+  double idle = 0;
+  for (const auto b : sim.busy) {
+    idle += sim.makespan - b;
+  }
+  sim.bubble = lanes > 0 ? idle / static_cast<double>(lanes) : 0.0;
+  sim.bubble_fraction = sim.makespan > 0 ? sim.bubble / sim.makespan : 0.0;
+
+  // Activation memory: a micro-batch is live on a stage from the start of
+  // its forward to the end of its (last) backward part.
+  sim.peak_live.assign(static_cast<size_t>(plan.stages), 0);
+  sim.lane_peak_live.assign(lanes, 0);
+  for (size_t l = 0; l < lanes; ++l) {
+    std::map<int64_t, int64_t> live;  // stage -> live now
+    int64_t total = 0;
+    for (const auto& a : sim.lanes[l]) {
+      const auto& c = a.cell;
+      if (c.phase == Phase::Forward) {
+        auto& here = live[c.partition];
+        ++here;
+        ++total;
+        auto& peak = sim.peak_live[static_cast<size_t>(c.partition)];
+        peak = std::max(peak, here);
+        sim.lane_peak_live[l] = std::max(sim.lane_peak_live[l], total);
+      } else if (c.phase != Phase::BackwardInput) {
+        --live[c.partition];
+        --total;
+      }
+    }
+  }
+  return sim;
+}
+
+}  // namespace gpipe

@@ -1,0 +1,195 @@
+// Plans as data: make_plan for every schedule, CSV, validation errors and
+// the simulation's bubbles and memory.
+
+#include <gpipe/plan.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+namespace gpipe {
+namespace {
+
+const Schedule kSchedules[] = {
+    Schedule::FillDrain,
+    Schedule::OneFOneB,
+    Schedule::Interleaved1F1B,
+    Schedule::ZeroBubble};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+TEST(PlanTest, EverySchedulesPlanRunsEveryCellOnce) {
+  for (auto schedule : kSchedules) {
+    for (int64_t lanes = 1; lanes <= 5; ++lanes) {
+      for (int64_t v = 1; v <= 3; ++v) {
+        for (int64_t m = 1; m <= 12; ++m) {
+          SCOPED_TRACE(
+              to_string(schedule) + " lanes=" + std::to_string(lanes) +
+              " v=" + std::to_string(v) + " m=" + std::to_string(m));
+          const auto plan = make_plan(schedule, m, lanes, v);
+          ASSERT_NO_THROW(plan.validate());
+          EXPECT_EQ(plan.stages, lanes * v);
+          EXPECT_EQ(static_cast<int64_t>(plan.lanes.size()), lanes);
+          size_t cells = 0;
+          for (size_t l = 0; l < plan.lanes.size(); ++l) {
+            for (const auto& c : plan.lanes[l]) {
+              EXPECT_EQ(c.partition % lanes, static_cast<int64_t>(l));
+            }
+            cells += plan.lanes[l].size();
+          }
+          const auto per_cell = schedule == Schedule::ZeroBubble ? 3 : 2;
+          EXPECT_EQ(static_cast<int64_t>(cells), per_cell * m * lanes * v);
+        }
+      }
+    }
+  }
+}
+
+TEST(PlanTest, SchedulesParseAndPrint) {
+  for (auto schedule : kSchedules) {
+    EXPECT_EQ(schedule_from_string(to_string(schedule)), schedule);
+  }
+  EXPECT_EQ(to_string(Schedule::Interleaved1F1B), "interleaved");
+  EXPECT_EQ(to_string(Schedule::ZeroBubble), "zero_bubble");
+  EXPECT_THROW(schedule_from_string("zb"), std::invalid_argument);
+}
+
+TEST(PlanTest, ZeroBubbleDefersWeightsByTheStage) {
+  // n = 2, m = 3: the last stage defers each W by one micro-batch.
+  const auto plan = make_plan(Schedule::ZeroBubble, 3, 2);
+  EXPECT_EQ(plan.to_csv(),
+            "0F0,0F1,0B0,0W0,0F2,0B1,0W1,0B2,0W2\n"
+            "1F0,1B0,1F1,1B1,1W0,1F2,1B2,1W1,1W2\n");
+  std::ostringstream table;
+  table << plan;
+  std::cout << table.str();
+  EXPECT_NE(table.str().find("W"), std::string::npos);
+}
+
+TEST(PlanTest, CsvRoundTrips) {
+  for (auto schedule : kSchedules) {
+    const auto plan = make_plan(schedule, 8, 4, 2);
+    const auto back = Plan::from_csv(plan.to_csv());
+    EXPECT_EQ(back.micro_batches, 8);
+    EXPECT_EQ(back.stages, 8);
+    ASSERT_EQ(back.lanes.size(), plan.lanes.size());
+    for (size_t l = 0; l < plan.lanes.size(); ++l) {
+      EXPECT_EQ(back.lanes[l], plan.lanes[l]) << to_string(schedule);
+    }
+  }
+}
+
+TEST(PlanTest, CsvReadsPyTorchSpellings) {
+  // Newer PyTorch writes the input part as I; idle slots are empty.
+  const auto plan = Plan::from_csv(
+      "0F0,,0I0,0W0\n"
+      " 1F0 ,1B0,1W0\n");
+  ASSERT_EQ(plan.lanes.size(), 2u);
+  EXPECT_EQ(plan.lanes[0][1].phase, Phase::BackwardInput);
+  EXPECT_EQ(plan.lanes[1][1].phase, Phase::BackwardInput);  // B with a W
+  EXPECT_NO_THROW(plan.validate());
+  // Whole backwards stay whole.
+  EXPECT_EQ(
+      Plan::from_csv("0F0,0B0\n").lanes[0][1].phase, Phase::Backward);
+}
+
+TEST(PlanTest, CsvErrorsNameRowColumnAndText) {
+  const auto message = error_of([] { Plan::from_csv("0F0,0B0\n1F0,1X0\n"); });
+  EXPECT_NE(message.find("row 2, column 2"), std::string::npos) << message;
+  EXPECT_NE(message.find("'1X0'"), std::string::npos) << message;
+  EXPECT_THROW(Plan::from_csv("F0\n"), c10::ValueError);
+  EXPECT_THROW(Plan::from_csv("0F\n"), c10::ValueError);
+  EXPECT_THROW(Plan::from_csv("0F0x\n"), c10::ValueError);
+  EXPECT_THROW(Plan::from_csv("-1F0\n"), c10::ValueError);
+}
+
+TEST(PlanTest, ValidateNamesTheProblem) {
+  auto check = [](const std::string& csv, const std::string& expected) {
+    const auto message = error_of([&] { Plan::from_csv(csv).validate(); });
+    EXPECT_NE(message.find(expected), std::string::npos)
+        << csv << " -> " << message;
+  };
+  check("0F0,0B0,0F0\n", "listed twice");
+  check("0F0,0I0\n", "has no weight part W(0,0)");
+  check("0F0,0W0\n", "has no input part I(0,0)");
+  // (B beside a W reads as the input part, so build this one directly.)
+  Plan both = Plan::from_csv("0F0,0B0\n");
+  both.lanes[0].push_back(Cell{0, 0, Phase::BackwardInput});
+  both.lanes[0].push_back(Cell{0, 0, Phase::BackwardWeight});
+  const auto message = error_of([&] { both.validate(); });
+  EXPECT_NE(message.find("a whole backward"), std::string::npos) << message;
+  check("0F0,0F1,0B0\n", "is never run, although other backwards are");
+  // Stage 1's backward waits for its own forward, later on its lane.
+  check("0F0,0B0\n1B0,1F0\n", "deadlocks");
+  check("0F0,1F0,0B0,1B0\n", "deadlocks");
+  check("0W0,0F0,0I0\n", "deadlocks");
+  check("0F0,0B0\n0F1,0B1\n", "runs on lane 0 and on lane 1");
+}
+
+TEST(PlanTest, MakePlanRefusesBadSizes) {
+  EXPECT_THROW(make_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
+  EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 0), c10::ValueError);
+  EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 2, 0), c10::ValueError);
+}
+
+// The targets of the schedules, in unit costs: F = 1, B = W = 1 (a whole
+// backward 2), each stage of an interleaved plan half of that.
+TEST(PlanTest, SimulatedBubblesShrinkAsPromised) {
+  const int64_t n = 4;
+  const int64_t m = 8;
+  const auto one_f_one_b = simulate(make_plan(Schedule::OneFOneB, m, n));
+  // 1F1B: (n - 1) (F + B) idle per lane.
+  EXPECT_DOUBLE_EQ(one_f_one_b.bubble, 3.0 * (n - 1));
+  EXPECT_DOUBLE_EQ(one_f_one_b.makespan, 3.0 * (m + n - 1));
+
+  ActionCosts halves;
+  halves.forward = 0.5;
+  halves.backward = 1.0;
+  const auto interleaved =
+      simulate(make_plan(Schedule::Interleaved1F1B, m, n, 2), halves);
+  EXPECT_LE(interleaved.bubble, 0.55 * one_f_one_b.bubble);
+  std::cout << "interleaved bubble " << interleaved.bubble << " against "
+            << one_f_one_b.bubble << "\n";
+
+  const auto zero_bubble = simulate(make_plan(Schedule::ZeroBubble, m, n));
+  EXPECT_DOUBLE_EQ(zero_bubble.bubble, 1.0 * (n - 1));
+  EXPECT_LE(zero_bubble.bubble, 0.4 * one_f_one_b.bubble);
+
+  // Memory: no lane holds more micro-batches than 1F1B's first.
+  int64_t most_1f1b = 0;
+  for (auto p : one_f_one_b.lane_peak_live) {
+    most_1f1b = std::max(most_1f1b, p);
+  }
+  EXPECT_EQ(most_1f1b, n);
+  for (auto p : zero_bubble.lane_peak_live) {
+    EXPECT_LE(p, most_1f1b);
+  }
+  EXPECT_EQ(one_f_one_b.peak_live, (std::vector<int64_t>{4, 3, 2, 1}));
+  const auto fill_drain = simulate(make_plan(Schedule::FillDrain, m, n));
+  EXPECT_EQ(fill_drain.peak_live, (std::vector<int64_t>{8, 8, 8, 8}));
+}
+
+TEST(PlanTest, SimulationTimesActionsByCostAndTransfer) {
+  ActionCosts costs;
+  costs.transfer = 0.5;
+  costs.cost = [](const Cell& c) { return c.partition == 0 ? 2.0 : 1.0; };
+  const auto sim = simulate(make_plan(Schedule::FillDrain, 1, 2), costs);
+  // F(0,0) 0-2, F(0,1) 2.5-3.5, B(0,1) 3.5-4.5, B(0,0) 5-7.
+  EXPECT_DOUBLE_EQ(sim.makespan, 7.0);
+  ASSERT_EQ(sim.lanes[1].size(), 2u);
+  EXPECT_DOUBLE_EQ(sim.lanes[1][0].start, 2.5);
+  EXPECT_DOUBLE_EQ(sim.busy[0], 4.0);
+  EXPECT_DOUBLE_EQ(sim.busy[1], 2.0);
+  EXPECT_DOUBLE_EQ(sim.bubble, 4.0);
+  EXPECT_THROW(simulate(Plan::from_csv("0B0,0F0\n")), c10::ValueError);
+}
+
+}  // namespace
+}  // namespace gpipe

@@ -1,0 +1,292 @@
+// train_step under every schedule and plan: gradients equal the plain
+// model's, the split backward runs each part once, plans run as written,
+// and plans that do not fit are refused.
+
+#include <gpipe/gpipe.h>
+#include <gpipe/models/timed.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+
+#include "common.h"
+
+namespace gpipe {
+namespace {
+
+using testing::SeededTest;
+
+struct StashImpl : torch::nn::Cloneable<StashImpl>, Skippable {
+  StashImpl() : Skippable({"skip"}, {}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    stash("skip", x.tanh());
+    return x;
+  }
+};
+TORCH_MODULE(Stash);
+
+struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
+  PopAddImpl() : Skippable({}, {"skip"}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    return x + pop("skip");
+  }
+};
+TORCH_MODULE(PopAdd);
+
+// 8 layers with a skip from layer 1 to layer 6, and dropout (or an
+// identity) and batch norm (or tanh).
+torch::nn::Sequential model_of(bool batch_norm, double dropout = 0.3) {
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(5, 6));
+  net->push_back(Stash());
+  net->push_back(torch::nn::Linear(6, 6));
+  net->push_back(
+      batch_norm ? torch::nn::AnyModule(torch::nn::BatchNorm1d(6))
+                 : torch::nn::AnyModule(torch::nn::Tanh()));
+  net->push_back(
+      dropout > 0 ? torch::nn::AnyModule(torch::nn::Dropout(dropout))
+                  : torch::nn::AnyModule(torch::nn::Identity()));
+  net->push_back(torch::nn::Linear(6, 6));
+  net->push_back(PopAdd());
+  net->push_back(torch::nn::Linear(6, 4));
+  return net;
+}
+
+// One Linear applied twice: its weight and bias get two uses.
+struct TwiceImpl : torch::nn::Module {
+  TwiceImpl() : linear(register_module("linear", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    return linear(torch::tanh(linear(x)));
+  }
+  torch::nn::Linear linear;
+};
+TORCH_MODULE(Twice);
+
+torch::Tensor loss_of(torch::Tensor y, torch::Tensor t) {
+  return torch::nn::functional::cross_entropy(y, t);
+}
+
+void expect_same_gradients(
+    torch::nn::Module& expected, torch::nn::Module& got) {
+  auto g1 = testing::grads_of(expected);
+  auto g2 = testing::grads_of(got);
+  ASSERT_EQ(g1.size(), g2.size());
+  for (size_t k = 0; k < g1.size(); ++k) {
+    ASSERT_EQ(g1[k].defined(), g2[k].defined()) << "parameter " << k;
+    if (g1[k].defined()) {
+      EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13))
+          << "parameter " << k << ", max difference "
+          << (g2[k] - g1[k]).abs().max().item<double>();
+    }
+  }
+}
+
+struct Layout {
+  std::vector<int64_t> balance;
+  int64_t stages_per_lane;
+};
+
+class SchedulesTrainTest
+    : public SeededTest,
+      public ::testing::WithParamInterface<
+          std::tuple<Schedule, Checkpoint, Layout>> {};
+
+TEST_P(SchedulesTrainTest, GradientsEqualThePlainModel) {
+  const auto& [schedule, mode, layout] = GetParam();
+  auto net = model_of(/*batch_norm=*/false, /*dropout=*/0.0);
+  net->to(torch::kFloat64);
+  auto copy = testing::copy_of(net);
+  GPipe model(
+      copy,
+      GPipeOptions(layout.balance)
+          .chunks(5)
+          .checkpoint(mode)
+          .stages_per_lane(layout.stages_per_lane));
+  // 9 rows in 5 chunks: 2, 2, 2, 2, 1.
+  auto x = torch::randn({9, 5}, torch::kFloat64).requires_grad_(true);
+  auto x2 = x.detach().clone().requires_grad_(true);
+  auto target = torch::randint(0, 4, {9}, torch::kLong);
+  auto expected = loss_of(net->forward(x), target);
+  expected.backward();
+  auto got = model->train_step(x2, target, loss_of, schedule);
+  EXPECT_NEAR(got.item<double>(), expected.item<double>(), 1e-12);
+  ASSERT_TRUE(x2.grad().defined());
+  EXPECT_TRUE(torch::allclose(x2.grad(), x.grad(), 1e-10, 1e-13));
+  expect_same_gradients(*net, *copy);
+}
+
+TEST_P(SchedulesTrainTest, TrainingModeMatchesFillDrainWithDropout) {
+  const auto& [schedule, mode, layout] = GetParam();
+  auto net = model_of(/*batch_norm=*/true);
+  net->to(torch::kFloat64);
+  auto copy = testing::copy_of(net);
+  auto options = GPipeOptions(layout.balance)
+                     .chunks(4)
+                     .checkpoint(mode)
+                     .deferred_batch_norm(true)
+                     .stages_per_lane(layout.stages_per_lane);
+  GPipe reference(net, options);
+  GPipe model(copy, options);
+  auto x = torch::randn({8, 5}, torch::kFloat64);
+  auto target = torch::randint(0, 4, {8}, torch::kLong);
+  // The same seed gives every cell the same dropout mask under any plan.
+  torch::manual_seed(7);
+  auto expected = reference->train_step(x, target, loss_of, Schedule::FillDrain);
+  torch::manual_seed(7);
+  auto got = model->train_step(x, target, loss_of, schedule);
+  EXPECT_NEAR(got.item<double>(), expected.item<double>(), 1e-12);
+  expect_same_gradients(*reference, *model);
+  // DeferredBatchNorm folded the same statistics in.
+  auto b1 = reference->buffers();
+  auto b2 = model->buffers();
+  ASSERT_EQ(b1.size(), b2.size());
+  for (size_t k = 0; k < b1.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(b1[k].to(torch::kFloat64), b2[k].to(torch::kFloat64)))
+        << "buffer " << k;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table,
+    SchedulesTrainTest,
+    ::testing::Combine(
+        ::testing::Values(
+            Schedule::Interleaved1F1B,
+            Schedule::ZeroBubble,
+            Schedule::OneFOneB),
+        ::testing::Values(
+            Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never),
+        ::testing::Values(
+            Layout{{4, 4}, 1},
+            Layout{{2, 2, 2, 2}, 1},
+            Layout{{2, 2, 2, 2}, 2},
+            Layout{{1, 1, 1, 1, 1, 1, 1, 1}, 4})));
+
+TEST_F(SchedulesTrainTest, SplitBackwardRunsEachPartOncePerCell) {
+  auto counts = std::make_shared<models::TimedCounts>();
+  models::TimedCosts free{
+      std::chrono::microseconds(0),
+      std::chrono::microseconds(0),
+      std::chrono::microseconds(0)};
+  torch::nn::Sequential net;
+  for (int k = 0; k < 6; ++k) {
+    net->push_back(models::TimedLayer(3, free, counts));
+  }
+  GPipe model(net, GPipeOptions({3, 3}).chunks(4).checkpoint(Checkpoint::Never));
+  auto x = torch::randn({8, 3});
+  model->train_step(
+      x, torch::randn({8, 3}), [](auto y, auto t) { return torch::mse_loss(y, t); },
+      Schedule::ZeroBubble);
+  // 4 micro-batches x 6 layers; the first layer's input needs no grad.
+  EXPECT_EQ(counts->forward.load(), 24);
+  EXPECT_EQ(counts->backward_weight.load(), 24);
+  EXPECT_EQ(counts->backward_input.load(), 20);
+}
+
+TEST_F(SchedulesTrainTest, SplitBackwardWithFrozenLayersAndSharedModules) {
+  // A frozen first partition (its input needs no grad either: its cells
+  // have nothing to do), and one Linear used twice in a layer of the second
+  // (its bias is added by both uses: that graph is not split, and must
+  // still be right).
+  for (auto schedule : {Schedule::OneFOneB, Schedule::ZeroBubble}) {
+    SCOPED_TRACE(to_string(schedule));
+    auto make = [] {
+      torch::manual_seed(3);
+      torch::nn::Sequential net;
+      net->push_back(torch::nn::Linear(4, 4));
+      net->push_back(torch::nn::Tanh());
+      net->push_back(Twice());
+      net->push_back(torch::nn::Tanh());
+      net->push_back(torch::nn::Linear(4, 4));
+      net->push_back(torch::nn::Linear(4, 2));
+      net->to(torch::kFloat64);
+      for (auto& p : net[0]->parameters()) {
+        p.requires_grad_(false);
+      }
+      return net;
+    };
+    auto net = make();
+    auto copy = make();
+    GPipe model(copy, GPipeOptions({2, 3, 1}).chunks(3));
+    auto x = torch::randn({6, 4}, torch::kFloat64);
+    auto t = torch::randint(0, 2, {6}, torch::kLong);
+    loss_of(net->forward(x), t).backward();
+    model->train_step(x, t, loss_of, schedule);
+    expect_same_gradients(*net, *copy);
+  }
+}
+
+TEST_F(SchedulesTrainTest, PlanFromCsvRunsExactlyAsWritten) {
+  auto net = model_of(false);
+  GPipe model(net, GPipeOptions({2, 2, 2, 2}).chunks(2).stages_per_lane(2));
+  // Two lanes: lane 0 holds stages 0 and 2, lane 1 stages 1 and 3. An odd
+  // but valid order: lane 0 finishes micro-batch 1's forward first.
+  const std::string csv =
+      "0F1,0F0,2F1,2F0,2B0,2W0,2B1,2W1,0B0,0B1,0W1,0W0\n"
+      "1F1,3F1,1F0,3F0,3B0,1B0,3B1,1B1,3W0,3W1,1W1,1W0\n";
+  const auto plan = Plan::from_csv(csv);
+  plan.validate();
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  model->train_step(torch::randn({4, 5}), torch::randint(0, 4, {4}), loss_of, plan);
+  model->set_trace(nullptr);
+  std::map<int64_t, std::string> rows;
+  for (const auto& e : trace->events()) {
+    const char* letter = e.kind == TraceKind::Forward ? "F"
+        : e.kind == TraceKind::Backward                ? "B"
+        : e.kind == TraceKind::Weight                  ? "W"
+                                                       : nullptr;
+    if (letter != nullptr) {
+      rows[e.lane] += letter + std::to_string(e.micro_batch) + " ";
+    }
+  }
+  EXPECT_EQ(rows[0], "F1 F0 F1 F0 B0 W0 B1 W1 B0 B1 W1 W0 ");
+  EXPECT_EQ(rows[1], "F1 F1 F0 F0 B0 B0 B1 B1 W0 W1 W1 W0 ");
+}
+
+TEST_F(SchedulesTrainTest, PlansThatDoNotFitAreRefused) {
+  auto net = model_of(false);
+  GPipe model(net, GPipeOptions({2, 2, 2, 2}).chunks(2).stages_per_lane(2));
+  EXPECT_EQ(model->lanes(), 2);
+  EXPECT_EQ(model->devices().size(), 4u);
+  auto x = torch::randn({4, 5});
+  auto t = torch::randint(0, 4, {4});
+  auto error_of = [&](const Plan& plan) -> std::string {
+    try {
+      model->train_step(x, t, loss_of, plan);
+    } catch (const c10::ValueError& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  EXPECT_NE(
+      error_of(make_plan(Schedule::OneFOneB, 2, 4)).find("4 stages on 4 lanes"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of(make_plan(Schedule::OneFOneB, 3, 2, 2)).find("cut into 2"),
+      std::string::npos);
+  auto swapped = make_plan(Schedule::OneFOneB, 2, 2, 2);
+  std::swap(swapped.lanes[0], swapped.lanes[1]);
+  EXPECT_NE(error_of(swapped).find("on lane 0, but the pipeline runs it on lane 1"),
+            std::string::npos) << error_of(swapped);
+  EXPECT_NE(
+      error_of(Plan::from_csv("0F0,0F1,2F0,2F1,2B0,2B1,0B0,0B1\n"
+                              "1F0,1F1,3F0,3F1,3B1,3B0,1B0\n"))
+          .find("never run"),
+      std::string::npos);
+  // The model is still usable.
+  EXPECT_NO_THROW(model->train_step(x, t, loss_of, Schedule::Interleaved1F1B));
+}
+
+TEST_F(SchedulesTrainTest, StagesPerLaneMustDivideThePartitions) {
+  auto net = model_of(false);
+  EXPECT_THROW(
+      GPipe(net, GPipeOptions({4, 2, 2}).stages_per_lane(2)), c10::ValueError);
+  EXPECT_THROW(
+      GPipe(net, GPipeOptions({4, 4}).stages_per_lane(0)), c10::ValueError);
+}
+
+}  // namespace
+}  // namespace gpipe
