@@ -84,6 +84,11 @@ PipelineStageImpl::PipelineStageImpl(
     verify_chunks(options.chunks());
     verify_balance(options.balance(), static_cast<int64_t>(module->size()));
     TORCH_CHECK_VALUE(
+        options.stages_per_lane() == 1,
+        "gpipe::dist::PipelineStage runs one partition per rank, so "
+        "stages_per_lane must be 1, but got ",
+        options.stages_per_lane());
+    TORCH_CHECK_VALUE(
         n == size,
         "gpipe::dist::PipelineStage expects one partition per rank: balance "
         "has ",

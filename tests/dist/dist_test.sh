@@ -4,7 +4,7 @@
 # against single-process GPipe (losses, parameters, buffers, inference;
 # float64, relative 1e-10) and exits 0; see dist_worker.cpp.
 #
-#   dist_test.sh GPIPE_RUN WORKER parity     # 2 and 4 ranks, both schedules,
+#   dist_test.sh GPIPE_RUN WORKER parity     # 2 and 4 ranks, three schedules,
 #                                            # every checkpoint mode, a skip
 #                                            # across ranks, dropout, BN
 #   dist_test.sh GPIPE_RUN WORKER failures   # another balance, a failing
@@ -100,6 +100,8 @@ case $mode in
     parity 2 --schedule 1f1b --checkpoint never --batch-norm 1
     parity 4 --schedule 1f1b --checkpoint always --dropout 0.3
     parity 4 --schedule fill_drain --checkpoint except_last --batch-norm 1
+    parity 2 --schedule zero_bubble --checkpoint except_last --dropout 0.3
+    parity 4 --schedule zero_bubble --checkpoint always --batch-norm 1
     ;;
   failures)
     # Another balance on rank 1: refused at construction on both ranks.

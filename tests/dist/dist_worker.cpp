@@ -103,9 +103,8 @@ std::string arg(int argc, char** argv, const std::string& name, std::string d) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const auto schedule = arg(argc, argv, "--schedule", "1f1b") == "1f1b"
-                            ? gpipe::Schedule::OneFOneB
-                            : gpipe::Schedule::FillDrain;
+  const auto schedule =
+      gpipe::schedule_from_string(arg(argc, argv, "--schedule", "1f1b"));
   const auto checkpoint = gpipe::checkpoint_from_string(
       arg(argc, argv, "--checkpoint", "except_last"));
   const bool batch_norm = arg(argc, argv, "--batch-norm", "0") == "1";
