@@ -280,6 +280,25 @@ TEST_F(SchedulesTrainTest, PlansThatDoNotFitAreRefused) {
   EXPECT_NO_THROW(model->train_step(x, t, loss_of, Schedule::Interleaved1F1B));
 }
 
+TEST_F(SchedulesTrainTest, ForwardAndAutogradBackwardWithStagesPerLane) {
+  auto net = model_of(/*batch_norm=*/false, /*dropout=*/0.0);
+  net->to(torch::kFloat64);
+  auto copy = testing::copy_of(net);
+  GPipe model(
+      copy,
+      GPipeOptions({2, 2, 2, 2})
+          .chunks(3)
+          .checkpoint(Checkpoint::Always)
+          .stages_per_lane(2));
+  auto x = torch::randn({7, 5}, torch::kFloat64);
+  auto expected = net->forward(x);
+  auto got = model->forward(x);
+  EXPECT_TRUE(torch::allclose(got, expected, 1e-12, 1e-12));
+  expected.pow(2).sum().backward();
+  got.pow(2).sum().backward();
+  expect_same_gradients(*net, *copy);
+}
+
 TEST_F(SchedulesTrainTest, StagesPerLaneMustDivideThePartitions) {
   auto net = model_of(false);
   EXPECT_THROW(
