@@ -72,7 +72,8 @@ nlohmann::json timed_table(int iters) {
     const auto stages = lanes * v;
     torch::nn::Sequential net;
     for (int64_t k = 0; k < layers; ++k) {
-      net->push_back(models::TimedLayer(16, models::TimedCosts{part, part, part}));
+      net->push_back(
+          models::TimedLayer(16, models::TimedCosts{part, part, part}));
     }
     GPipe model(
         net,

@@ -255,7 +255,7 @@ torch::Tensor GPipeImpl::run_train_step(
 
 int64_t GPipeImpl::lanes() const {
   return static_cast<int64_t>(options.balance().size()) /
-      options.stages_per_lane();
+         options.stages_per_lane();
 }
 
 void GPipeImpl::to(

@@ -180,8 +180,8 @@ std::string Trace::svg() const {
       << label << "s, " << fixed(span / 1000.0, 2) << " ms</text>\n";
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const double y = top + row * static_cast<double>(lane);
-    out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">"
-        << label << " " << lane << "</text>\n";
+    out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">" << label
+        << " " << lane << "</text>\n";
     out << "<rect x=\"" << left << "\" y=\"" << fixed(y + 2, 1) << "\" width=\""
         << width << "\" height=\"" << row - 4
         << "\" fill=\"none\" stroke=\"#dddddd\"/>\n";

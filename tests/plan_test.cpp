@@ -64,9 +64,10 @@ TEST(PlanTest, SchedulesParseAndPrint) {
 TEST(PlanTest, ZeroBubbleDefersWeightsByTheStage) {
   // n = 2, m = 3: the last stage defers each W by one micro-batch.
   const auto plan = make_plan(Schedule::ZeroBubble, 3, 2);
-  EXPECT_EQ(plan.to_csv(),
-            "0F0,0F1,0B0,0W0,0F2,0B1,0W1,0B2,0W2\n"
-            "1F0,1B0,1F1,1B1,1W0,1F2,1B2,1W1,1W2\n");
+  EXPECT_EQ(
+      plan.to_csv(),
+      "0F0,0F1,0B0,0W0,0F2,0B1,0W1,0B2,0W2\n"
+      "1F0,1B0,1F1,1B1,1W0,1F2,1B2,1W1,1W2\n");
   std::ostringstream table;
   table << plan;
   std::cout << table.str();
@@ -96,8 +97,7 @@ TEST(PlanTest, CsvReadsPyTorchSpellings) {
   EXPECT_EQ(plan.lanes[1][1].phase, Phase::BackwardInput);  // B with a W
   EXPECT_NO_THROW(plan.validate());
   // Whole backwards stay whole.
-  EXPECT_EQ(
-      Plan::from_csv("0F0,0B0\n").lanes[0][1].phase, Phase::Backward);
+  EXPECT_EQ(Plan::from_csv("0F0,0B0\n").lanes[0][1].phase, Phase::Backward);
 }
 
 TEST(PlanTest, CsvErrorsNameRowColumnAndText) {

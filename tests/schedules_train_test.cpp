@@ -88,10 +88,9 @@ struct Layout {
   int64_t stages_per_lane;
 };
 
-class SchedulesTrainTest
-    : public SeededTest,
-      public ::testing::WithParamInterface<
-          std::tuple<Schedule, Checkpoint, Layout>> {};
+class SchedulesTrainTest : public SeededTest,
+                           public ::testing::WithParamInterface<
+                               std::tuple<Schedule, Checkpoint, Layout>> {};
 
 TEST_P(SchedulesTrainTest, GradientsEqualThePlainModel) {
   const auto& [schedule, mode, layout] = GetParam();
@@ -133,7 +132,8 @@ TEST_P(SchedulesTrainTest, TrainingModeMatchesFillDrainWithDropout) {
   auto target = torch::randint(0, 4, {8}, torch::kLong);
   // The same seed gives every cell the same dropout mask under any plan.
   torch::manual_seed(7);
-  auto expected = reference->train_step(x, target, loss_of, Schedule::FillDrain);
+  auto expected =
+      reference->train_step(x, target, loss_of, Schedule::FillDrain);
   torch::manual_seed(7);
   auto got = model->train_step(x, target, loss_of, schedule);
   EXPECT_NEAR(got.item<double>(), expected.item<double>(), 1e-12);
@@ -143,7 +143,8 @@ TEST_P(SchedulesTrainTest, TrainingModeMatchesFillDrainWithDropout) {
   auto b2 = model->buffers();
   ASSERT_EQ(b1.size(), b2.size());
   for (size_t k = 0; k < b1.size(); ++k) {
-    EXPECT_TRUE(torch::allclose(b1[k].to(torch::kFloat64), b2[k].to(torch::kFloat64)))
+    EXPECT_TRUE(
+        torch::allclose(b1[k].to(torch::kFloat64), b2[k].to(torch::kFloat64)))
         << "buffer " << k;
   }
 }
@@ -174,10 +175,13 @@ TEST_F(SchedulesTrainTest, SplitBackwardRunsEachPartOncePerCell) {
   for (int k = 0; k < 6; ++k) {
     net->push_back(models::TimedLayer(3, free, counts));
   }
-  GPipe model(net, GPipeOptions({3, 3}).chunks(4).checkpoint(Checkpoint::Never));
+  GPipe model(
+      net, GPipeOptions({3, 3}).chunks(4).checkpoint(Checkpoint::Never));
   auto x = torch::randn({8, 3});
   model->train_step(
-      x, torch::randn({8, 3}), [](auto y, auto t) { return torch::mse_loss(y, t); },
+      x,
+      torch::randn({8, 3}),
+      [](auto y, auto t) { return torch::mse_loss(y, t); },
       Schedule::ZeroBubble);
   // 4 micro-batches x 6 layers; the first layer's input needs no grad.
   EXPECT_EQ(counts->forward.load(), 24);
@@ -230,14 +234,15 @@ TEST_F(SchedulesTrainTest, PlanFromCsvRunsExactlyAsWritten) {
   plan.validate();
   auto trace = std::make_shared<Trace>();
   model->set_trace(trace);
-  model->train_step(torch::randn({4, 5}), torch::randint(0, 4, {4}), loss_of, plan);
+  model->train_step(
+      torch::randn({4, 5}), torch::randint(0, 4, {4}), loss_of, plan);
   model->set_trace(nullptr);
   std::map<int64_t, std::string> rows;
   for (const auto& e : trace->events()) {
-    const char* letter = e.kind == TraceKind::Forward ? "F"
-        : e.kind == TraceKind::Backward                ? "B"
-        : e.kind == TraceKind::Weight                  ? "W"
-                                                       : nullptr;
+    const char* letter = e.kind == TraceKind::Forward    ? "F"
+                         : e.kind == TraceKind::Backward ? "B"
+                         : e.kind == TraceKind::Weight   ? "W"
+                                                         : nullptr;
     if (letter != nullptr) {
       rows[e.lane] += letter + std::to_string(e.micro_batch) + " ";
     }
@@ -269,8 +274,10 @@ TEST_F(SchedulesTrainTest, PlansThatDoNotFitAreRefused) {
       std::string::npos);
   auto swapped = make_plan(Schedule::OneFOneB, 2, 2, 2);
   std::swap(swapped.lanes[0], swapped.lanes[1]);
-  EXPECT_NE(error_of(swapped).find("on lane 0, but the pipeline runs it on lane 1"),
-            std::string::npos) << error_of(swapped);
+  EXPECT_NE(
+      error_of(swapped).find("on lane 0, but the pipeline runs it on lane 1"),
+      std::string::npos)
+      << error_of(swapped);
   EXPECT_NE(
       error_of(Plan::from_csv("0F0,0F1,2F0,2F1,2B0,2B1,0B0,0B1\n"
                               "1F0,1F1,3F0,3F1,3B1,3B0,1B0\n"))

@@ -34,7 +34,6 @@
 
 namespace {
 
-
 using namespace gpipe_train;
 
 std::vector<uint8_t> read_gzip(const std::string& path) {

@@ -22,8 +22,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <sstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -426,8 +426,7 @@ void verify_args(const CLI::App& app, Args& args) {
     args.stages_per_lane = 2;
   }
   usage_check(
-      args.stages_per_lane >= 1 &&
-          args.partitions % args.stages_per_lane == 0,
+      args.stages_per_lane >= 1 && args.partitions % args.stages_per_lane == 0,
       "--stages-per-lane must be positive and divide the ",
       args.partitions,
       " partitions, but got ",

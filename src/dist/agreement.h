@@ -66,8 +66,8 @@ inline const char* kind_name(PassKind kind) {
 
 inline std::string schedule_name(int64_t s) {
   return s >= 0 && s <= static_cast<int64_t>(gpipe::Schedule::ZeroBubble)
-      ? gpipe::to_string(static_cast<gpipe::Schedule>(s))
-      : "schedule " + std::to_string(s);
+             ? gpipe::to_string(static_cast<gpipe::Schedule>(s))
+             : "schedule " + std::to_string(s);
 }
 
 /// What every rank must agree on at construction, field by field.

@@ -64,7 +64,8 @@ Plan Pipeline::on_lanes(Plan flat) const {
 
 void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
   TORCH_CHECK_VALUE(
-      plan.stages == size() && static_cast<int64_t>(plan.lanes.size()) == lanes(),
+      plan.stages == size() &&
+          static_cast<int64_t>(plan.lanes.size()) == lanes(),
       "train_step: the plan has ",
       plan.stages,
       " stages on ",

@@ -164,8 +164,7 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
     auto error = with_context(
         std::current_exception(),
         "partition " + std::to_string(cell.partition) + ", micro-batch " +
-            std::to_string(cell.micro_batch) +
-            phase_name(cell.phase));
+            std::to_string(cell.micro_batch) + phase_name(cell.phase));
     error_.set(error);
     std::string why;
     try {

@@ -35,8 +35,8 @@ namespace gpipe::detail {
 // backward, and the weight part has nothing to do.
 
 using torch::autograd::Edge;
-using torch::autograd::Node;
 using torch::autograd::edge_list;
+using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 struct WeightWork {

@@ -1,7 +1,5 @@
 #include "engine/stage.h"
 
-#include "engine/split_backward.h"
-
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
 #include <gpipe/batchnorm.h>
@@ -12,6 +10,8 @@
 
 #include <chrono>
 #include <optional>
+
+#include "engine/split_backward.h"
 
 namespace gpipe::detail {
 

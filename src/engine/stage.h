@@ -49,7 +49,7 @@ struct CellState {
   torch::Tensor loss_value;  // detached
   /// After the input part of a split backward: what its weight part does.
   std::shared_ptr<WeightWork> weight;
-  bool has_graph = false;    // backward has something to do
+  bool has_graph = false;  // backward has something to do
   bool checkpointed = false;
   uint64_t seed = 0;
   RandomOutcome random;

@@ -78,8 +78,7 @@ std::vector<std::vector<Cell>> interleaved_lanes(
   std::vector<int64_t> warmups;
   for (int64_t l = 0; l < n; ++l) {
     orders.push_back(orders_of(m, n, v, l));
-    warmups.push_back(
-        v == 1 ? n - l - 1 : 2 * (n - l - 1) + (v - 1) * n);
+    warmups.push_back(v == 1 ? n - l - 1 : 2 * (n - l - 1) + (v - 1) * n);
   }
   // Every lane warmed up fully (all forwards, then all backwards) always
   // runs, so this ends.

@@ -49,7 +49,8 @@ Plan make_plan(
     Plan plan;
     plan.micro_batches = micro_batches;
     plan.stages = stages;
-    plan.lanes = detail::interleaved_lanes(micro_batches, lanes, stages_per_lane);
+    plan.lanes =
+        detail::interleaved_lanes(micro_batches, lanes, stages_per_lane);
     return plan;
   }
   auto flat = training_plan(schedule, micro_batches, stages);

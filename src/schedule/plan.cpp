@@ -279,12 +279,12 @@ void Plan::validate() const {
       TORCH_CHECK_VALUE(
           input == weight,
           "plan: ",
-          to_string(Cell{
-              i, j, input ? Phase::BackwardInput : Phase::BackwardWeight}),
+          to_string(
+              Cell{i, j, input ? Phase::BackwardInput : Phase::BackwardWeight}),
           " has no ",
           input ? "weight part " : "input part ",
-          to_string(Cell{
-              i, j, input ? Phase::BackwardWeight : Phase::BackwardInput}),
+          to_string(
+              Cell{i, j, input ? Phase::BackwardWeight : Phase::BackwardInput}),
           "; a split backward needs both");
       TORCH_CHECK_VALUE(
           backwards == 0 || whole || input,
@@ -373,8 +373,8 @@ const char* action_letter(Phase phase) {
 
 std::string to_string(const Cell& cell) {
   const char* letter = cell.phase == Phase::BackwardInput
-      ? "I"
-      : detail::action_letter(cell.phase);
+                           ? "I"
+                           : detail::action_letter(cell.phase);
   return std::string(letter) + "(" + std::to_string(cell.micro_batch) + "," +
          std::to_string(cell.partition) + ")";
 }

@@ -18,8 +18,8 @@ std::string Plan::to_csv() const {
   for (const auto& lane : lanes) {
     bool first = true;
     for (const auto& c : lane) {
-      out << (first ? "" : ",") << c.partition
-          << detail::action_letter(c.phase) << c.micro_batch;
+      out << (first ? "" : ",") << c.partition << detail::action_letter(c.phase)
+          << c.micro_batch;
       first = false;
     }
     out << '\n';
@@ -43,7 +43,8 @@ bool parse_action(
   size_t k = 0;
   auto number = [&](int64_t& value) {
     const size_t begin = k;
-    while (k < text.size() && std::isdigit(static_cast<unsigned char>(text[k]))) {
+    while (k < text.size() &&
+           std::isdigit(static_cast<unsigned char>(text[k]))) {
       ++k;
     }
     if (k == begin || k - begin > 9) {
