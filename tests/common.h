@@ -48,6 +48,27 @@ std::shared_ptr<LambdaImpl<F>> lambda(F f) {
   return std::make_shared<LambdaImpl<F>>(std::move(f));
 }
 
+/// Stashes tanh(x) under "skip" and passes x on.
+struct TanhStashImpl : torch::nn::Cloneable<TanhStashImpl>, Skippable {
+  TanhStashImpl() : Skippable({"skip"}, {}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    stash("skip", x.tanh());
+    return x;
+  }
+};
+TORCH_MODULE(TanhStash);
+
+/// Pops "skip" and adds it.
+struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
+  PopAddImpl() : Skippable({}, {"skip"}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    return x + pop("skip");
+  }
+};
+TORCH_MODULE(PopAdd);
+
 /// Gradients of every parameter, in order.
 inline std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
   std::vector<torch::Tensor> grads;

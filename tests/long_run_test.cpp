@@ -191,6 +191,7 @@ TEST_F(LongRunTest, ResidentMemoryStaysFlatOverThousandsOfSteps) {
       std::chrono::duration<double, std::milli>(longest_hold).count());
 
   if (steps <= kWarmUpSteps) {
+    // Skipped when the time budget allowed too few steps (a slow machine).
     GTEST_SKIP() << steps << " steps: too few to measure memory after a "
                  << kWarmUpSteps << "-step warm-up";
   }
@@ -205,6 +206,7 @@ TEST_F(LongRunTest, ResidentMemoryStaysFlatOverThousandsOfSteps) {
       growth / 1024.0,
       growth / 1024.0 / static_cast<double>(steps - kWarmUpSteps));
 #ifdef GPIPE_SANITIZED
+  // Skipped in the sanitizer build only: its shadow memory grows by design.
   GTEST_SKIP() << "resident memory is not checked under a sanitizer (shadow "
                   "memory and quarantine grow by design)";
 #else

@@ -16,31 +16,15 @@ namespace {
 
 using testing::SeededTest;
 
-struct StashImpl : torch::nn::Cloneable<StashImpl>, Skippable {
-  StashImpl() : Skippable({"skip"}, {}) {}
-  void reset() override {}
-  torch::Tensor forward(torch::Tensor x) {
-    stash("skip", x.tanh());
-    return x;
-  }
-};
-TORCH_MODULE(Stash);
-
-struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
-  PopAddImpl() : Skippable({}, {"skip"}) {}
-  void reset() override {}
-  torch::Tensor forward(torch::Tensor x) {
-    return x + pop("skip");
-  }
-};
-TORCH_MODULE(PopAdd);
+using testing::PopAdd;
+using testing::TanhStash;
 
 // 8 layers with a skip from layer 1 to layer 6, and dropout (or an
 // identity) and batch norm (or tanh).
 torch::nn::Sequential model_of(bool batch_norm, double dropout = 0.3) {
   torch::nn::Sequential net;
   net->push_back(torch::nn::Linear(5, 6));
-  net->push_back(Stash());
+  net->push_back(TanhStash());
   net->push_back(torch::nn::Linear(6, 6));
   net->push_back(
       batch_norm ? torch::nn::AnyModule(torch::nn::BatchNorm1d(6))

@@ -11,31 +11,15 @@ namespace {
 
 using testing::SeededTest;
 
-struct StashImpl : torch::nn::Cloneable<StashImpl>, Skippable {
-  StashImpl() : Skippable({"skip"}, {}) {}
-  void reset() override {}
-  torch::Tensor forward(torch::Tensor x) {
-    stash("skip", x.tanh());
-    return x;
-  }
-};
-TORCH_MODULE(Stash);
-
-struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
-  PopAddImpl() : Skippable({}, {"skip"}) {}
-  void reset() override {}
-  torch::Tensor forward(torch::Tensor x) {
-    return x + pop("skip");
-  }
-};
-TORCH_MODULE(PopAdd);
+using testing::PopAdd;
+using testing::TanhStash;
 
 // 8 layers; with skips, one from layer 1 to layer 6.
 torch::nn::Sequential model_of(bool skips) {
   torch::nn::Sequential net;
   net->push_back(torch::nn::Linear(5, 6));
   net->push_back(
-      skips ? torch::nn::AnyModule(Stash())
+      skips ? torch::nn::AnyModule(TanhStash())
             : torch::nn::AnyModule(torch::nn::Identity()));
   net->push_back(torch::nn::Linear(6, 6));
   net->push_back(torch::nn::Tanh());
