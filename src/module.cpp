@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "device.h"
+#include "engine/partitions.h"
 #include "engine/pipeline.h"
 
 namespace gpipe {
@@ -120,19 +121,10 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
 
   // Split the layers; each keeps its name in the Sequential.
   partitions_ = register_module("partitions", torch::nn::ModuleList());
-  std::vector<torch::nn::Sequential> parts;
-  const auto named = module->named_children();
-  int64_t layer = 0;
+  auto parts = detail::split_partitions(module, options.balance());
   for (const auto j : c10::irange(n)) {
-    torch::nn::Sequential part;
-    for (const auto k : c10::irange(options.balance()[j])) {
-      (void)k;
-      part->push_back(named[layer].key(), *(module->begin() + layer));
-      ++layer;
-    }
-    part->to(devices_[j]);
-    partitions_->push_back(part);
-    parts.push_back(part);
+    parts[j]->to(devices_[j]);
+    partitions_->push_back(parts[j]);
   }
   if (n > 0) {
     pipeline_ = std::make_shared<Engine>(

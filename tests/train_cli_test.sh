@@ -144,12 +144,15 @@ if [[ $mode == bad ]]; then
   printf '0F0,1F0,1B0,0B0\n' >"$tmp/one-lane.csv"
   bad --plan "${d[@]}" --plan "$tmp/one-lane.csv"
 
-  # Under a launcher (WORLD_SIZE set): one partition per rank, no autograd
-  # schedule, a well-formed WORLD_SIZE; all refused before joining the job.
+  # Under a launcher (WORLD_SIZE set): ranks x stages-per-lane partitions,
+  # no autograd schedule, a well-formed WORLD_SIZE; all refused before joining the job.
   export WORLD_SIZE=2
   bad --partitions "${d[@]}" --partitions 3
   bad --balance "${d[@]}" --balance 4,4,5
   bad --schedule "${d[@]}" --schedule autograd
+  bad --partitions "${d[@]}" --schedule interleaved --partitions 2
+  bad --balance "${d[@]}" --stages-per-lane 2 --balance 6,7
+  bad --stages-per-lane "${d[@]}" --stages-per-lane 0
   export WORLD_SIZE=two
   bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0

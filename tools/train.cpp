@@ -219,20 +219,28 @@ int train(const Args& args) {
       }
       optimizer.zero_grad();
       torch::Tensor loss;
-      if (world) {
+      if (args.schedule == "plan" &&
+          gpipe::scatter({x}, args.chunks).size() !=
+              static_cast<size_t>(plan.micro_batches)) {
+        // A short last batch cuts into fewer micro-batches than the plan
+        // has; it is left out rather than run by another plan (on every
+        // rank alike: each reads the same batches).
+        ++skipped_batches;
+        continue;
+      }
+      if (world && args.schedule == "plan") {
+        loss = stage->train_step(
+            lead ? x : torch::Tensor(),
+            last ? y : torch::Tensor(),
+            loss_fn,
+            plan);
+      } else if (world) {
         loss = stage->train_step(
             lead ? x : torch::Tensor(),
             last ? y : torch::Tensor(),
             loss_fn,
             gpipe::schedule_from_string(args.schedule));
       } else if (args.schedule == "plan") {
-        if (gpipe::scatter({x}, args.chunks).size() !=
-            static_cast<size_t>(plan.micro_batches)) {
-          // A short last batch cuts into fewer micro-batches than the plan
-          // has; it is left out rather than run by another plan.
-          ++skipped_batches;
-          continue;
-        }
         loss = model->train_step(x, y, loss_fn, plan);
       } else if (args.schedule == "autograd") {
         loss = loss_fn(model->forward(x), y);

@@ -311,26 +311,43 @@ void verify_args(const CLI::App& app, Args& args) {
       "--log-every must be at least 1, but got ",
       args.log_every);
 
+  const bool per_lane = app.count("--stages-per-lane") > 0;
+  usage_check(
+      args.stages_per_lane >= 1 && args.stages_per_lane <= spec.layers,
+      "--stages-per-lane must be between 1 and ",
+      spec.layers,
+      ", but got ",
+      args.stages_per_lane);
+  // Across ranks: partition j on rank j % ranks, stages_per_lane partitions
+  // per rank (2 for the interleaved schedule unless told otherwise).
+  int64_t ranks_partitions = 0;
   if (args.world_size > 1) {
-    // One partition per rank; the autograd schedule needs the whole
-    // pipeline in one process.
+    // The autograd schedule needs the whole pipeline in one process.
+    if (!per_lane && args.schedule == "interleaved") {
+      args.stages_per_lane = 2;
+    }
+    ranks_partitions = args.world_size * args.stages_per_lane;
     if (app.count("--partitions") == 0 && app.count("--balance") == 0) {
-      args.partitions = args.world_size;
+      args.partitions = ranks_partitions;
     }
     usage_check(
-        app.count("--partitions") == 0 || args.partitions == args.world_size,
+        app.count("--partitions") == 0 || args.partitions == ranks_partitions,
         "--partitions is ",
         args.partitions,
         ", but the launcher started ",
         args.world_size,
-        " ranks (WORLD_SIZE); each rank runs one partition");
+        " ranks (WORLD_SIZE) with ",
+        args.stages_per_lane,
+        " partition(s) each: give ",
+        ranks_partitions,
+        " or leave out --partitions");
     if (app.count("--schedule") == 0) {
       args.schedule = "fill_drain";
     }
     usage_check(
         args.schedule != "autograd",
         "--schedule autograd runs in one process; across ranks use "
-        "fill_drain, 1f1b or zero_bubble");
+        "fill_drain, 1f1b, interleaved or zero_bubble");
   }
   usage_check(
       args.partitions >= 1 && args.partitions <= spec.layers,
@@ -380,14 +397,18 @@ void verify_args(const CLI::App& app, Args& args) {
         spec.layers,
         " layers");
     usage_check(
-        args.world_size == 1 || n == args.world_size,
+        args.world_size == 1 || n == ranks_partitions,
         "--balance '",
         args.balance_text,
         "' has ",
         n,
         " entries, but the launcher started ",
         args.world_size,
-        " ranks (WORLD_SIZE); give one entry per rank");
+        " ranks (WORLD_SIZE) with ",
+        args.stages_per_lane,
+        " partition(s) each; give ",
+        ranks_partitions,
+        " entries");
     args.partitions = n;
   } else if (args.partitions == 2 && !spec.two_way_balance.empty()) {
     args.balance = spec.two_way_balance;
@@ -420,7 +441,6 @@ void verify_args(const CLI::App& app, Args& args) {
         "'; give them different files");
   }
 
-  const bool per_lane = app.count("--stages-per-lane") > 0;
   if (!per_lane && args.schedule == "interleaved" && args.world_size == 1 &&
       args.partitions >= 4 && args.partitions % 2 == 0) {
     args.stages_per_lane = 2;
@@ -432,11 +452,6 @@ void verify_args(const CLI::App& app, Args& args) {
       " partitions, but got ",
       args.stages_per_lane);
   usage_check(
-      args.world_size == 1 || args.stages_per_lane == 1,
-      "--stages-per-lane ",
-      args.stages_per_lane,
-      " runs in one process; across ranks each rank runs one partition");
-  usage_check(
       !per_lane || args.schedule != "autograd",
       "--stages-per-lane needs a train_step schedule (fill_drain, 1f1b, "
       "interleaved or zero_bubble), but --schedule is autograd");
@@ -444,9 +459,6 @@ void verify_args(const CLI::App& app, Args& args) {
     usage_check(
         app.count("--schedule") == 0,
         "--plan and --schedule both say how to run a step; give one");
-    usage_check(
-        args.world_size == 1,
-        "--plan runs in one process; across ranks use --schedule");
     std::error_code error;
     usage_check(
         fs::is_regular_file(args.plan_path, error),

@@ -4,8 +4,9 @@
 // PyTorch's own distributed engine (c10d: a TCPStore to meet, Gloo to talk).
 //
 // Every process builds the same Sequential and the same GPipeOptions; rank r
-// keeps partition r and runs its cells, and activations, gradients and skips
-// travel between ranks. Results equal the single-process GPipe's with the
+// keeps partition r (and r + size, r + 2 size, ... with stages_per_lane > 1)
+// and runs its cells, and activations, gradients and skips travel between
+// ranks. Results equal the single-process GPipe's with the
 // same balance, chunks, checkpoint mode and seed.
 //
 // ```
@@ -37,6 +38,7 @@ class Store;
 
 namespace gpipe {
 class Trace;
+struct Plan;
 }  // namespace gpipe
 
 namespace gpipe::dist {
@@ -95,12 +97,15 @@ std::chrono::milliseconds default_timeout();
 class PipelineStage;
 std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 
-/// One rank's part of a pipeline: partition `world.rank()` of `module`
-/// split by `options.balance()` (which needs one partition per rank).
+/// One rank's part of a pipeline: the partitions of `module` split by
+/// `options.balance()` that fall on `world.rank()`. With `stages_per_lane`
+/// v, balance has `world.size() * v` partitions and partition j runs on rank
+/// `j % world.size()` (the layout interleaved schedules need); with v = 1,
+/// the default, rank r holds partition r.
 ///
-/// Parameters are named `partitions.<rank>.<name>` as in gpipe::GPipe, so
-/// the ranks' parameters together are GPipe's. The partition runs on the
-/// CPU, or on `options.devices()[rank]` when devices are given.
+/// Parameters are named `partitions.<j>.<name>` as in gpipe::GPipe, so the
+/// ranks' parameters together are GPipe's. The partitions run on the CPU,
+/// or on `options.devices()[rank]` when devices are given (one per rank).
 ///
 /// Every rank calls the same passes in the same order: `train_step` and
 /// `forward` are collective. A pass that fails on one rank fails on every
@@ -128,6 +133,19 @@ class PipelineStageImpl : public torch::nn::Module {
       const LossFunction& loss_fn,
       Schedule schedule = Schedule::FillDrain);
 
+  /// As above, running `plan` (`gpipe::make_plan`, written by hand, or
+  /// `Plan::from_csv`) as written: rank r runs lane r. Every rank passes the
+  /// same plan (compared when the pass begins; a difference fails every
+  /// rank, naming both). A plan that does not fit (other stages or lanes,
+  /// another number of micro-batches than the input cuts into, a stage on
+  /// the wrong rank, one that cannot run) is a `c10::ValueError` on every
+  /// rank, and the stage stays usable.
+  torch::Tensor train_step(
+      torch::Tensor input,
+      torch::Tensor target,
+      const LossFunction& loss_fn,
+      const Plan& plan);
+
   /// Refused: the stage's device is fixed.
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
       override;
@@ -144,9 +162,14 @@ class PipelineStageImpl : public torch::nn::Module {
   /// `gpipe::dist::PipelineStage(rank=1/2, balance=[4, 4], chunks=8, ...)`.
   void pretty_print(std::ostream& stream) const override;
 
-  /// This rank's partition.
+  /// This rank's first partition (partition `rank()`).
   const torch::nn::Sequential& partition() const {
-    return partition_;
+    return partitions_.front();
+  }
+  /// This rank's partitions, in order: partition `rank() + k * world size`
+  /// is `partitions()[k]`.
+  const std::vector<torch::nn::Sequential>& partitions() const {
+    return partitions_;
   }
   torch::Device device() const {
     return device_;
@@ -160,6 +183,9 @@ class PipelineStageImpl : public torch::nn::Module {
   const std::vector<int64_t>& balance() const {
     return options.balance();
   }
+  int64_t stages_per_lane() const {
+    return options.stages_per_lane();
+  }
   int64_t chunks() const {
     return options.chunks();
   }
@@ -169,8 +195,15 @@ class PipelineStageImpl : public torch::nn::Module {
  private:
   friend std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
   struct Engine;
+  torch::Tensor run_train_step(
+      torch::Tensor input,
+      torch::Tensor target,
+      const LossFunction& loss_fn,
+      Schedule schedule,
+      const Plan* plan);
+
   World world_;
-  torch::nn::Sequential partition_;
+  std::vector<torch::nn::Sequential> partitions_;
   torch::Device device_ = torch::kCPU;
   std::shared_ptr<Engine> engine_;
 };

@@ -50,6 +50,7 @@ std::vector<std::pair<std::string, std::string>> fingerprint(
   fields.emplace_back("world size", str(world_size));
   fields.emplace_back("balance", str(c10::IntArrayRef(options.balance())));
   fields.emplace_back("chunks", str(options.chunks()));
+  fields.emplace_back("stages_per_lane", str(options.stages_per_lane()));
   fields.emplace_back("checkpoint", to_string(options.checkpoint()));
   fields.emplace_back(
       "deferred_batch_norm", options.deferred_batch_norm() ? "true" : "false");
@@ -184,9 +185,9 @@ Begin begin_pass(
   differ("pass", kind_name(local.kind), kind_name(theirs.kind));
   if (local.kind == PassKind::Train) {
     differ(
-        "schedule",
-        schedule_name(local.schedule),
-        schedule_name(theirs.schedule));
+        "train_step with",
+        step_name(local.schedule, local.plan_hash),
+        step_name(theirs.schedule, theirs.plan_hash));
   }
   differ(
       "in mode",

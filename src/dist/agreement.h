@@ -22,6 +22,9 @@ namespace gpipe::dist::detail {
 
 enum class PassKind : int64_t { Forward = 0, Train = 1 };
 
+/// Begin::schedule of a training step that runs a plan given by the caller.
+constexpr int64_t kPlanSchedule = -1;
+
 /// What rank 0 tells the others when it starts a pass.
 struct Begin {
   PassKind kind = PassKind::Forward;
@@ -29,6 +32,7 @@ struct Begin {
   int64_t checkpoint_stop = 0;
   bool training = false;
   uint64_t seed = 0;
+  uint64_t plan_hash = 0;      // with schedule == kPlanSchedule
   std::vector<int64_t> sizes;  // rows of each micro-batch
 
   torch::Tensor encode() const {
@@ -37,15 +41,17 @@ struct Begin {
         schedule,
         checkpoint_stop,
         training ? 1 : 0,
+        0,
         0};
     std::memcpy(&words[4], &seed, sizeof(seed));
+    std::memcpy(&words[5], &plan_hash, sizeof(plan_hash));
     words.insert(words.end(), sizes.begin(), sizes.end());
     return torch::tensor(words, torch::kLong);
   }
   static Begin decode(const torch::Tensor& t) {
     TORCH_CHECK(
         t.defined() && t.scalar_type() == torch::kLong && t.dim() == 1 &&
-            t.numel() >= 6,
+            t.numel() >= 7,
         "gpipe::dist: a malformed begin message came from rank 0");
     auto w = t.contiguous();
     const auto* p = w.data_ptr<int64_t>();
@@ -55,7 +61,8 @@ struct Begin {
     b.checkpoint_stop = p[2];
     b.training = p[3] != 0;
     std::memcpy(&b.seed, &p[4], sizeof(b.seed));
-    b.sizes.assign(p + 5, p + w.numel());
+    std::memcpy(&b.plan_hash, &p[5], sizeof(b.plan_hash));
+    b.sizes.assign(p + 6, p + w.numel());
     return b;
   }
 };
@@ -64,10 +71,15 @@ inline const char* kind_name(PassKind kind) {
   return kind == PassKind::Train ? "train_step" : "forward";
 }
 
-inline std::string schedule_name(int64_t s) {
-  return s >= 0 && s <= static_cast<int64_t>(gpipe::Schedule::ZeroBubble)
-             ? gpipe::to_string(static_cast<gpipe::Schedule>(s))
-             : "schedule " + std::to_string(s);
+/// What a training step runs: "schedule 1f1b", "a plan (hashed to N)".
+inline std::string step_name(int64_t s, uint64_t plan_hash) {
+  if (s == kPlanSchedule) {
+    return "a plan (hashed to " + std::to_string(plan_hash) + ")";
+  }
+  return "schedule " +
+         (s >= 0 && s <= static_cast<int64_t>(gpipe::Schedule::ZeroBubble)
+              ? gpipe::to_string(static_cast<gpipe::Schedule>(s))
+              : std::to_string(s));
 }
 
 /// What every rank must agree on at construction, field by field.

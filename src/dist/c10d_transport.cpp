@@ -71,9 +71,7 @@ Packet C10dTransport::recv(Phase phase, int64_t i, int64_t k) {
       phase == Phase::Forward ? MessageKind::Forward : MessageKind::Backward,
       i,
       k};
-  // The receiving stage's lane: k in forward, k - 1 in backward.
-  const auto lane = phase == Phase::Forward ? k : k - 1;
-  auto m = receive_traced(peer, id, lane);
+  auto m = receive_traced(peer, id);
   return Packet{std::move(m.tensors), m.atomic};
 }
 
@@ -98,7 +96,6 @@ torch::Tensor C10dTransport::recv_skip(
     Phase phase, int64_t i, const gpipe::SkipKey& key) {
   const auto route = placement_.skip_route.at(key);
   const auto from = phase == Phase::Forward ? route.first : route.second;
-  const auto to = phase == Phase::Forward ? route.second : route.first;
   const auto peer = placement_.rank_of_stage[from];
   if (peer == me()) {
     return local_.recv_skip(phase, i, key);
@@ -108,7 +105,7 @@ torch::Tensor C10dTransport::recv_skip(
                               : MessageKind::BackwardSkip,
       i,
       placement_.skip_index.at(key)};
-  auto m = receive_traced(peer, id, to);
+  auto m = receive_traced(peer, id);
   TORCH_CHECK(
       m.tensors.size() == 1,
       "rank ",
@@ -140,16 +137,15 @@ void C10dTransport::send_message(
 }
 
 Message C10dTransport::recv_message(int64_t peer, const MessageId& id) {
-  return receive_traced(peer, id, me());
+  return receive_traced(peer, id);
 }
 
-Message C10dTransport::receive_traced(
-    int64_t peer, const MessageId& id, int64_t lane) {
+Message C10dTransport::receive_traced(int64_t peer, const MessageId& id) {
   const auto start = std::chrono::steady_clock::now();
   auto m = connection_->recv(peer, pass_, id);
   if (trace_) {
     trace_->record(
-        lane,
+        me(),  // this rank's lane, whichever of its stages receives
         id.micro_batch,
         gpipe::TraceKind::Receive,
         start,

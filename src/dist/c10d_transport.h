@@ -72,7 +72,7 @@ class C10dTransport final : public gpipe::detail::Transport {
   // k == 0), and the rank it comes from.
   int64_t destination(gpipe::Phase phase, int64_t k) const;
   int64_t source(gpipe::Phase phase, int64_t k) const;
-  Message receive_traced(int64_t peer, const MessageId& id, int64_t lane);
+  Message receive_traced(int64_t peer, const MessageId& id);
 
   std::shared_ptr<Connection> connection_;
   const int64_t pass_;

@@ -28,6 +28,7 @@
 #include "dist/connection.h"
 #include "dist/stage_engine.h"
 #include "engine/autograd_node.h"
+#include "engine/partitions.h"
 #include "engine/pipeline.h"
 #include "random.h"
 
@@ -83,19 +84,19 @@ PipelineStageImpl::PipelineStageImpl(
     verify_skippables(module);
     verify_chunks(options.chunks());
     verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+    const auto v = options.stages_per_lane();
+    TORCH_CHECK_VALUE(v >= 1, "stages_per_lane must be positive, but got ", v);
     TORCH_CHECK_VALUE(
-        options.stages_per_lane() == 1,
-        "gpipe::dist::PipelineStage runs one partition per rank, so "
-        "stages_per_lane must be 1, but got ",
-        options.stages_per_lane());
-    TORCH_CHECK_VALUE(
-        n == size,
-        "gpipe::dist::PipelineStage expects one partition per rank: balance "
-        "has ",
-        n,
-        " partitions but the world has ",
+        n == size * v,
+        "gpipe::dist::PipelineStage puts partition j on rank j % world size, "
+        "so balance must have world size x stages_per_lane = ",
         size,
-        " ranks");
+        " x ",
+        v,
+        " = ",
+        size * v,
+        " partitions, but it has ",
+        n);
     TORCH_CHECK_VALUE(
         options.chunks() <= detail::kMaxMicroBatches,
         "gpipe::dist::PipelineStage supports at most ",
@@ -113,7 +114,7 @@ PipelineStageImpl::PipelineStageImpl(
         "threads_per_lane must be 0 (automatic) or positive, but got ",
         options.threads_per_lane());
     if (!options.devices().empty()) {
-      verify_devices(options.devices(), n);
+      verify_devices(options.devices(), size);  // one per rank
       device_ = gpipe::detail::normalize_device(options.devices()[rank]);
     } else if (torch::cuda::is_available()) {
       device_ = torch::Device(torch::kCUDA, world_.local_rank());
@@ -135,30 +136,20 @@ PipelineStageImpl::PipelineStageImpl(
   detail::agree_on_build(
       *connection, prefix, detail::fingerprint(module, options, size));
 
-  // Split the layers; each keeps its name. Only this rank's partition moves
-  // to its device and becomes this module's.
-  std::vector<torch::nn::Sequential> parts;
-  const auto named = module->named_children();
-  int64_t layer = 0;
-  for (const auto j : c10::irange(n)) {
-    torch::nn::Sequential part;
-    for (const auto k : c10::irange(options.balance()[j])) {
-      (void)k;
-      part->push_back(named[layer].key(), *(module->begin() + layer));
-      ++layer;
-    }
-    parts.push_back(part);
-  }
-  partition_ = parts[rank];
-  partition_->to(device_);
+  // Split the layers; each keeps its name. Only this rank's partitions
+  // (j % size == rank) move to its device and become this module's.
+  auto parts = gpipe::detail::split_partitions(module, options.balance());
   auto holder =
       register_module("partitions", std::make_shared<torch::nn::Module>());
-  holder->register_module(std::to_string(rank), partition_);
-
   std::vector<torch::Device> devices(n, torch::kCPU);
-  devices[rank] = device_;
   std::vector<bool> local(n, false);
-  local[rank] = true;
+  for (int64_t j = rank; j < n; j += size) {
+    parts[j]->to(device_);
+    holder->register_module(std::to_string(j), parts[j]);
+    partitions_.push_back(parts[j]);
+    devices[j] = device_;
+    local[j] = true;
+  }
   const auto threads =
       options.threads_per_lane() > 0
           ? options.threads_per_lane()
@@ -166,12 +157,12 @@ PipelineStageImpl::PipelineStageImpl(
                 1,
                 static_cast<int64_t>(std::thread::hardware_concurrency()) /
                     std::max<int64_t>(1, world_.local_size()));
-  engine_->pipeline =
-      std::make_shared<gpipe::detail::Pipeline>(parts, devices, threads, local);
+  engine_->pipeline = std::make_shared<gpipe::detail::Pipeline>(
+      parts, devices, threads, local, options.stages_per_lane());
 
   auto& placement = engine_->placement;
   for (const auto j : c10::irange(n)) {
-    placement.rank_of_stage.push_back(j);  // one stage per rank
+    placement.rank_of_stage.push_back(j % size);  // lane j % size
   }
   const auto& skips = engine_->pipeline->skip_layout();
   int64_t index = 0;
@@ -205,10 +196,19 @@ namespace {
 
 using Sends = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
+// An error that every rank meets at the same point of a pass from the same
+// facts (a plan they agreed on that does not fit the mini-batch they agreed
+// on), before any cell ran: each rank throws it and the connection stays
+// open, so the stage stays usable.
+struct AgreedRefusal {
+  std::exception_ptr error;
+};
+
 // One collective pass (train_step, forward): one pass at a time on the
 // connection, the pipeline held, a pass number; `body(pass, sends, held)`
-// runs it, rank 0's begin messages going into `sends`. Any error fails the
-// connection, so that every other rank stops with it instead of waiting.
+// runs it, rank 0's begin messages going into `sends`. Any error but an
+// AgreedRefusal fails the connection, so that every other rank stops with
+// it instead of waiting.
 torch::Tensor collective_pass(
     detail::Connection& connection,
     gpipe::detail::Pipeline& pipeline,
@@ -222,6 +222,11 @@ torch::Tensor collective_pass(
   Sends begin_sends;
   try {
     return body(pass, begin_sends, held);
+  } catch (const AgreedRefusal& refusal) {
+    // The others received the begin messages (they refuse after reading
+    // them), so rank 0's sends complete.
+    connection.wait_sends(begin_sends);
+    std::rethrow_exception(refusal.error);
   } catch (...) {
     for (auto& work : begin_sends) {
       detail::keep_forever(std::move(work));  // may still be posted
@@ -258,10 +263,29 @@ torch::Tensor PipelineStageImpl::train_step(
     torch::Tensor target,
     const LossFunction& loss_fn,
     Schedule schedule) {
+  return run_train_step(
+      std::move(input), std::move(target), loss_fn, schedule, nullptr);
+}
+
+torch::Tensor PipelineStageImpl::train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    const Plan& plan) {
+  return run_train_step(
+      std::move(input), std::move(target), loss_fn, Schedule::FillDrain, &plan);
+}
+
+torch::Tensor PipelineStageImpl::run_train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    Schedule schedule,
+    const Plan* plan) {
   auto& connection = *engine_->connection;
   auto& pipeline = *engine_->pipeline;
   const auto rank = world_.rank();
-  const auto n = world_.size();
+  const auto n = world_.size();  // ranks; pipeline.size() stages
   const bool first = rank == 0;
   const bool last = rank == n - 1;
   auto next_pass = [this] { return engine_->next_pass(); };
@@ -285,6 +309,12 @@ torch::Tensor PipelineStageImpl::train_step(
         Begin local;
         local.kind = PassKind::Train;
         local.schedule = static_cast<int64_t>(schedule);
+        if (plan != nullptr) {
+          local.schedule = detail::kPlanSchedule;
+          local.plan_hash = std::hash<std::string>{}(
+              plan->to_csv() + "/" + std::to_string(plan->micro_batches) + "/" +
+              std::to_string(plan->stages));
+        }
         local.training = is_training();
         local.checkpoint_stop = checkpoint_stop(options, is_training());
         std::vector<Batch> micro;
@@ -298,6 +328,23 @@ torch::Tensor PipelineStageImpl::train_step(
             begin_pass(connection, pass_id, local, sizes, begin_sends);
         sizes = begin.sizes;
         const auto m = static_cast<int64_t>(sizes.size());
+        // Every rank has the same plan (begin_pass compared them) and the
+        // same m: a plan that does not fit is refused alike everywhere.
+        Plan made;
+        if (plan == nullptr) {
+          made = make_plan(
+              static_cast<Schedule>(begin.schedule),
+              m,
+              n,
+              options.stages_per_lane());
+          plan = &made;
+        } else {
+          try {
+            pipeline.check_training_plan(*plan, m);
+          } catch (...) {
+            throw AgreedRefusal{std::current_exception()};
+          }
+        }
         int64_t total = 0;
         for (auto s : sizes) {
           total += s;
@@ -354,8 +401,7 @@ torch::Tensor PipelineStageImpl::train_step(
                 gpipe::detail::Packet{std::move(micro[i]), true});
           }
         }
-        pipeline.run_and_commit(
-            pass, training_plan(static_cast<Schedule>(begin.schedule), m, n));
+        pipeline.run_and_commit(pass, *plan);
         connection.check();
 
         torch::Tensor loss;
@@ -433,13 +479,14 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
                 gpipe::detail::Packet{std::move(micro[i]), true});
           }
         }
-        pipeline.run_and_commit(pass, forward_plan(m, n));
+        pipeline.run_and_commit(
+            pass, pipeline.on_lanes(forward_plan(m, pipeline.size())));
         connection.check();
         torch::Tensor output;
         if (last) {
           std::vector<Batch> outputs;
           for (const auto i : c10::irange(m)) {
-            auto packet = transport.recv(Phase::Forward, i, n);
+            auto packet = transport.recv(Phase::Forward, i, pipeline.size());
             TORCH_CHECK_TYPE(
                 packet.atomic && packet.tensors.size() == 1,
                 "the last layer returned ",
@@ -466,7 +513,9 @@ void PipelineStageImpl::to(
 }
 
 void PipelineStageImpl::to(torch::Dtype dtype, bool non_blocking) {
-  partition_->to(device_, dtype, non_blocking);
+  for (auto& part : partitions_) {
+    part->to(device_, dtype, non_blocking);
+  }
 }
 
 void PipelineStageImpl::to(torch::Device device, bool non_blocking) {
@@ -490,8 +539,11 @@ std::shared_ptr<Trace> PipelineStageImpl::trace() const {
 void PipelineStageImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::dist::PipelineStage(rank=" << world_.rank() << "/"
          << world_.size() << ", balance=" << c10::IntArrayRef(options.balance())
-         << ", chunks=" << options.chunks()
-         << ", checkpoint=" << to_string(options.checkpoint())
+         << ", chunks=" << options.chunks();
+  if (options.stages_per_lane() > 1) {
+    stream << ", stages_per_lane=" << options.stages_per_lane();
+  }
+  stream << ", checkpoint=" << to_string(options.checkpoint())
          << ", device=" << device_ << ")";
 }
 

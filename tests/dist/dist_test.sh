@@ -102,11 +102,30 @@ case $mode in
     parity 4 --schedule fill_drain --checkpoint except_last --batch-norm 1
     parity 2 --schedule zero_bubble --checkpoint except_last --dropout 0.3
     parity 4 --schedule zero_bubble --checkpoint always --batch-norm 1
+    # Two stages per rank (partition j on rank j % ranks).
+    parity 2 --schedule interleaved --stages-per-lane 2 --checkpoint except_last --dropout 0.3
+    parity 2 --schedule zero_bubble --stages-per-lane 2 --checkpoint always --batch-norm 1
+    parity 4 --schedule interleaved --stages-per-lane 2 --checkpoint never --dropout 0.3
+    # A hand-written plan, as written on every rank: rank 1 splits its
+    # backwards (B then W) and defers some W; rank 0 runs whole backwards.
+    # A plan for 8 micro-batches is refused on both ranks on the way, and
+    # the stage goes on.
+    printf '%s\n' 0F0,0F1,0F2,0F3,0B3,0B2,0B1,0B0 \
+      1F0,1B0,1W0,1F1,1B1,1F2,1W1,1B2,1F3,1B3,1W2,1W3 >"$tmp/plan.csv"
+    parity 2 --plan "$tmp/plan.csv" --scenario bad-plan --checkpoint except_last --dropout 0.3
+    printf '%s\n' 0F0,0F1,2F0,2F1,0F2,2F2,0F3,2F3,2B0,0B0,2B1,0B1,2B2,0B2,2B3,0B3 \
+      1F0,1F1,3F0,3F1,3B0,1F2,3F2,3B1,1F3,1B0,3F3,3B2,1B1,3B3,1B2,1B3 >"$tmp/plan4.csv"
+    parity 2 --plan "$tmp/plan4.csv" --stages-per-lane 2 --checkpoint always --batch-norm 1
     ;;
   failures)
     # Another balance on rank 1: refused at construction on both ranks.
     by_hand 2 --scenario mismatch
     expect_error "another balance" "rank [01] has balance .* but rank [01] has" 2
+
+    # Four partitions for 2 ranks without stages_per_lane 2: refused at
+    # construction on both ranks, saying what fits.
+    by_hand 2 --scenario bad-layout --stages-per-lane 2
+    expect_error "a balance that does not fit the ranks" "balance must have world size x stages_per_lane = 2 x 1 = 2 partitions, but it has 4" 2
 
     # The last rank's loss throws in step 2: both ranks fail with it, and
     # neither hangs.
@@ -117,6 +136,12 @@ case $mode in
     # both passes.
     by_hand 2 --scenario other-pass
     expect_error "another pass" "rank 1 runs pass forward but rank 0 runs train_step" 2
+
+    # Rank 1 is given another plan than rank 0's: both fail, naming both.
+    printf '%s\n' 0F0,0F1,0F2,0F3,0B3,0B2,0B1,0B0 \
+      1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3 >"$tmp/plan.csv"
+    by_hand 2 --scenario other-plan --plan "$tmp/plan.csv" --schedule fill_drain
+    expect_error "another plan" "rank 1 runs train_step with a plan (hashed to [0-9]*) but rank 0 runs a plan (hashed to" 2
 
     # Inference in which rank 0's layer throws on the last micro-batch: the
     # last rank fails with that error instead of waiting for it.
@@ -177,14 +202,19 @@ case $mode in
       echo "no Fashion-MNIST under $data: skipped"
       exit 77
     fi
+    # 1F1B with a partition per rank; interleaved with two per rank (one
+    # process: 4 partitions on 2 lanes).
+    for schedule in 1f1b interleaved; do
     args=(--data-dir "$data" --limit 640 --epochs 1 --batch-size 64
-      --chunks 4 --schedule 1f1b --json --log-every 5)
-    timeout 300 "$prog" "${args[@]}" >"$tmp/single" 2>&1
+      --chunks 4 --schedule $schedule --json --log-every 5)
+    single_args=()
+    [[ $schedule == interleaved ]] && single_args=(--partitions 4)
+    timeout 300 "$prog" "${args[@]}" "${single_args[@]}" >"$tmp/single" 2>&1
     single=$?
     timeout 300 "$run_bin" -n 2 -- "$prog" "${args[@]}" >"$tmp/dist" 2>&1
     dist=$?
     if [[ $single -ne 0 || $dist -ne 0 ]]; then
-      fail "gpipe-train exited $single (one process), $dist (2 ranks): $(tail -3 "$tmp/dist")"
+      fail "gpipe-train $schedule exited $single (one process), $dist (2 ranks): $(tail -3 "$tmp/dist")"
     else
       # The JSON lines agree on everything but timings and ranks.
       strip() {
@@ -194,14 +224,15 @@ case $mode in
       a=$(strip "$tmp/single")
       b=$(strip "$tmp/dist")
       if [[ -z $a || $a != "$b" ]]; then
-        fail "gpipe-train differs across ranks:"$'\n'"  one process: $a"$'\n'"  2 ranks:     $b"
+        fail "gpipe-train $schedule differs across ranks:"$'\n'"  one process: $a"$'\n'"  2 ranks:     $b"
       else
-        echo "ok: gpipe-train on 2 ranks equals one process: $b"
+        echo "ok: gpipe-train $schedule on 2 ranks equals one process: $b"
       fi
       if grep -q '^\[1\] epoch' "$tmp/dist"; then
         fail "rank 1 printed progress; only rank 0 should"
       fi
     fi
+    done
     ;;
   *)
     echo "unknown mode $mode"

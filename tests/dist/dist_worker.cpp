@@ -13,7 +13,10 @@
 
 #include <csignal>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -70,7 +73,19 @@ torch::nn::Sequential build(bool batch_norm, double dropout) {
   return net;
 }
 
-std::vector<int64_t> balance_for(int64_t n) {
+// With two stages per rank, the skip still crosses ranks: from partition 0
+// (rank 0) to 3 (rank 1) on 2 ranks, from 1 (rank 1) to 6 (rank 2) on 4.
+std::vector<int64_t> balance_for(int64_t n, int64_t v) {
+  if (v == 2 && n == 2) {
+    return {3, 2, 2, 2};
+  }
+  if (v == 2 && n == 4) {
+    return {1, 2, 1, 1, 1, 1, 1, 1};
+  }
+  if (v != 1) {
+    std::cerr << "dist_worker: stages_per_lane 2 runs on 2 or 4 ranks\n";
+    std::exit(2);
+  }
   switch (n) {
     case 1:
       return {9};
@@ -113,12 +128,26 @@ int main(int argc, char** argv) {
   const auto scenario = arg(argc, argv, "--scenario", "parity");
   const int kill_step = std::stoi(arg(argc, argv, "--kill-step", "1"));
   const int64_t kill_rank = std::stoll(arg(argc, argv, "--kill-rank", "1"));
+  const int64_t v = std::stoll(arg(argc, argv, "--stages-per-lane", "1"));
+  const auto plan_file = arg(argc, argv, "--plan", "");
 
   try {
     auto world = gpipe::dist::init_from_env();
     const auto r = world.rank();
     const auto n = world.size();
-    auto balance = balance_for(n);
+    auto balance = balance_for(n, v);
+    // --plan: every step runs the plan read from the file (on both sides);
+    // the other-plan scenario gives rank 1 the schedule's own plan instead.
+    std::optional<gpipe::Plan> plan;
+    if (!plan_file.empty()) {
+      std::ifstream in(plan_file);
+      std::stringstream text;
+      text << in.rdbuf();
+      plan = gpipe::Plan::from_csv(text.str());
+      if (scenario == "other-plan" && r == 1) {
+        plan = gpipe::make_plan(schedule, plan->micro_batches, n, v);
+      }
+    }
     if (scenario == "mismatch" && r == 1) {
       std::swap(balance[0], balance[1]);
     }
@@ -126,6 +155,9 @@ int main(int argc, char** argv) {
                              .chunks(4)
                              .checkpoint(checkpoint)
                              .deferred_batch_norm(batch_norm)
+                             // bad-layout: a balance for v stages per
+                             // rank, but one stage per rank asked for.
+                             .stages_per_lane(scenario == "bad-layout" ? 1 : v)
                              .threads_per_lane(1);
     torch::manual_seed(0);
     auto net = build(batch_norm, dropout);
@@ -133,8 +165,9 @@ int main(int argc, char** argv) {
     auto ref_net = build(batch_norm, dropout);
 
     gpipe::dist::PipelineStage stage(net, options, world);
-    if (scenario == "mismatch") {
-      std::cout << "rank " << r << ": no error for another balance\n";
+    if (scenario == "mismatch" || scenario == "bad-layout") {
+      std::cout << "rank " << r << ": no error in scenario " << scenario
+                << "\n";
       return 4;
     }
     gpipe::GPipe ref(ref_net, options);
@@ -180,18 +213,41 @@ int main(int argc, char** argv) {
       if (scenario == "other-pass" && r == 1 && step == 1) {
         stage->forward();  // while rank 0 runs train_step
       }
+      if (scenario == "bad-plan" && step == 1) {
+        // A plan for 8 micro-batches where the input cuts into 4: refused
+        // on every rank alike, and the stage goes on working.
+        const auto bad = gpipe::make_plan(schedule, 8, n, v);
+        try {
+          stage->train_step(
+              r == 0 ? x : torch::Tensor(),
+              r == n - 1 ? y : torch::Tensor(),
+              loss_fn,
+              bad);
+          std::cout << "rank " << r << ": no error for a plan of 8\n";
+          return 4;
+        } catch (const c10::ValueError& e) {
+          std::cout << "rank " << r
+                    << ": refused: " << e.what_without_backtrace() << std::endl;
+        }
+      }
       // Only rank 0's generator decides the step's seed: the others are
       // seeded apart on purpose.
       torch::manual_seed(r == 0 ? 500 + step : 900 + 10 * r + step);
-      auto loss = stage->train_step(
-          r == 0 ? x : torch::Tensor(),
-          r == n - 1 ? y : torch::Tensor(),
-          loss_fn,
-          schedule);
+      auto loss = plan ? stage->train_step(
+                             r == 0 ? x : torch::Tensor(),
+                             r == n - 1 ? y : torch::Tensor(),
+                             loss_fn,
+                             *plan)
+                       : stage->train_step(
+                             r == 0 ? x : torch::Tensor(),
+                             r == n - 1 ? y : torch::Tensor(),
+                             loss_fn,
+                             schedule);
       opt.step();
       opt.zero_grad();
       torch::manual_seed(500 + step);
-      auto ref_loss = ref->train_step(x, y, ref_loss_fn, schedule);
+      auto ref_loss = plan ? ref->train_step(x, y, ref_loss_fn, *plan)
+                           : ref->train_step(x, y, ref_loss_fn, schedule);
       ref_opt.step();
       ref_opt.zero_grad();
       if (!close(loss, ref_loss)) {
@@ -217,7 +273,7 @@ int main(int argc, char** argv) {
       std::cout << "rank " << r << ": step " << step << " loss "
                 << loss.item<double>() << std::endl;
     }
-    if (scenario != "parity") {
+    if (scenario != "parity" && scenario != "bad-plan") {
       std::cout << "rank " << r << ": no error in scenario " << scenario
                 << "\n";
       return 4;
