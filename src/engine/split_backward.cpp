@@ -24,9 +24,14 @@ namespace gpipe::detail {
 //
 // The weight part then runs, per fork, the engine from the fork with its
 // captured gradients and its leaving edges as outputs (the fork computes
-// only those: dW), and finally the engine from all those edges, and from
-// the roots that were not on the input paths, accumulating into the
-// parameters. No node runs twice.
+// only those: dW). When nothing beyond the fork can be reached from
+// elsewhere (another fork, a root off the input paths), the engine runs
+// from those edges at once, accumulating into the parameters, so that each
+// dW is freed before the next fork computes its own, as in a whole
+// backward (holding every dW of a cell until the end costs fresh pages for
+// each, and page faults cost more than the products here). The edges of
+// the other forks wait for one last run, with the roots that were not on
+// the input paths. No node runs twice.
 //
 // That fails in one case: when a node beyond one fork can also be reached
 // from another fork below it (the same bias used by two layers of the cell,
@@ -45,6 +50,7 @@ struct WeightWork {
     edge_list inputs;     // (node, k) for each captured gradient
     variable_list grads;  // gradients arriving at the node
     edge_list leaving;    // its edges off the input paths
+    bool alone = false;   // nothing beyond it is reached from elsewhere
   };
   std::vector<Fork> forks;
   // Roots off the input paths, and their gradients.
@@ -177,6 +183,28 @@ std::vector<torch::Tensor> backward_input(
       splittable = splittable && reached_by[e.function.get()].size() == 1;
     }
   }
+  // Which forks have what lies beyond them to themselves (the roots off
+  // the input paths count as one more fork).
+  std::vector<Node*> off_path_roots;
+  for (const auto& e : work->roots) {
+    off_path_roots.push_back(e.function.get());
+  }
+  for (auto* n : post_order(off_path_roots)) {
+    reached_by[n].insert(work->forks.size());
+  }
+  std::vector<bool> shared(work->forks.size(), false);
+  for (const auto& entry : reached_by) {
+    if (entry.second.size() > 1) {
+      for (const auto f : entry.second) {
+        if (f < shared.size()) {
+          shared[f] = true;
+        }
+      }
+    }
+  }
+  for (const auto f : c10::irange(work->forks.size())) {
+    work->forks[f].alone = !shared[f];
+  }
   if (!splittable) {
     // See the Note: the whole backward now, into .grad and the leaves.
     torch::autograd::backward(roots, grads);
@@ -249,12 +277,26 @@ void backward_weight(WeightWork& work, bool retain) {
         /*create_graph=*/false,
         /*accumulate_grad=*/false,
         fork.leaving);
+    edge_list edges;
+    variable_list edge_grads;
     for (const auto k : c10::irange(fork.leaving.size())) {
       if (leaving[k].defined()) {
-        roots.push_back(fork.leaving[k]);
-        grads.push_back(std::move(leaving[k]));
+        edges.push_back(fork.leaving[k]);
+        edge_grads.push_back(std::move(leaving[k]));
       }
     }
+    leaving.clear();
+    if (fork.alone && !edges.empty()) {
+      engine().execute(
+          edges,
+          edge_grads,
+          /*keep_graph=*/retain,
+          /*create_graph=*/false,
+          /*accumulate_grad=*/true);
+      continue;
+    }
+    roots.insert(roots.end(), edges.begin(), edges.end());
+    grads.insert(grads.end(), edge_grads.begin(), edge_grads.end());
   }
   work.forks.clear();
   if (!roots.empty()) {
