@@ -38,15 +38,34 @@ torch::nn::Sequential model_of(bool batch_norm, double dropout = 0.3) {
   return net;
 }
 
-// One Linear applied twice: its weight and bias get two uses.
+// One Linear applied twice: its weight (and bias) get two uses.
 struct TwiceImpl : torch::nn::Module {
-  TwiceImpl() : linear(register_module("linear", torch::nn::Linear(4, 4))) {}
+  explicit TwiceImpl(bool bias = true)
+      : linear(register_module(
+            "linear",
+            torch::nn::Linear(torch::nn::LinearOptions(4, 4).bias(bias)))) {}
   torch::Tensor forward(torch::Tensor x) {
     return linear(torch::tanh(linear(x)));
   }
   torch::nn::Linear linear;
 };
 TORCH_MODULE(Twice);
+
+// One weight, scaled by a parameter once, applied twice without bias: the
+// scaling's backward (which saves tensors) lies beyond two forks.
+struct ScaledTwiceImpl : torch::nn::Module {
+  ScaledTwiceImpl()
+      : weight(register_parameter("weight", torch::randn({4, 4}) * 0.5)),
+        scale(register_parameter("scale", torch::full({4, 1}, 1.5))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    namespace F = torch::nn::functional;
+    auto w = weight * scale;
+    return F::linear(torch::tanh(F::linear(x, w)), w);
+  }
+  torch::Tensor weight;
+  torch::Tensor scale;
+};
+TORCH_MODULE(ScaledTwice);
 
 torch::Tensor loss_of(torch::Tensor y, torch::Tensor t) {
   return torch::nn::functional::cross_entropy(y, t);
@@ -175,9 +194,11 @@ TEST_F(SchedulesTrainTest, SplitBackwardRunsEachPartOncePerCell) {
 
 TEST_F(SchedulesTrainTest, SplitBackwardWithFrozenLayersAndSharedModules) {
   // A frozen first partition (its input needs no grad either: its cells
-  // have nothing to do), and one Linear used twice in a layer of the second
+  // have nothing to do), one Linear used twice in a layer of the second
   // (its bias is added by both uses: that graph is not split, and must
-  // still be right).
+  // still be right), and a scaled bias-free weight used twice in the third
+  // (split; the scaling's backward is reached from two forks, so they wait
+  // for one engine run together: run apart, it would run twice).
   for (auto schedule : {Schedule::OneFOneB, Schedule::ZeroBubble}) {
     SCOPED_TRACE(to_string(schedule));
     auto make = [] {
@@ -188,6 +209,7 @@ TEST_F(SchedulesTrainTest, SplitBackwardWithFrozenLayersAndSharedModules) {
       net->push_back(Twice());
       net->push_back(torch::nn::Tanh());
       net->push_back(torch::nn::Linear(4, 4));
+      net->push_back(ScaledTwice());
       net->push_back(torch::nn::Linear(4, 2));
       net->to(torch::kFloat64);
       for (auto& p : net[0]->parameters()) {
@@ -197,7 +219,7 @@ TEST_F(SchedulesTrainTest, SplitBackwardWithFrozenLayersAndSharedModules) {
     };
     auto net = make();
     auto copy = make();
-    GPipe model(copy, GPipeOptions({2, 3, 1}).chunks(3));
+    GPipe model(copy, GPipeOptions({2, 3, 2}).chunks(3));
     auto x = torch::randn({6, 4}, torch::kFloat64);
     auto t = torch::randint(0, 2, {6}, torch::kLong);
     loss_of(net->forward(x), t).backward();
