@@ -455,41 +455,7 @@ void verify_args(const CLI::App& app, Args& args) {
       !per_lane || args.schedule != "autograd",
       "--stages-per-lane needs a train_step schedule (fill_drain, 1f1b, "
       "interleaved or zero_bubble), but --schedule is autograd");
-  if (app.count("--plan") > 0) {
-    usage_check(
-        app.count("--schedule") == 0,
-        "--plan and --schedule both say how to run a step; give one");
-    std::error_code error;
-    usage_check(
-        fs::is_regular_file(args.plan_path, error),
-        "--plan '",
-        args.plan_path,
-        "' is not a readable file");
-    std::ifstream in(args.plan_path);
-    std::stringstream text;
-    text << in.rdbuf();
-    const auto lanes = args.partitions / args.stages_per_lane;
-    try {
-      args.plan = gpipe::Plan::from_csv(text.str());
-      args.plan.validate();
-      TORCH_CHECK_VALUE(
-          static_cast<int64_t>(args.plan.lanes.size()) == lanes &&
-              args.plan.stages == args.partitions,
-          "it has ",
-          args.plan.stages,
-          " stages on ",
-          args.plan.lanes.size(),
-          " rows (lanes), but the pipeline has ",
-          args.partitions,
-          " partitions on ",
-          lanes,
-          " lanes");
-    } catch (const c10::Error& e) {
-      usage_check(
-          false, "--plan '", args.plan_path, "': ", e.what_without_backtrace());
-    }
-    args.schedule = "plan";
-  }
+  read_plan(app, args);
 
   // Last, so that an uninstalled data set does not hide other mistakes.
   verify_data_dir(args.data_dir);

@@ -87,7 +87,8 @@ struct Args {
   // Layers per partition: --balance, or chosen by verify_args.
   std::vector<int64_t> balance;
   // Ranks of the job when started by gpipe-run or torchrun (WORLD_SIZE),
-  // else 1. With more than one, each rank runs one partition.
+  // else 1. With more than one, rank r runs partitions r, r + ranks, ...
+  // (stages_per_lane of them).
   int64_t world_size = 1;
 };
 
@@ -99,6 +100,10 @@ int64_t world_size_from_env();
 void add_options(CLI::App& app, Args& args);
 /// Checks every flag (throws UsageError) and fills `args.balance`.
 void verify_args(const CLI::App& app, Args& args);
+/// --plan (train_plan.cpp): reads the file, checks it against
+/// args.partitions and args.stages_per_lane (throws UsageError), and sets
+/// args.plan and args.schedule "plan". Nothing without --plan.
+void read_plan(const CLI::App& app, Args& args);
 /// Every --model entry.
 const std::vector<ModelSpec>& model_specs();
 /// The --model entry called `name` (verify_args checked it exists).

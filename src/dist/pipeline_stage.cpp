@@ -25,6 +25,7 @@
 #include "device.h"
 #include "dist/agreement.h"
 #include "dist/c10d_transport.h"
+#include "dist/collective_pass.h"
 #include "dist/connection.h"
 #include "dist/stage_engine.h"
 #include "engine/autograd_node.h"
@@ -41,24 +42,7 @@ using detail::MessageId;
 using detail::MessageKind;
 using detail::PassKind;
 
-namespace {
-
-int64_t checkpoint_stop(const GPipeOptions& options, bool training) {
-  if (!training) {
-    return 0;
-  }
-  switch (options.checkpoint()) {
-    case Checkpoint::Always:
-      return options.chunks();
-    case Checkpoint::ExceptLast:
-      return options.chunks() - 1;
-    case Checkpoint::Never:
-      return 0;
-  }
-  return 0;
-}
-
-}  // namespace
+using detail::checkpoint_stop;
 
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential module, GPipeOptions options_, World world)
@@ -192,71 +176,10 @@ PipelineStageImpl::PipelineStageImpl(
 
 PipelineStageImpl::~PipelineStageImpl() = default;
 
-namespace {
-
-using Sends = std::vector<c10::intrusive_ptr<c10d::Work>>;
-
-// An error that every rank meets at the same point of a pass from the same
-// facts (a plan they agreed on that does not fit the mini-batch they agreed
-// on), before any cell ran: each rank throws it and the connection stays
-// open, so the stage stays usable.
-struct AgreedRefusal {
-  std::exception_ptr error;
-};
-
-// One collective pass (train_step, forward): one pass at a time on the
-// connection, the pipeline held, a pass number; `body(pass, sends, held)`
-// runs it, rank 0's begin messages going into `sends`. Any error but an
-// AgreedRefusal fails the connection, so that every other rank stops with
-// it instead of waiting.
-torch::Tensor collective_pass(
-    detail::Connection& connection,
-    gpipe::detail::Pipeline& pipeline,
-    const std::function<int64_t()>& next_pass,
-    const std::function<
-        torch::Tensor(int64_t, Sends&, std::unique_lock<std::mutex>&)>& body) {
-  std::lock_guard<std::mutex> passes(connection.passes_mutex);
-  auto held = pipeline.begin_pass();
-  connection.check();
-  const auto pass = next_pass();
-  Sends begin_sends;
-  try {
-    return body(pass, begin_sends, held);
-  } catch (const AgreedRefusal& refusal) {
-    // The others received the begin messages (they refuse after reading
-    // them), so rank 0's sends complete.
-    connection.wait_sends(begin_sends);
-    std::rethrow_exception(refusal.error);
-  } catch (...) {
-    for (auto& work : begin_sends) {
-      detail::keep_forever(std::move(work));  // may still be posted
-    }
-    connection.fail(
-        "rank " + std::to_string(connection.rank) + ": " +
-        detail::message_of(std::current_exception()));
-    throw;
-  }
-}
-
-// Rank 0's input cut into micro-batches, and the rows of each.
-void scatter_input(
-    const torch::Tensor& input,
-    int64_t chunks,
-    const char* call,
-    std::vector<Batch>& micro,
-    std::vector<int64_t>& sizes) {
-  TORCH_CHECK_TYPE(
-      input.defined(),
-      call,
-      " expects the input on rank 0, but got an undefined tensor");
-  verify_batch({input});
-  micro = scatter({input}, chunks);
-  for (const auto& b : micro) {
-    sizes.push_back(b[0].size(0));
-  }
-}
-
-}  // namespace
+using detail::AgreedRefusal;
+using detail::collective_pass;
+using detail::scatter_input;
+using detail::Sends;
 
 torch::Tensor PipelineStageImpl::train_step(
     torch::Tensor input,

@@ -1,0 +1,75 @@
+// The passes every rank runs together: see dist/collective_pass.h.
+
+#include "dist/collective_pass.h"
+
+#include <gpipe/microbatch.h>
+#include <gpipe/verify.h>
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "engine/pipeline.h"
+
+namespace gpipe::dist::detail {
+
+int64_t checkpoint_stop(const GPipeOptions& options, bool training) {
+  if (!training) {
+    return 0;
+  }
+  switch (options.checkpoint()) {
+    case Checkpoint::Always:
+      return options.chunks();
+    case Checkpoint::ExceptLast:
+      return options.chunks() - 1;
+    case Checkpoint::Never:
+      return 0;
+  }
+  return 0;
+}
+
+torch::Tensor collective_pass(
+    Connection& connection,
+    gpipe::detail::Pipeline& pipeline,
+    const std::function<int64_t()>& next_pass,
+    const std::function<
+        torch::Tensor(int64_t, Sends&, std::unique_lock<std::mutex>&)>& body) {
+  std::lock_guard<std::mutex> passes(connection.passes_mutex);
+  auto held = pipeline.begin_pass();
+  connection.check();
+  const auto pass = next_pass();
+  Sends begin_sends;
+  try {
+    return body(pass, begin_sends, held);
+  } catch (const AgreedRefusal& refusal) {
+    // The others received the begin messages (they refuse after reading
+    // them), so rank 0's sends complete.
+    connection.wait_sends(begin_sends);
+    std::rethrow_exception(refusal.error);
+  } catch (...) {
+    for (auto& work : begin_sends) {
+      keep_forever(std::move(work));  // may still be posted
+    }
+    connection.fail(
+        "rank " + std::to_string(connection.rank) + ": " +
+        message_of(std::current_exception()));
+    throw;
+  }
+}
+
+void scatter_input(
+    const torch::Tensor& input,
+    int64_t chunks,
+    const char* call,
+    std::vector<Batch>& micro,
+    std::vector<int64_t>& sizes) {
+  TORCH_CHECK_TYPE(
+      input.defined(),
+      call,
+      " expects the input on rank 0, but got an undefined tensor");
+  verify_batch({input});
+  micro = scatter({input}, chunks);
+  for (const auto& b : micro) {
+    sizes.push_back(b[0].size(0));
+  }
+}
+
+}  // namespace gpipe::dist::detail
