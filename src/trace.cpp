@@ -26,6 +26,8 @@ const char* colour_of(TraceKind kind) {
       return "#b07aa1";
     case TraceKind::Weight:
       return "#8cd17d";
+    case TraceKind::Loss:
+      return "#edc948";
   }
   return "#000000";
 }
@@ -62,6 +64,8 @@ std::string to_string(TraceKind kind) {
       return "send";
     case TraceKind::Weight:
       return "weight";
+    case TraceKind::Loss:
+      return "loss";
   }
   return "unknown";
 }
@@ -219,7 +223,8 @@ std::string Trace::svg() const {
         TraceKind::Copy,
         TraceKind::Receive,
         TraceKind::Send,
-        TraceKind::Weight}) {
+        TraceKind::Weight,
+        TraceKind::Loss}) {
     out << "<rect x=\"" << fixed(lx, 1) << "\" y=\"" << fixed(axis + 10, 1)
         << "\" width=\"12\" height=\"12\" fill=\"" << colour_of(kind)
         << "\"/><text x=\"" << fixed(lx + 16, 1) << "\" y=\""

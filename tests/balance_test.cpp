@@ -504,6 +504,16 @@ TEST_F(BalanceTest, ProfileTimesMeasuresEachLayer) {
   EXPECT_GT(times[1], times[2]);
 }
 
+TEST_F(BalanceTest, ProfileTimesGivesOnePassNotTheTotal) {
+  // About 12 passes fit in the timeout: one pass's 40 ms is returned, not
+  // their sum.
+  torch::nn::Sequential model(Sleep(2), Sleep(40));
+  const auto times = gpipe::profile_times(model, torch::rand({1}), 0.5);
+  ASSERT_EQ(times.size(), 2u);
+  EXPECT_GE(times[1], 0.040);
+  EXPECT_LT(times[1], 0.2);
+}
+
 TEST_F(BalanceTest, BalanceByTimeRestartsEveryPassFromTheSample) {
   // A second pass fed with the first pass's output would fail in the
   // convolution.

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace gpipe {
@@ -45,7 +46,8 @@ TEST(PlanTest, EverySchedulesPlanRunsEveryCellOnce) {
             cells += plan.lanes[l].size();
           }
           const auto per_cell = schedule == Schedule::ZeroBubble ? 3 : 2;
-          EXPECT_EQ(static_cast<int64_t>(cells), per_cell * m * lanes * v);
+          // And one loss per micro-batch.
+          EXPECT_EQ(static_cast<int64_t>(cells), per_cell * m * lanes * v + m);
         }
       }
     }
@@ -67,11 +69,58 @@ TEST(PlanTest, ZeroBubbleDefersWeightsByTheStage) {
   EXPECT_EQ(
       plan.to_csv(),
       "0F0,0F1,0B0,0W0,0F2,0B1,0W1,0B2,0W2\n"
-      "1F0,1B0,1F1,1B1,1W0,1F2,1B2,1W1,1W2\n");
+      "1F0,1L0,1B0,1F1,1L1,1B1,1W0,1F2,1L2,1B2,1W1,1W2\n");
   std::ostringstream table;
   table << plan;
   std::cout << table.str();
   EXPECT_NE(table.str().find("W"), std::string::npos);
+}
+
+TEST(PlanTest, LossesFollowTheirForwardAndTakeNoStep) {
+  for (auto schedule : kSchedules) {
+    const auto plan = make_plan(schedule, 4, 2);
+    const auto compute = training_plan(schedule, 4, 2);
+    // Each loss right after the last stage's forward, nothing else moved.
+    std::vector<Cell> without;
+    for (size_t k = 0; k < plan.lanes[1].size(); ++k) {
+      const auto& c = plan.lanes[1][k];
+      if (c.phase == Phase::Loss) {
+        ASSERT_GT(k, 0u);
+        EXPECT_EQ(
+            plan.lanes[1][k - 1], (Cell{c.micro_batch, 1, Phase::Forward}));
+      } else {
+        without.push_back(c);
+      }
+    }
+    EXPECT_EQ(without, compute.lanes[1]);
+    // The unit-time tables are the same, and a loss is listed in its
+    // forward's step.
+    const auto steps = plan.steps();
+    EXPECT_EQ(steps.size(), compute.steps().size());
+    for (const auto& step : steps) {
+      for (const auto& c : step) {
+        if (c.phase == Phase::Loss) {
+          EXPECT_NE(
+              std::find(
+                  step.begin(),
+                  step.end(),
+                  Cell{c.micro_batch, 1, Phase::Forward}),
+              step.end());
+        }
+      }
+    }
+    std::ostringstream a;
+    std::ostringstream b;
+    a << plan;
+    b << compute;
+    EXPECT_EQ(a.str(), b.str());
+  }
+  // A loss costs what it is given.
+  ActionCosts costs;
+  costs.loss = 0.5;
+  const auto sim = simulate(Plan::from_csv("0F0,0L0,0B0\n"), costs);
+  EXPECT_DOUBLE_EQ(sim.makespan, 3.5);
+  EXPECT_EQ(sim.peak_live, std::vector<int64_t>{1});
 }
 
 TEST(PlanTest, CsvRoundTrips) {
@@ -131,6 +180,11 @@ TEST(PlanTest, ValidateNamesTheProblem) {
   check("0F0,1F0,0B0,1B0\n", "deadlocks");
   check("0W0,0F0,0I0\n", "deadlocks");
   check("0F0,0B0\n0F1,0B1\n", "runs on lane 0 and on lane 1");
+  check("0F0,0L0,0B0\n1F0,1B0\n", "losses belong to the last stage, 1");
+  check("0F0,0F1,0L1,0B1,0B0\n", "L(0,0) is never run");
+  check("0L0,0B0\n", "has no forward F(0,0)");
+  check("0F0,0B0,0L0\n", "deadlocks: lane 0 waits at B(0,0) for L(0,0)");
+  EXPECT_NO_THROW(Plan::from_csv("0F0,0F1,0L1,0L0,0B0,0B1\n").validate());
 }
 
 TEST(PlanTest, MakePlanRefusesBadSizes) {
@@ -179,11 +233,14 @@ TEST(PlanTest, SimulatedBubblesShrinkAsPromised) {
 TEST(PlanTest, SimulationTimesActionsByCostAndTransfer) {
   ActionCosts costs;
   costs.transfer = 0.5;
-  costs.cost = [](const Cell& c) { return c.partition == 0 ? 2.0 : 1.0; };
+  costs.cost = [](const Cell& c) {
+    return c.phase == Phase::Loss ? 0.0 : c.partition == 0 ? 2.0 : 1.0;
+  };
   const auto sim = simulate(make_plan(Schedule::FillDrain, 1, 2), costs);
-  // F(0,0) 0-2, F(0,1) 2.5-3.5, B(0,1) 3.5-4.5, B(0,0) 5-7.
+  // F(0,0) 0-2, F(0,1) 2.5-3.5, L(0,1) 3.5, B(0,1) 3.5-4.5, B(0,0) 5-7.
   EXPECT_DOUBLE_EQ(sim.makespan, 7.0);
-  ASSERT_EQ(sim.lanes[1].size(), 2u);
+  ASSERT_EQ(sim.lanes[1].size(), 3u);
+  EXPECT_EQ(sim.lanes[1][1].cell, (Cell{0, 1, Phase::Loss}));
   EXPECT_DOUBLE_EQ(sim.lanes[1][0].start, 2.5);
   EXPECT_DOUBLE_EQ(sim.busy[0], 4.0);
   EXPECT_DOUBLE_EQ(sim.busy[1], 2.0);

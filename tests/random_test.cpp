@@ -187,16 +187,18 @@ TEST_F(RandomTest, LossRunsOncePerMicroBatchOutsideRecomputation) {
         gpipe::testing::copy_of(net),
         gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(mode));
     for (auto schedule :
-         {gpipe::Schedule::FillDrain, gpipe::Schedule::OneFOneB}) {
+         {gpipe::Schedule::FillDrain,
+          gpipe::Schedule::OneFOneB,
+          gpipe::Schedule::ZeroBubble}) {
       counted = 0;
       recomputed = 0;
       model->train_step(
           torch::randn({8, 4}), torch::randn({8, 2}), loss_fn, schedule);
+      // The loss gives the gradient of the output when it runs, so a
+      // checkpointed last stage recomputes its layers, not its loss: a
+      // loss with side effects has them once per micro-batch.
       EXPECT_EQ(counted.load(), 4) << gpipe::to_string(mode);
-      const int checkpointed = mode == Checkpoint::Always       ? 4
-                               : mode == Checkpoint::ExceptLast ? 3
-                                                                : 0;
-      EXPECT_EQ(recomputed.load(), checkpointed) << gpipe::to_string(mode);
+      EXPECT_EQ(recomputed.load(), 0) << gpipe::to_string(mode);
     }
   }
 }

@@ -172,9 +172,8 @@ TEST_F(TrainStepTest, BadArguments) {
     torch::NoGradGuard no_grad;
     EXPECT_THROW(model->train_step(x, t, ce), c10::Error);
   }
-  // A loss that throws on one micro-batch: reported with its place. (Under
-  // Never, the second call is micro-batch 1's forward; a checkpointed
-  // micro-batch would call the loss again in its recomputation.)
+  // A loss that throws on one micro-batch: reported with its place (the
+  // second call is micro-batch 1's loss).
   GPipe never(
       model_of(false),
       GPipeOptions({4, 4}).chunks(2).checkpoint(Checkpoint::Never));
@@ -191,7 +190,7 @@ TEST_F(TrainStepTest, BadArguments) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("flaky loss"), std::string::npos);
     EXPECT_NE(
-        std::string(e.what()).find("partition 1, micro-batch 1, forward"),
+        std::string(e.what()).find("partition 1, micro-batch 1, loss"),
         std::string::npos)
         << e.what();
   }

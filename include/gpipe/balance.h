@@ -52,14 +52,17 @@ std::vector<std::vector<double>> solve_block_partition(
 std::vector<int64_t> balance_cost(
     const std::vector<double>& costs, int64_t partitions);
 
-/// Seconds per layer of `module`: forward and backward of every layer in
-/// turn (the output of layer k is the input of layer k + 1, detached),
-/// passes over the whole module repeated until `timeout` seconds have gone,
-/// each pass restarting from `sample`. The first pass warms up and is not
-/// counted when more passes follow. Backward runs from the layer's outputs
-/// that require grad (and from the tensors it stashed), with the outputs'
-/// values as gradient. `device` is where the layers (copied there) and the
-/// sample run. Existing `.grad`s are allowed and left as they are.
+/// Seconds per layer of `module` for one forward and backward of `sample`:
+/// every layer in turn (the output of layer k is the input of layer k + 1,
+/// detached), passes over the whole module repeated until `timeout` seconds
+/// have gone, each pass restarting from `sample`, and the mean over the
+/// passes returned (so the values do not grow with `timeout`). The first
+/// pass warms up and is not counted when more passes follow. For a balance,
+/// give a micro-batch's rows (batch / chunks): that is what each cell runs,
+/// and layers do not all scale alike with rows. Backward runs from the layer's
+/// outputs that require grad (and from the tensors it stashed), with the
+/// outputs' values as gradient. `device` is where the layers (copied there) and
+/// the sample run. Existing `.grad`s are allowed and left as they are.
 std::vector<double> profile_times(
     torch::nn::Sequential module,
     torch::Tensor sample,
@@ -100,8 +103,9 @@ std::vector<double> profile_sizes(
     torch::Device device = torch::kCPU);
 
 /// A balance (layers per partition) for `partitions` partitions of `module`,
-/// from the time each layer takes (`profile_times`), split by
-/// `balance_cost`. Pass it to `gpipe::GPipeOptions`.
+/// from the time each layer takes (`profile_times` of `sample`: give it a
+/// micro-batch, batch / chunks rows), split by `balance_cost`. Pass it to
+/// `gpipe::GPipeOptions`.
 ///
 /// Throws `c10::ValueError` when `partitions` is below 1 or above the
 /// number of layers, `module` is empty, `sample` is undefined or empty, or

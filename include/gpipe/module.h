@@ -59,7 +59,9 @@ class GPipeImpl : public torch::nn::Module {
   /// micro-batch's loss is weighted by its share of the batch, so the
   /// gradients accumulated into `.grad` equal those of
   /// `loss_fn(forward(input), target).backward()`. Returns that loss
-  /// (detached, on the last device).
+  /// (detached, on the last device). `loss_fn` runs once per micro-batch
+  /// (never again in a recomputation), on the last partition's lane,
+  /// seeded per micro-batch like a cell.
   torch::Tensor train_step(
       torch::Tensor input,
       torch::Tensor target,
@@ -71,7 +73,8 @@ class GPipeImpl : public torch::nn::Module {
   /// written. The plan must have `partitions().size()` stages on `lanes()`
   /// lanes (stage j on lane j % lanes()), one micro-batch per piece the
   /// batch is cut into, a forward for every cell and a whole or split
-  /// backward for every cell, and must run (`Plan::validate`); otherwise
+  /// backward for every cell, every loss or none (then each follows its
+  /// forward), and must run (`Plan::validate`); otherwise
   /// `c10::ValueError` says what differs.
   torch::Tensor train_step(
       torch::Tensor input,

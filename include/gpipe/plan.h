@@ -23,13 +23,17 @@ namespace gpipe {
 /// runs its cells one after the other; a cell waits for its inputs: the
 /// forward of micro-batch i on stage j for the forward of (i, j-1), the
 /// backward (or its input part) of (i, j) for the backward (or input part)
-/// of (i, j+1) and for its own forward, the weight part for the input part.
-/// The loss runs inside the last stage's forward; messages between lanes
-/// (or ranks) are sent as soon as a cell is done and received when the cell
-/// that needs them starts, so they are not actions of their own.
+/// of (i, j+1) and for its own forward, the weight part for the input part,
+/// the loss of (i, last stage) for that cell's forward, and the last
+/// stage's backward for its loss.
 ///
 /// A training step's plan gives every cell a forward and either a whole
-/// backward or both parts of a split one; cells of both kinds may mix.
+/// backward or both parts of a split one; cells of both kinds may mix. Its
+/// losses (`Phase::Loss`) are either all listed, each where the last
+/// stage's lane runs it, or none (then each runs right after its forward,
+/// as in plans written for torch.distributed.pipelining).
+/// Messages between lanes (or ranks) are sent as soon as a cell is done and
+/// received when the cell that needs them starts.
 struct Plan {
   int64_t micro_batches = 0;
   int64_t stages = 0;
@@ -40,14 +44,16 @@ struct Plan {
   /// (micro_batches, stages), a cell listed twice, a stage on two lanes,
   /// forwards or backwards present for some cells but not all, a cell with
   /// a whole backward and a split one, half a split backward, or a cell
-  /// whose inputs can never be ready (the lanes would deadlock).
+  /// whose inputs can never be ready (the lanes would deadlock); a loss
+  /// on another stage than the last, without its forward, or listed for
+  /// some micro-batches but not all.
   void validate() const;
 
   /// One row per lane, one action per column, in torch.distributed
   /// .pipelining's spelling: `<stage><kind><micro-batch>`, kind F
   /// (forward), B (backward; the input part when the same cell has a W),
-  /// W (weight part), e.g. `0F3,1B3,1W3`. Lanes with no actions are empty
-  /// rows.
+  /// W (weight part), L (loss; gpipe's own letter), e.g.
+  /// `0F3,1F3,1L3,1B3,1W3`. Lanes with no actions are empty rows.
   std::string to_csv() const;
   /// Reads `to_csv()`'s format (also `I` for an input part, as newer
   /// PyTorch writes it; empty columns are skipped). micro_batches and
@@ -60,8 +66,10 @@ struct Plan {
   int64_t lane_of(int64_t stage) const;
 
   /// Unit-time simulation: every cell takes one step and starts at the
-  /// first step after its lane's previous cell and its inputs. Shows where
-  /// the bubbles are. Throws like `validate()` when the plan deadlocks.
+  /// first step after its lane's previous cell and its inputs; a loss takes
+  /// no step and is listed at the end of the step its forward ran in. Shows
+  /// where the bubbles are. Throws like `validate()` when the plan
+  /// deadlocks.
   Steps steps() const;
 };
 
@@ -69,7 +77,8 @@ struct Plan {
 /// `stages_per_lane` stages each (stage j on lane j % lanes), for
 /// `micro_batches` micro-batches. Fill-drain and 1F1B with several stages
 /// per lane run each lane's cells in the order of the one-lane-per-stage
-/// plan's time steps. Throws `c10::ValueError` for sizes below 1 (0
+/// plan's time steps. Every micro-batch's loss is listed right after the
+/// last stage's forward. Throws `c10::ValueError` for sizes below 1 (0
 /// micro-batches gives an empty plan).
 Plan make_plan(
     Schedule schedule,
@@ -83,6 +92,7 @@ struct ActionCosts {
   double backward = 2.0;         // a whole backward
   double backward_input = 1.0;   // the input part of a split backward
   double backward_weight = 1.0;  // the weight part
+  double loss = 0.0;
   /// Added to a cell's start when an input comes from another lane.
   double transfer = 0.0;
   /// When set, the cost of each action (e.g. by stage); the fields above
@@ -136,7 +146,8 @@ Plan training_plan(Schedule schedule, int64_t micro_batches, int64_t stages);
 /// lane 1 | .  F0 F1 B1 B0 .
 /// ```
 /// (with the stage before the letter when a lane holds several stages; a
-/// split backward prints as B then W).
+/// split backward prints as B then W; losses take no step and are not
+/// shown).
 std::ostream& operator<<(std::ostream& out, const Plan& plan);
 
 }  // namespace gpipe

@@ -12,7 +12,7 @@ namespace gpipe {
 
 /// What a cell does.
 enum class Phase {
-  /// The forward of a micro-batch on a stage (with its loss on the last).
+  /// The forward of a micro-batch on a stage.
   Forward,
   /// The whole backward: input and parameter gradients together.
   Backward,
@@ -23,6 +23,13 @@ enum class Phase {
   /// The second part (zero-bubble schedules' "W"): the gradients of the
   /// parameters, accumulated into `.grad`; nothing is sent.
   BackwardWeight,
+  /// The loss of a micro-batch's output, on the last stage, between its
+  /// forward and its backward: `loss_fn(output, target)`, scaled by the
+  /// micro-batch's share of the batch, and the gradient of the output that
+  /// the last stage's backward starts from. It takes no time step of its
+  /// own in the unit-time tables. A plan without losses runs each right
+  /// after its forward.
+  Loss,
 };
 
 /// One unit of pipeline work: micro-batch `micro_batch` through partition
@@ -56,9 +63,9 @@ Steps reverse_clock_cycles(int64_t micro_batches, int64_t partitions);
 /// exactly this list, one cell after the other.
 std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition);
 
-/// "F(0,1)" / "B(2,0)" / "I(2,0)" / "W(2,0)" (micro-batch, stage): for
-/// messages and test output. "I" is the input-gradient part of a split
-/// backward.
+/// "F(0,1)" / "B(2,0)" / "I(2,0)" / "W(2,0)" / "L(2,3)" (micro-batch,
+/// stage): for messages and test output. "I" is the input-gradient part of
+/// a split backward, "L" a loss.
 std::string to_string(const Cell& cell);
 
 /// The order of forward and backward cells in a training step.
@@ -91,8 +98,8 @@ std::string to_string(Schedule schedule);
 /// Parses those names; throws std::invalid_argument otherwise.
 Schedule schedule_from_string(const std::string& name);
 
-/// The cells partition `partition` runs in a training step under
-/// `schedule`, in order. A lane runs exactly this list.
+/// The compute cells (forwards and backwards, no losses) partition
+/// `partition` runs in a training step under `schedule`, in order.
 std::vector<Cell> lane_order(
     Schedule schedule,
     int64_t micro_batches,

@@ -32,9 +32,11 @@ enum class TraceKind {
   Receive,    // waiting for a message from another rank (gpipe::dist)
   Send,       // waiting for this rank's sends to finish (gpipe::dist)
   Weight,     // the weight part of a split backward (zero-bubble schedules)
+  Loss,       // a micro-batch's loss, on the last stage of a training step
 };
 
-/// "forward", "backward", "recompute", "copy", "receive", "send", "weight".
+/// "forward", "backward", "recompute", "copy", "receive", "send", "weight",
+/// "loss".
 std::string to_string(TraceKind kind);
 
 /// One interval on one lane. Times are microseconds since the trace began.

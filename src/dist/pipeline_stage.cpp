@@ -307,13 +307,7 @@ torch::Tensor PipelineStageImpl::run_train_step(
         pass->step_seed = begin.seed;
         auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
         if (last) {
-          pass->loss_fn = &loss_fn;
-          pass->targets = std::move(targets);
-          pass->losses.resize(m);
-          for (const auto i : c10::irange(m)) {
-            pass->loss_scales.push_back(
-                static_cast<double>(sizes[i]) / static_cast<double>(total));
-          }
+          pass->train_with(loss_fn, std::move(targets), sizes);
         }
         if (first) {
           for (const auto i : c10::irange(m)) {

@@ -100,7 +100,7 @@ void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
   for (const auto& row : plan.lanes) {
     for (const auto& c : row) {
       forwards += c.phase == Phase::Forward ? 1 : 0;
-      backwards += c.phase == Phase::Forward ? 0 : 1;
+      backwards += c.phase == Phase::Forward || c.phase == Phase::Loss ? 0 : 1;
     }
   }
   TORCH_CHECK_VALUE(
@@ -228,19 +228,11 @@ torch::Tensor Pipeline::train(
       pass->grad,
       "train_step needs grad mode on and something that requires grad (a "
       "parameter or the input)");
-  int64_t total = 0;
   std::vector<int64_t> sizes;
   for (const auto i : c10::irange(m)) {
     sizes.push_back(inputs[i].tensors.at(0).size(0));
-    total += sizes.back();
   }
-  pass->loss_fn = &loss_fn;
-  pass->targets = std::move(targets);
-  pass->losses.resize(m);
-  for (const auto i : c10::irange(m)) {
-    pass->loss_scales.push_back(
-        static_cast<double>(sizes[i]) / static_cast<double>(total));
-  }
+  pass->train_with(loss_fn, std::move(targets), sizes);
   {
     StepSeed seeds(devices_, /*draw=*/true);
     pass->step_seed = seeds.seed();

@@ -44,6 +44,8 @@ const char* phase_name(Phase phase) {
       return ", backward (input part)";
     case Phase::BackwardWeight:
       return ", backward (weight part)";
+    case Phase::Loss:
+      return ", loss";
   }
   return "";
 }
@@ -64,9 +66,39 @@ void Pass::reset_transport() {
   transport_ = pipeline_.make_transport(m_);
 }
 
+void Pass::train_with(
+    const LossFunction& fn,
+    std::vector<torch::Tensor> targets_of_micro_batches,
+    const std::vector<int64_t>& rows) {
+  int64_t total = 0;
+  for (const auto r : rows) {
+    total += r;
+  }
+  loss_fn = &fn;
+  targets = std::move(targets_of_micro_batches);
+  losses.assign(rows.size(), torch::Tensor());
+  loss_scales.clear();
+  for (const auto r : rows) {
+    loss_scales.push_back(static_cast<double>(r) / static_cast<double>(total));
+  }
+}
+
 void Pass::run(
     const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self) {
   at::ThreadLocalState tls;
+  explicit_losses_ = false;
+  for (const auto& row : plan.lanes) {
+    for (const auto& cell : row) {
+      if (cell.phase == Phase::Loss) {
+        explicit_losses_ = true;
+        // (In gpipe::dist only the last stage's rank has the loss.)
+        TORCH_CHECK_VALUE(
+            loss_fn != nullptr || !pipeline_.is_local(cell.partition),
+            "the plan lists losses, but this pass has no loss_fn (only "
+            "train_step runs losses)");
+      }
+    }
+  }
   if (inline_cells) {
     for (const auto& step : plan.steps()) {
       for (const auto& cell : step) {
@@ -127,6 +159,8 @@ CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
     ctx.loss_fn = loss_fn;
     ctx.target = targets[i];
     ctx.loss_scale = loss_scales[i];
+    // Stage n - 1's loss has the seed of a stage n.
+    ctx.loss_seed = cell_seed(step_seed, i, n_);
   }
   ctx.retain = retain;
   ctx.trace = trace_.get();
@@ -156,6 +190,9 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
             .backward_weight(
                 cells_[cell.micro_batch][cell.partition],
                 context(cell.micro_batch, cell.partition, lane));
+        break;
+      case Phase::Loss:
+        loss_cell(cell.micro_batch, lane);
         break;
     }
   } catch (const Aborted&) {
@@ -194,12 +231,19 @@ void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
     t.send_skip(
         Phase::Forward, i, stage.skips_out()[k], std::move(out.skips[k]));
   }
-  if (loss_fn != nullptr && j == n_ - 1) {
-    losses[i] = c.loss_value;
-    c.loss_value = torch::Tensor();
-  } else {
+  if (loss_fn == nullptr || j < n_ - 1) {
     t.send(Phase::Forward, i, j + 1, std::move(out.boundary));
+  } else if (!explicit_losses_) {
+    loss_cell(i, lane);
   }
+}
+
+void Pass::loss_cell(int64_t i, int64_t lane) {
+  const auto j = n_ - 1;
+  auto& c = cells_[i][j];
+  pipeline_.stage(j).loss(c, context(i, j, lane));
+  losses[i] = std::move(c.loss_value);
+  c.loss_value = torch::Tensor();
 }
 
 void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
@@ -208,6 +252,10 @@ void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
   Flow dy;
   if (loss_fn == nullptr || j < n_ - 1) {
     dy.boundary = t.recv(Phase::Backward, i, j + 1);
+  } else {
+    auto& c = cells_[i][j];
+    dy.boundary = Packet{{std::move(c.loss_grad)}, true};
+    c.loss_grad = torch::Tensor();
   }
   for (const auto& key : stage.skips_out()) {
     dy.skips.push_back(t.recv_skip(Phase::Backward, i, key));

@@ -54,9 +54,15 @@ class Pass {
   /// Grad mode was on and something required grad: cells build graphs.
   bool grad = false;
   uint64_t step_seed = 0;
-  /// Set for a training step: the last stage computes the loss of each
-  /// micro-batch, scaled by its share of the batch, and backward starts
-  /// from it.
+  /// Makes this pass a training step: the last stage computes the loss of
+  /// each micro-batch (of `rows[i]` rows, its target `targets[i]`), scaled
+  /// by its share of the batch, and backward starts from it.
+  void train_with(
+      const LossFunction& loss_fn,
+      std::vector<torch::Tensor> targets,
+      const std::vector<int64_t>& rows);
+
+  /// Set by train_with.
   const LossFunction* loss_fn = nullptr;
   std::vector<torch::Tensor> targets;
   std::vector<double> loss_scales;
@@ -67,6 +73,7 @@ class Pass {
  private:
   void run_cell(const Cell& cell, int64_t lane);
   void forward_cell(int64_t i, int64_t j, int64_t lane);
+  void loss_cell(int64_t i, int64_t lane);
   void backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only);
   CellContext context(int64_t i, int64_t j, int64_t lane) const;
 
@@ -80,6 +87,8 @@ class Pass {
   // the caller between runs.
   std::vector<std::vector<CellState>> cells_;
   FirstError error_;
+  // The plan being run lists its losses; else each follows its forward.
+  bool explicit_losses_ = false;
 };
 
 }  // namespace gpipe::detail

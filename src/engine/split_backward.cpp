@@ -12,7 +12,7 @@
 namespace gpipe::detail {
 
 // Note [Splitting a backward]
-// The autograd graph of a cell runs from its roots (outputs, skips, loss)
+// The autograd graph of a cell runs from its roots (outputs and skips)
 // to leaves: the cell's inputs and the parameters. Call the nodes from
 // which some input can be reached the input paths. The input part runs the
 // engine from the roots with the inputs' edges as outputs: the engine runs

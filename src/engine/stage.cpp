@@ -183,14 +183,9 @@ Packet Stage::call(const Packet& input) {
   return packet_of(std::move(value), "partition", index_);
 }
 
-torch::Tensor Stage::loss_of(const Packet& y, const CellContext& ctx) const {
-  TORCH_CHECK_TYPE(
-      y.atomic && y.tensors.size() == 1,
-      "train_step expects the last layer to return one tensor, but it "
-      "returned ",
-      y.tensors.size(),
-      " tensors");
-  auto loss = (*ctx.loss_fn)(y.tensors[0], ctx.target);
+torch::Tensor Stage::loss_of(
+    const torch::Tensor& y, const CellContext& ctx) const {
+  auto loss = (*ctx.loss_fn)(y, ctx.target);
   TORCH_CHECK_VALUE(
       loss.defined() && loss.numel() == 1,
       "train_step expects loss_fn to return a scalar, but it returned a "
@@ -202,10 +197,8 @@ torch::Tensor Stage::loss_of(const Packet& y, const CellContext& ctx) const {
 void Stage::run(
     const Packet& x,
     const std::map<SkipKey, torch::Tensor>& incoming,
-    const CellContext& ctx,
     Packet& y,
-    std::vector<torch::Tensor>& outgoing,
-    torch::Tensor& loss) {
+    std::vector<torch::Tensor>& outgoing) {
   CellSkipTracker skips(skips_out_set_, incoming);
   {
     SkipTrackerGuard tracker(&skips);
@@ -214,11 +207,6 @@ void Stage::run(
   outgoing.clear();
   for (const auto& key : skips_out_) {
     outgoing.push_back(skips.outgoing()[key]);
-  }
-  // The loss runs inside the seeded body, so that a loss that samples
-  // draws the same numbers when the cell is recomputed.
-  if (ctx.loss_fn != nullptr) {
-    loss = loss_of(y, ctx);
   }
 }
 
@@ -264,8 +252,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   c.seed = ctx.seed;
   Packet y;
   std::vector<torch::Tensor> outgoing;
-  torch::Tensor loss;
-  auto body = [&] { run(x, incoming, ctx, y, outgoing, loss); };
+  auto body = [&] { run(x, incoming, y, outgoing); };
   // A second run, when the first drew unseeded: a recomputation whose
   // results replace the first run's, side effects kept single.
   auto rerun = [&] {
@@ -297,7 +284,12 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
       out.boundary.tensors.push_back(sendable(t, requires(t)));
     }
   } else {
-    c.loss_value = loss.detach();
+    TORCH_CHECK_TYPE(
+        y.atomic && y.tensors.size() == 1,
+        "train_step expects the last layer to return one tensor, but it "
+        "returned ",
+        y.tensors.size(),
+        " tensors");
   }
   for (const auto& t : outgoing) {
     out.skips.push_back(sendable(t, requires(t)));
@@ -306,16 +298,51 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
     c.input = std::move(x);
     c.skip_inputs = std::move(skip_inputs);
     if (!c.checkpointed) {
-      if (ctx.loss_fn != nullptr) {
-        c.loss = std::move(loss);
-      } else {
-        c.output = std::move(y);
-      }
+      c.output = std::move(y);
       c.skip_outputs = std::move(outgoing);
     }
   }
+  if (ctx.loss_fn != nullptr && !(graph && !c.checkpointed)) {
+    c.output = std::move(y);  // for the loss only: without graph
+  }
   record(ctx, TraceKind::Forward, computing, Clock::now());
   return out;
+}
+
+void Stage::loss(CellState& c, const CellContext& ctx) {
+  TORCH_INTERNAL_ASSERT(ctx.loss_fn != nullptr && c.output.tensors.size() == 1);
+  CellScope scope(device_);
+  const auto started = stamp(ctx);
+  const auto y = c.output.tensors[0];
+  // A checkpointed output was kept for the loss only (backward recomputes).
+  if (!c.has_graph || c.checkpointed) {
+    c.output = Packet{};
+  }
+  // The loss's own graph from a leaf for the output: its backward now gives
+  // all the stage's backward needs, so the loss is never recomputed.
+  const bool grad = c.has_graph && ctx.grad &&
+                    (c.checkpointed || y.requires_grad()) &&
+                    is_differentiable(y);
+  auto leaf = y.detach();
+  if (grad) {
+    leaf.requires_grad_(true);
+  }
+  torch::Tensor loss;
+  auto body = [&] { loss = loss_of(leaf, ctx); };
+  auto rerun = [&] {
+    RecomputingGuard recomputing;
+    body();
+  };
+  {
+    torch::AutoGradMode grad_mode(ctx.grad);
+    run_seeded(loss_random_, device_, ctx.training, ctx.loss_seed, body, rerun);
+  }
+  c.loss_value = loss.detach();
+  if (grad && loss.requires_grad()) {
+    torch::autograd::backward({loss});  // (and into what else it reads)
+    c.loss_grad = leaf.grad();
+  }
+  record(ctx, TraceKind::Loss, started, Clock::now());
 }
 
 Flow Stage::backward(
@@ -326,8 +353,7 @@ Flow Stage::backward(
   dx.boundary.atomic = c.input.atomic;
   dx.boundary.tensors.resize(c.input.tensors.size());
   dx.skips.resize(skips_in_.size());
-  const bool from_loss = ctx.loss_fn != nullptr;
-  bool any_grad = from_loss;
+  bool any_grad = false;
   for (const auto* grads : {&dy.boundary.tensors, &dy.skips}) {
     for (const auto& g : *grads) {
       any_grad = any_grad || g.defined();
@@ -345,7 +371,6 @@ Flow Stage::backward(
   auto backward_started = started;
   Packet y;
   std::vector<torch::Tensor> skip_outputs;
-  torch::Tensor loss;
   // Recomputation must not update running statistics a second time; the
   // buffers are put back once the cell's backward, which may read them,
   // is done, also when it fails.
@@ -359,7 +384,7 @@ Flow Stage::backward(
       incoming.emplace(skips_in_[k], c.skip_inputs[k]);
     }
     replay_seeded(device_, c.seed, c.random, [&] {
-      run(c.input, incoming, ctx, y, skip_outputs, loss);
+      run(c.input, incoming, y, skip_outputs);
     });
     if (ctx.trace) {
       backward_started = Clock::now();
@@ -368,7 +393,6 @@ Flow Stage::backward(
   } else {
     y = c.output;
     skip_outputs = c.skip_outputs;
-    loss = c.loss;
   }
 
   std::vector<torch::Tensor> roots;
@@ -379,9 +403,6 @@ Flow Stage::backward(
       grads.push_back(g.device() == out.device() ? g : g.to(out.device()));
     }
   };
-  if (from_loss && loss.defined()) {
-    add_root(loss, torch::ones_like(loss));
-  }
   for (const auto k : c10::irange(y.tensors.size())) {
     if (k < dy.boundary.tensors.size()) {
       add_root(y.tensors[k], dy.boundary.tensors[k]);
@@ -396,7 +417,6 @@ Flow Stage::backward(
   }
   dy = Flow{};
   skip_outputs.clear();
-  loss = torch::Tensor();
   // Input leaves of a retained cell collect gradients again on the next
   // backward: start from nothing each time.
   for (auto* leaves : {&c.input.tensors, &c.skip_inputs}) {

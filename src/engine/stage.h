@@ -41,12 +41,16 @@ struct Flow {
 
 /// What a cell keeps between its forward and its backward.
 struct CellState {
-  Packet input;                             // leaves
-  std::vector<torch::Tensor> skip_inputs;   // leaves, by skips_in()
-  Packet output;                            // with graph, unless checkpointed
+  Packet input;                            // leaves
+  std::vector<torch::Tensor> skip_inputs;  // leaves, by skips_in()
+  /// With graph, unless checkpointed. On the last stage of a training step
+  /// also when checkpointed (without graph), until its loss has run.
+  Packet output;
   std::vector<torch::Tensor> skip_outputs;  // with graph, unless checkpointed
-  torch::Tensor loss;  // with graph: train step, last stage, not checkpointed
-  torch::Tensor loss_value;  // detached
+  torch::Tensor loss_value;                 // detached
+  /// The gradient of the output that the loss gave (last stage of a
+  /// training step): where its backward starts.
+  torch::Tensor loss_grad;
   /// After the input part of a split backward: what its weight part does.
   std::shared_ptr<WeightWork> weight;
   bool has_graph = false;  // backward has something to do
@@ -66,11 +70,13 @@ struct CellContext {
   /// Keep only the inputs and recompute in backward.
   bool checkpoint = false;
   uint64_t seed = 0;
-  /// Training step on the last stage: the loss of the output, scaled by
-  /// the micro-batch's share of the batch.
+  /// Training step on the last stage: its forward keeps the output for the
+  /// loss, which is scaled by the micro-batch's share of the batch. The
+  /// loss's own seed is `loss_seed`.
   const LossFunction* loss_fn = nullptr;
   torch::Tensor target;
   double loss_scale = 1.0;
+  uint64_t loss_seed = 0;
   /// Backward keeps the cell for another backward (retain_graph).
   bool retain = false;
   /// Where to record intervals (null: not tracing), and as which lane.
@@ -114,11 +120,18 @@ class Stage {
 
   /// The forward of one cell. Returns its outputs, detached, each
   /// requiring grad where the plain model's would. With a loss, the
-  /// boundary output is empty and `c.loss_value` holds the loss.
+  /// boundary output is empty: `c` keeps it for `loss`.
   Flow forward(CellState& c, Flow in, const CellContext& ctx);
 
+  /// The loss of a forward kept for it: sets `c.loss_value` and, when a
+  /// backward will follow, `c.loss_grad` (the gradient of the output; the
+  /// loss's own parameters, if any, get theirs now). Runs once per
+  /// micro-batch, also when the stage is checkpointed, seeded with
+  /// `ctx.loss_seed`.
+  void loss(CellState& c, const CellContext& ctx);
+
   /// The backward of one cell: recomputes if checkpointed, back-propagates
-  /// `dy` (and the loss), and returns the gradients of the cell's inputs
+  /// `dy`, and returns the gradients of the cell's inputs
   /// (undefined where none reached them). Does nothing for a cell without
   /// graph or without incoming gradient. Frees `c` unless `ctx.retain`.
   /// With `input_only`, the input part of a split backward: parameter
@@ -141,21 +154,20 @@ class Stage {
   Packet call(const Packet& input);
 
  private:
-  torch::Tensor loss_of(const Packet& y, const CellContext& ctx) const;
-  // Runs the partition on `x` with skips from `incoming`; fills `y`,
-  // `outgoing` (by skips_out) and, with a loss, `loss`.
+  torch::Tensor loss_of(const torch::Tensor& y, const CellContext& ctx) const;
+  // Runs the partition on `x` with skips from `incoming`; fills `y` and
+  // `outgoing` (by skips_out).
   void run(
       const Packet& x,
       const std::map<SkipKey, torch::Tensor>& incoming,
-      const CellContext& ctx,
       Packet& y,
-      std::vector<torch::Tensor>& outgoing,
-      torch::Tensor& loss);
+      std::vector<torch::Tensor>& outgoing);
 
   int64_t index_;
   torch::nn::Sequential module_;
   torch::Device device_;
-  RandomUse random_;  // see Note [Random streams of concurrent cells]
+  RandomUse random_;       // see Note [Random streams of concurrent cells]
+  RandomUse loss_random_;  // the loss's, on the last stage
   std::vector<const Skippable*> skippables_;  // per layer, or nullptr
   std::vector<SkipKey> skips_in_;
   std::vector<SkipKey> skips_out_;

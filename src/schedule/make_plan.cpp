@@ -27,6 +27,21 @@ Plan fold_onto_lanes(const Plan& flat, int64_t lanes) {
   return plan;
 }
 
+Plan with_losses(Plan plan) {
+  for (auto& lane : plan.lanes) {
+    std::vector<Cell> cells;
+    cells.reserve(lane.size());
+    for (const auto& c : lane) {
+      cells.push_back(c);
+      if (c.phase == Phase::Forward && c.partition + 1 == plan.stages) {
+        cells.push_back(Cell{c.micro_batch, c.partition, Phase::Loss});
+      }
+    }
+    lane = std::move(cells);
+  }
+  return plan;
+}
+
 }  // namespace detail
 
 Plan make_plan(
@@ -51,10 +66,12 @@ Plan make_plan(
     plan.stages = stages;
     plan.lanes =
         detail::interleaved_lanes(micro_batches, lanes, stages_per_lane);
-    return plan;
+    return detail::with_losses(std::move(plan));
   }
   auto flat = training_plan(schedule, micro_batches, stages);
-  return stages_per_lane == 1 ? flat : detail::fold_onto_lanes(flat, lanes);
+  return detail::with_losses(
+      stages_per_lane == 1 ? std::move(flat)
+                           : detail::fold_onto_lanes(flat, lanes));
 }
 
 }  // namespace gpipe

@@ -1,5 +1,5 @@
 // Plans as data: validation, the unit-time simulation, printing, and the
-// schedule functions of gpipe/schedule.h that read plans.
+// training plan of a schedule.
 
 #include <c10/util/Exception.h>
 #include <gpipe/plan.h>
@@ -55,6 +55,7 @@ namespace detail {
 // backward (their inputs differ).
 struct PlanShape {
   bool forward = false;
+  bool loss = false;  // losses are listed (else each follows its forward)
   std::set<std::pair<int64_t, int64_t>> split;  // (i, j) with an input part
 
   bool is_split(int64_t i, int64_t j) const {
@@ -73,6 +74,7 @@ PlanShape shape_of(const Plan& plan) {
   for (const auto& lane : plan.lanes) {
     for (const auto& c : lane) {
       s.forward = s.forward || c.phase == Phase::Forward;
+      s.loss = s.loss || c.phase == Phase::Loss;
       if (c.phase == Phase::BackwardInput) {
         s.split.insert({c.micro_batch, c.partition});
       }
@@ -94,10 +96,18 @@ Cell missing_input(
         return Cell{i, j - 1, Phase::Forward};
       }
       break;
+    case Phase::Loss:
+      if (!finished(Cell{i, j, Phase::Forward})) {
+        return Cell{i, j, Phase::Forward};
+      }
+      break;
     case Phase::Backward:
     case Phase::BackwardInput: {
       if (s.forward && !finished(Cell{i, j, Phase::Forward})) {
         return Cell{i, j, Phase::Forward};
+      }
+      if (s.loss && j + 1 == n && !finished(Cell{i, j, Phase::Loss})) {
+        return Cell{i, j, Phase::Loss};
       }
       if (j + 1 < n) {
         const Cell next{
@@ -169,11 +179,32 @@ Steps Plan::steps() const {
       auto it = done.find(key_of(c));
       return it != done.end() && it->second < t;
     };
+    auto ready = [&](const Cell& c) {
+      return missing_input(c, stages, d, finished).micro_batch < 0;
+    };
+    // Losses take no step: one whose forward ran in step t - 1 (so t > 0)
+    // is done at its end, and listed there after the step's cells.
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (size_t l = 0; l < lanes.size(); ++l) {
+        while (next[l] < lanes[l].size() &&
+               lanes[l][next[l]].phase == Phase::Loss &&
+               ready(lanes[l][next[l]])) {
+          const auto& c = lanes[l][next[l]++];
+          done[key_of(c)] = t - 1;
+          steps.back().push_back(c);
+          --remaining;
+          progress = true;
+        }
+      }
+    }
+    if (remaining == 0) {
+      break;
+    }
     std::vector<Cell> step;
     for (size_t l = 0; l < lanes.size(); ++l) {
-      if (next[l] < lanes[l].size() &&
-          missing_input(lanes[l][next[l]], stages, d, finished).micro_batch <
-              0) {
+      if (next[l] < lanes[l].size() && lanes[l][next[l]].phase != Phase::Loss &&
+          ready(lanes[l][next[l]])) {
         step.push_back(lanes[l][next[l]]);
       }
     }
@@ -215,6 +246,7 @@ void Plan::validate() const {
   std::map<int64_t, size_t> stage_lane;
   size_t forwards = 0;
   size_t backwards = 0;  // whole backwards and input parts
+  size_t losses = 0;
   for (size_t l = 0; l < lanes.size(); ++l) {
     for (const auto& c : lanes[l]) {
       TORCH_CHECK_VALUE(
@@ -248,6 +280,16 @@ void Plan::validate() const {
           "; a stage belongs to one lane");
       if (c.phase == Phase::Forward) {
         ++forwards;
+      } else if (c.phase == Phase::Loss) {
+        ++losses;
+        TORCH_CHECK_VALUE(
+            c.partition + 1 == stages,
+            "plan: ",
+            to_string(c),
+            " is a loss on stage ",
+            c.partition,
+            ", but losses belong to the last stage, ",
+            stages - 1);
       } else if (c.phase != Phase::BackwardWeight) {
         ++backwards;
       }
@@ -264,6 +306,22 @@ void Plan::validate() const {
           "plan: ",
           to_string(Cell{i, j, Phase::Forward}),
           " is never run, although other forwards are");
+      if (j + 1 == stages && losses > 0) {
+        const bool forward = has(i, j, Phase::Forward);
+        const bool loss = has(i, j, Phase::Loss);
+        TORCH_CHECK_VALUE(
+            !loss || forward,
+            "plan: ",
+            to_string(Cell{i, j, Phase::Loss}),
+            " has no forward ",
+            to_string(Cell{i, j, Phase::Forward}));
+        TORCH_CHECK_VALUE(
+            loss || !forward,
+            "plan: the loss ",
+            to_string(Cell{i, j, Phase::Loss}),
+            " is never run, although other losses are; list every loss or "
+            "none");
+      }
       const bool whole = has(i, j, Phase::Backward);
       const bool input = has(i, j, Phase::BackwardInput);
       const bool weight = has(i, j, Phase::BackwardWeight);
@@ -329,7 +387,8 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
     for (const auto& step : steps) {
       std::string cell = ".";
       for (const auto& c : step) {
-        if (plan.lane_of(c.partition) == static_cast<int64_t>(l)) {
+        if (c.phase != Phase::Loss &&
+            plan.lane_of(c.partition) == static_cast<int64_t>(l)) {
           cell = label(c);
         }
       }
@@ -340,93 +399,6 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
     out << text << '\n';
   }
   return out;
-}
-
-std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition) {
-  std::vector<Cell> cells;
-  for (const auto& step : steps) {
-    for (const auto& cell : step) {
-      if (cell.partition == partition) {
-        cells.push_back(cell);
-      }
-    }
-  }
-  return cells;
-}
-
-namespace detail {
-
-const char* action_letter(Phase phase) {
-  switch (phase) {
-    case Phase::Forward:
-      return "F";
-    case Phase::Backward:
-    case Phase::BackwardInput:
-      return "B";
-    case Phase::BackwardWeight:
-      return "W";
-  }
-  return "?";
-}
-
-}  // namespace detail
-
-std::string to_string(const Cell& cell) {
-  const char* letter = cell.phase == Phase::BackwardInput
-                           ? "I"
-                           : detail::action_letter(cell.phase);
-  return std::string(letter) + "(" + std::to_string(cell.micro_batch) + "," +
-         std::to_string(cell.partition) + ")";
-}
-
-std::string to_string(Schedule schedule) {
-  switch (schedule) {
-    case Schedule::FillDrain:
-      return "fill_drain";
-    case Schedule::OneFOneB:
-      return "1f1b";
-    case Schedule::Interleaved1F1B:
-      return "interleaved";
-    case Schedule::ZeroBubble:
-      return "zero_bubble";
-  }
-  return "unknown";
-}
-
-Schedule schedule_from_string(const std::string& name) {
-  for (auto s :
-       {Schedule::FillDrain,
-        Schedule::OneFOneB,
-        Schedule::Interleaved1F1B,
-        Schedule::ZeroBubble}) {
-    if (name == to_string(s)) {
-      return s;
-    }
-  }
-  throw std::invalid_argument(
-      "schedule must be 'fill_drain', '1f1b', 'interleaved' or "
-      "'zero_bubble', but got '" +
-      name + "'");
-}
-
-std::vector<Cell> lane_order(
-    Schedule schedule, int64_t m, int64_t n, int64_t j) {
-  detail::check_sizes(m, n);
-  if (j < 0 || j >= n) {
-    throw std::invalid_argument(
-        "schedule: partition " + std::to_string(j) + " is not in [0, " +
-        std::to_string(n) + ")");
-  }
-  switch (schedule) {
-    case Schedule::FillDrain:
-      return detail::fill_drain_lane(m, n, j);
-    case Schedule::OneFOneB:
-    case Schedule::Interleaved1F1B:  // one stage per lane: 1F1B
-      return detail::one_f_one_b_lane(m, n, j);
-    case Schedule::ZeroBubble:
-      return detail::zero_bubble_lane(m, n, j);
-  }
-  throw std::invalid_argument("schedule: unknown schedule");
 }
 
 Plan training_plan(Schedule schedule, int64_t m, int64_t n) {
@@ -446,20 +418,6 @@ Steps training_steps(Schedule schedule, int64_t m, int64_t n) {
     return {};
   }
   return training_plan(schedule, m, n).steps();
-}
-
-int64_t max_in_flight(const std::vector<Cell>& cells) {
-  int64_t in_flight = 0;
-  int64_t most = 0;
-  for (const auto& c : cells) {
-    if (c.phase == Phase::Forward) {
-      ++in_flight;
-    } else if (c.phase != Phase::BackwardInput) {
-      --in_flight;
-    }
-    most = std::max(most, in_flight);
-  }
-  return most;
 }
 
 }  // namespace gpipe

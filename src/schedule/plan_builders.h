@@ -35,13 +35,17 @@ class CellInputs {
 /// steps; never deadlocks.
 Plan fold_onto_lanes(const Plan& flat, int64_t lanes);
 
+/// `plan` with each micro-batch's loss right after the last stage's
+/// forward.
+Plan with_losses(Plan plan);
+
 /// Interleaved 1F1B's rows, one per lane (`lanes` lanes, `v` stages
 /// each, stage j on lane j % lanes).
 std::vector<std::vector<Cell>> interleaved_lanes(
     int64_t m, int64_t lanes, int64_t v);
 
-/// "F", "B" (whole backward or input part) or "W": plans' table and CSV
-/// spelling.
+/// "F", "B" (whole backward or input part), "W" or "L": plans' table and
+/// CSV spelling.
 const char* action_letter(Phase phase);
 
 /// The cells stage j runs in a training step, one builder per schedule.

@@ -87,12 +87,13 @@ Plan Plan::from_csv(const std::string& text) {
       char kind = 0;
       TORCH_CHECK_VALUE(
           parse_action(field, stage, kind, micro) &&
-              std::string("FBIW").find(kind) != std::string::npos,
+              std::string("FBIWL").find(kind) != std::string::npos,
           "plan CSV: row ",
           row,
           ", column ",
           column,
-          ": expected an action <stage><F|B|I|W><micro-batch> such as 0F3, "
+          ": expected an action <stage><F|B|I|W|L><micro-batch> such as "
+          "0F3, "
           "but got '",
           field,
           "'");
@@ -101,6 +102,8 @@ Plan Plan::from_csv(const std::string& text) {
         phase = Phase::Backward;
       } else if (kind == 'I') {
         phase = Phase::BackwardInput;
+      } else if (kind == 'L') {
+        phase = Phase::Loss;
       } else if (kind == 'W') {
         phase = Phase::BackwardWeight;
         weights.insert({micro, stage});

@@ -27,6 +27,8 @@ double cost_of(const Cell& c, const ActionCosts& costs) {
       return costs.backward_input;
     case Phase::BackwardWeight:
       return costs.backward_weight;
+    case Phase::Loss:
+      return costs.loss;
   }
   return 0;
 }
@@ -123,7 +125,8 @@ Simulation simulate(const Plan& plan, const ActionCosts& costs) {
         auto& peak = sim.peak_live[static_cast<size_t>(c.partition)];
         peak = std::max(peak, here);
         sim.lane_peak_live[l] = std::max(sim.lane_peak_live[l], total);
-      } else if (c.phase != Phase::BackwardInput) {
+      } else if (
+          c.phase == Phase::Backward || c.phase == Phase::BackwardWeight) {
         --live[c.partition];
         --total;
       }

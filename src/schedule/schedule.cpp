@@ -1,0 +1,119 @@
+// The functions of gpipe/schedule.h over cells and schedules: names,
+// spelling, each schedule's lane order and in-flight counts.
+
+#include <gpipe/plan.h>
+#include <gpipe/schedule.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "schedule/plan_builders.h"
+
+namespace gpipe {
+
+std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition) {
+  std::vector<Cell> cells;
+  for (const auto& step : steps) {
+    for (const auto& cell : step) {
+      if (cell.partition == partition) {
+        cells.push_back(cell);
+      }
+    }
+  }
+  return cells;
+}
+
+namespace detail {
+
+const char* action_letter(Phase phase) {
+  switch (phase) {
+    case Phase::Forward:
+      return "F";
+    case Phase::Backward:
+    case Phase::BackwardInput:
+      return "B";
+    case Phase::BackwardWeight:
+      return "W";
+    case Phase::Loss:
+      return "L";
+  }
+  return "?";
+}
+
+}  // namespace detail
+
+std::string to_string(const Cell& cell) {
+  const char* letter = cell.phase == Phase::BackwardInput
+                           ? "I"
+                           : detail::action_letter(cell.phase);
+  return std::string(letter) + "(" + std::to_string(cell.micro_batch) + "," +
+         std::to_string(cell.partition) + ")";
+}
+
+std::string to_string(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::FillDrain:
+      return "fill_drain";
+    case Schedule::OneFOneB:
+      return "1f1b";
+    case Schedule::Interleaved1F1B:
+      return "interleaved";
+    case Schedule::ZeroBubble:
+      return "zero_bubble";
+  }
+  return "unknown";
+}
+
+Schedule schedule_from_string(const std::string& name) {
+  for (auto s :
+       {Schedule::FillDrain,
+        Schedule::OneFOneB,
+        Schedule::Interleaved1F1B,
+        Schedule::ZeroBubble}) {
+    if (name == to_string(s)) {
+      return s;
+    }
+  }
+  throw std::invalid_argument(
+      "schedule must be 'fill_drain', '1f1b', 'interleaved' or "
+      "'zero_bubble', but got '" +
+      name + "'");
+}
+
+std::vector<Cell> lane_order(
+    Schedule schedule, int64_t m, int64_t n, int64_t j) {
+  detail::check_sizes(m, n);
+  if (j < 0 || j >= n) {
+    throw std::invalid_argument(
+        "schedule: partition " + std::to_string(j) + " is not in [0, " +
+        std::to_string(n) + ")");
+  }
+  switch (schedule) {
+    case Schedule::FillDrain:
+      return detail::fill_drain_lane(m, n, j);
+    case Schedule::OneFOneB:
+    case Schedule::Interleaved1F1B:  // one stage per lane: 1F1B
+      return detail::one_f_one_b_lane(m, n, j);
+    case Schedule::ZeroBubble:
+      return detail::zero_bubble_lane(m, n, j);
+  }
+  throw std::invalid_argument("schedule: unknown schedule");
+}
+
+int64_t max_in_flight(const std::vector<Cell>& cells) {
+  int64_t in_flight = 0;
+  int64_t most = 0;
+  for (const auto& c : cells) {
+    if (c.phase == Phase::Forward) {
+      ++in_flight;
+    } else if (c.phase == Phase::Backward || c.phase == Phase::BackwardWeight) {
+      --in_flight;
+    }
+    most = std::max(most, in_flight);
+  }
+  return most;
+}
+
+}  // namespace gpipe

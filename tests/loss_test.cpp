@@ -1,0 +1,205 @@
+// The loss as a plan action: it runs wherever the plan lists it, its
+// randomness is seeded per micro-batch, and what it reads besides the
+// output gets the plain model's gradients. (That it runs once per
+// micro-batch, never recomputed: random_test.cpp.)
+
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+
+#include "common.h"
+
+namespace gpipe {
+namespace {
+
+using testing::SeededTest;
+
+class LossTest : public SeededTest {};
+
+torch::nn::Sequential small_net() {
+  torch::nn::Sequential net(
+      torch::nn::Linear(5, 6),
+      torch::nn::Tanh(),
+      torch::nn::Linear(6, 6),
+      torch::nn::Tanh(),
+      torch::nn::Linear(6, 4));
+  net->to(torch::kFloat64);
+  return net;
+}
+
+torch::Tensor cross_entropy(torch::Tensor y, torch::Tensor t) {
+  return torch::nn::functional::cross_entropy(y, t);
+}
+
+void expect_same_gradients(
+    torch::nn::Module& expected, torch::nn::Module& got) {
+  auto g1 = testing::grads_of(expected);
+  auto g2 = testing::grads_of(got);
+  ASSERT_EQ(g1.size(), g2.size());
+  for (size_t k = 0; k < g1.size(); ++k) {
+    ASSERT_EQ(g1[k].defined(), g2[k].defined()) << "parameter " << k;
+    if (g1[k].defined()) {
+      EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13))
+          << "parameter " << k;
+    }
+  }
+}
+
+TEST_F(LossTest, PlanWithLossesWhereverWrittenGivesThePlainGradients) {
+  auto net = small_net();
+  auto copy = testing::copy_of(net);
+  GPipe model(
+      copy, GPipeOptions({3, 2}).chunks(3).checkpoint(Checkpoint::Never));
+  // Lane 1 runs both forwards before either loss, and the losses in
+  // reverse order; lane 0's last backward waits for it all.
+  const auto plan = Plan::from_csv(
+      "0F0,0F1,0F2,0B2,0B1,0B0\n"
+      "1F0,1F1,1L1,1F2,1L2,1L0,1B2,1B0,1B1\n");
+  ASSERT_NO_THROW(plan.validate());
+  auto x = torch::randn({6, 5}, torch::kFloat64);
+  auto t = torch::randint(0, 4, {6});
+  auto expected = cross_entropy(net->forward(x), t);
+  expected.backward();
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  auto got = model->train_step(x, t, cross_entropy, plan);
+  model->set_trace(nullptr);
+  EXPECT_NEAR(got.item<double>(), expected.item<double>(), 1e-12);
+  expect_same_gradients(*net, *copy);
+  std::string lane1;
+  for (const auto& e : trace->events()) {
+    if (e.lane == 1 && e.kind != TraceKind::Copy) {
+      lane1 +=
+          to_string(e.kind).substr(0, 1) + std::to_string(e.micro_batch) + " ";
+    }
+  }
+  EXPECT_EQ(lane1, "f0 f1 l1 f2 l2 l0 b2 b0 b1 ");
+}
+
+TEST_F(LossTest, MakePlanListsLossesAndTheyRunThere) {
+  auto net = small_net();
+  GPipe model(net, GPipeOptions({2, 1, 1, 1}).chunks(4).stages_per_lane(2));
+  const auto plan = make_plan(Schedule::Interleaved1F1B, 4, 2, 2);
+  int64_t losses = 0;
+  for (const auto& c : plan.lanes[1]) {
+    losses += c.phase == Phase::Loss ? 1 : 0;
+    EXPECT_TRUE(c.phase != Phase::Loss || c.partition == 3);
+  }
+  EXPECT_EQ(losses, 4);
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  model->train_step(
+      torch::randn({8, 5}, torch::kFloat64),
+      torch::randint(0, 4, {8}),
+      cross_entropy,
+      plan);
+  model->set_trace(nullptr);
+  int64_t traced = 0;
+  for (const auto& e : trace->events()) {
+    if (e.kind == TraceKind::Loss) {
+      EXPECT_EQ(e.lane, 1);
+      ++traced;
+    }
+  }
+  EXPECT_EQ(traced, 4);
+}
+
+TEST_F(LossTest, RandomLossIsSeededPerMicroBatch) {
+  // A loss that drops some of the output: the same seed gives the same
+  // losses and gradients under any schedule and checkpoint mode, because
+  // each micro-batch's loss has its own seed.
+  auto dropping = [](torch::Tensor y, torch::Tensor t) {
+    return cross_entropy(torch::dropout(y, 0.5, /*train=*/true), t);
+  };
+  auto x = torch::randn({8, 5}, torch::kFloat64);
+  auto t = torch::randint(0, 4, {8});
+  auto net = small_net();
+  std::vector<torch::Tensor> reference;
+  double reference_loss = 0;
+  for (auto mode : {Checkpoint::Never, Checkpoint::Always}) {
+    for (auto schedule :
+         {Schedule::FillDrain, Schedule::OneFOneB, Schedule::ZeroBubble}) {
+      auto copy = testing::copy_of(net);
+      GPipe model(copy, GPipeOptions({3, 2}).chunks(4).checkpoint(mode));
+      torch::manual_seed(11);
+      const auto loss =
+          model->train_step(x, t, dropping, schedule).item<double>();
+      const auto grads = testing::grads_of(*copy);
+      if (reference.empty()) {
+        reference = grads;
+        reference_loss = loss;
+        continue;
+      }
+      EXPECT_DOUBLE_EQ(loss, reference_loss) << to_string(schedule);
+      for (size_t k = 0; k < grads.size(); ++k) {
+        // (Schedules add the micro-batches' gradients in other orders.)
+        EXPECT_TRUE(torch::allclose(grads[k], reference[k], 1e-12, 1e-14))
+            << to_string(schedule) << ", parameter " << k;
+      }
+    }
+  }
+  // And another seed draws other masks.
+  auto copy = testing::copy_of(net);
+  GPipe model(copy, GPipeOptions({3, 2}).chunks(4));
+  torch::manual_seed(12);
+  EXPECT_NE(model->train_step(x, t, dropping).item<double>(), reference_loss);
+}
+
+TEST_F(LossTest, WhatTheLossReadsGetsItsGradient) {
+  // A loss with a learnable temperature, outside the Sequential: its
+  // gradient is the plain model's, once per step.
+  auto net = small_net();
+  std::vector<torch::nn::Sequential> copies{
+      testing::copy_of(net), testing::copy_of(net)};
+  auto temperature =
+      torch::full({}, 1.5, torch::kFloat64).set_requires_grad(true);
+  auto scaled = [&](torch::Tensor y, torch::Tensor t) {
+    return cross_entropy(y / temperature, t);
+  };
+  auto x = torch::randn({8, 5}, torch::kFloat64);
+  auto t = torch::randint(0, 4, {8});
+  scaled(net->forward(x), t).backward();
+  const auto expected = temperature.grad().clone();
+  temperature.mutable_grad().reset();
+  for (auto mode : {Checkpoint::Always, Checkpoint::Never}) {
+    auto copy = copies[mode == Checkpoint::Always ? 0 : 1];
+    GPipe model(copy, GPipeOptions({3, 2}).chunks(4).checkpoint(mode));
+    model->train_step(x, t, scaled, Schedule::OneFOneB);
+    expect_same_gradients(*net, *copy);
+    ASSERT_TRUE(temperature.grad().defined());
+    EXPECT_TRUE(torch::allclose(temperature.grad(), expected, 1e-10, 1e-13));
+    temperature.mutable_grad().reset();
+  }
+}
+
+TEST_F(LossTest, PlansWithLossesAreChecked) {
+  auto net = small_net();
+  GPipe model(net, GPipeOptions({3, 2}).chunks(2));
+  auto x = torch::randn({4, 5}, torch::kFloat64);
+  auto t = torch::randint(0, 4, {4});
+  auto error_of = [&](const std::string& csv) -> std::string {
+    try {
+      model->train_step(x, t, cross_entropy, Plan::from_csv(csv));
+    } catch (const c10::ValueError& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  EXPECT_NE(
+      error_of("0F0,0F1,0L0,0B1,0B0\n1F0,1F1,1B1,1B0\n")
+          .find("losses belong to the last stage, 1"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of("0F0,0F1,0B1,0B0\n1F0,1F1,1L1,1B1,1B0\n")
+          .find("L(0,1) is never run, although other losses are"),
+      std::string::npos);
+  const auto late = error_of("0F0,0F1,0B1,0B0\n1F0,1F1,1B1,1L1,1L0,1B0\n");
+  EXPECT_NE(late.find("deadlocks"), std::string::npos) << late;
+  // The model is still usable.
+  EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
+}
+
+}  // namespace
+}  // namespace gpipe
