@@ -10,6 +10,7 @@
 #include <gpipe/options.h>
 #include <gpipe/plan.h>
 #include <gpipe/schedule.h>
+#include <gpipe/serialize.h>
 #include <gpipe/skip.h>
 #include <gpipe/trace.h>
 #include <gpipe/verify.h>

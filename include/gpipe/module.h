@@ -25,9 +25,9 @@ class Trace;
 /// gradients equal those of the plain Sequential.
 ///
 /// Parameters are registered under `partitions.<j>.<name>`, where `<name>` is
-/// the layer's name in the Sequential: a state dict saved from the plain
-/// model loads into GPipe after adding that prefix, and back after removing
-/// it.
+/// the layer's name in the Sequential. gpipe/serialize.h reads archives of
+/// the plain model into a GPipe of any balance and back. The GPipe uses the
+/// Sequential's layers in place: training it trains the Sequential.
 ///
 /// Example:
 /// ```

@@ -1,0 +1,183 @@
+// Weights between a GPipe and the plain Sequential, through files: either
+// archive into either model, any balance, parameters and BatchNorm buffers.
+
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+
+#include "common.h"
+
+namespace gpipe {
+namespace {
+
+class SerializeTest : public testing::SeededTest {
+ protected:
+  void TearDown() override {
+    for (const auto& p : paths_) {
+      std::remove(p.c_str());
+    }
+  }
+  std::string path(const std::string& name) {
+    paths_.push_back(
+        ::testing::TempDir() + "gpipe_serialize_" + std::to_string(::getpid()) +
+        "_" + name);
+    return paths_.back();
+  }
+
+ private:
+  std::vector<std::string> paths_;
+};
+
+torch::nn::Sequential make_net() {
+  return torch::nn::Sequential(
+      torch::nn::Linear(5, 8),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::ReLU(),
+      torch::nn::Linear(8, 8),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::Linear(torch::nn::LinearOptions(8, 3).bias(false)));
+}
+
+// Trains a little so that weights and running statistics are not the
+// initial ones.
+void train(
+    torch::nn::Module& module,
+    const std::function<torch::Tensor(torch::Tensor)>& f) {
+  torch::optim::SGD opt(module.parameters(), 0.1);
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    f(torch::randn({16, 5})).pow(2).mean().backward();
+    opt.step();
+  }
+}
+
+void expect_same_state(torch::nn::Module& a, torch::nn::Module& b) {
+  auto pa = a.named_parameters();
+  auto pb = b.named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t k = 0; k < pa.size(); ++k) {
+    EXPECT_TRUE(torch::equal(pa[k].value(), pb[k].value())) << pa[k].key();
+  }
+  auto ba = a.buffers();
+  auto bb = b.buffers();
+  ASSERT_EQ(ba.size(), bb.size());
+  for (size_t k = 0; k < ba.size(); ++k) {
+    EXPECT_TRUE(torch::equal(ba[k], bb[k])) << "buffer " << k;
+  }
+}
+
+TEST_F(SerializeTest, GPipeArchiveLoadsIntoThePlainSequential) {
+  auto net = make_net();
+  GPipe model(net, GPipeOptions({2, 2, 2}).chunks(2));
+  train(*model, [&](torch::Tensor x) { return model->forward(x); });
+  const auto file = path("gpipe.pt");
+  torch::save(model, file);
+
+  auto plain = make_net();
+  // What users try first does not work: the names differ.
+  EXPECT_THROW(torch::load(plain, file), c10::Error);
+  load_into_sequential(plain, file);
+  expect_same_state(*net, *plain);  // net is the GPipe's layers
+  net->eval();
+  plain->eval();
+  auto x = torch::randn({4, 5});
+  EXPECT_TRUE(torch::equal(plain->forward(x), net->forward(x)));
+}
+
+TEST_F(SerializeTest, PlainArchiveLoadsIntoAGPipeOfAnyBalance) {
+  auto net = make_net();
+  train(*net, [&](torch::Tensor x) { return net->forward(x); });
+  const auto file = path("plain.pt");
+  torch::save(net, file);
+  for (const auto& balance :
+       {std::vector<int64_t>{6},
+        std::vector<int64_t>{1, 5},
+        std::vector<int64_t>{2, 2, 1, 1}}) {
+    GPipe model(make_net(), GPipeOptions(balance).chunks(2));
+    load_into_gpipe(model, file);
+    expect_same_state(*net, *model);
+  }
+}
+
+TEST_F(SerializeTest, GPipeArchiveLoadsIntoAnotherBalance) {
+  auto net = make_net();
+  GPipe four(net, GPipeOptions({1, 2, 2, 1}).chunks(4));
+  train(*four, [&](torch::Tensor x) { return four->forward(x); });
+  const auto file = path("four.pt");
+  torch::save(four, file);
+  GPipe two(make_net(), GPipeOptions({3, 3}).chunks(2));
+  load_into_gpipe(two, file);
+  expect_same_state(*four, *two);
+}
+
+TEST_F(SerializeTest, SaveAsSequentialLoadsWithTorchLoad) {
+  auto net = make_net();
+  GPipe model(net, GPipeOptions({3, 3}).chunks(2));
+  train(*model, [&](torch::Tensor x) { return model->forward(x); });
+  const auto file = path("as_plain.pt");
+  save_as_sequential(model, file);
+  auto plain = make_net();
+  torch::load(plain, file);  // no gpipe involved
+  expect_same_state(*net, *plain);
+}
+
+TEST_F(SerializeTest, AnotherModelIsRefusedAndLeftUnchanged) {
+  auto net = make_net();
+  const auto file = path("small.pt");
+  torch::save(net, file);
+  auto error_of = [&](torch::nn::Sequential other) -> std::string {
+    auto before = other->parameters()[0].clone();
+    try {
+      load_into_sequential(other, file);
+    } catch (const c10::ValueError& e) {
+      EXPECT_TRUE(torch::equal(other->parameters()[0], before));
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  // A wider layer 3: shapes differ.
+  auto wider = torch::nn::Sequential(
+      torch::nn::Linear(5, 8),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::ReLU(),
+      torch::nn::Linear(8, 9),
+      torch::nn::BatchNorm1d(9),
+      torch::nn::Linear(torch::nn::LinearOptions(9, 3).bias(false)));
+  auto message = error_of(wider);
+  EXPECT_NE(
+      message.find("'3.weight' of shape [8, 8], but the model's is [9, 8]"),
+      std::string::npos)
+      << message;
+  // One layer more.
+  auto longer = make_net();
+  longer->push_back(torch::nn::Linear(3, 3));
+  message = error_of(longer);
+  EXPECT_NE(message.find("has no layer '6'"), std::string::npos) << message;
+  // One layer less.
+  auto shorter = torch::nn::Sequential(
+      torch::nn::Linear(5, 8), torch::nn::BatchNorm1d(8), torch::nn::ReLU());
+  message = error_of(shorter);
+  EXPECT_NE(
+      message.find("has layer '3', which the model does not have"),
+      std::string::npos)
+      << message;
+  // A bias where the archive has none.
+  auto with_bias = torch::nn::Sequential(
+      torch::nn::Linear(5, 8),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::ReLU(),
+      torch::nn::Linear(8, 8),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::Linear(8, 3));
+  message = error_of(with_bias);
+  EXPECT_NE(message.find("no tensor '5.bias'"), std::string::npos) << message;
+  EXPECT_THROW(load_into_sequential(net, path("missing.pt")), c10::Error);
+}
+
+}  // namespace
+}  // namespace gpipe
