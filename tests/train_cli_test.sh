@@ -144,6 +144,11 @@ if [[ $mode == bad ]]; then
   printf '0F0,1F0,1B0,0B0\n' >"$tmp/one-lane.csv"
   bad --plan "${d[@]}" --plan "$tmp/one-lane.csv"
 
+  # Saving and loading weights.
+  bad --save "${d[@]}" --save "$tmp/no-such-folder/m.pt"
+  bad --save "${d[@]}" --save "$tmp"
+  bad --load "${d[@]}" --load "$tmp/no-such-model.pt"
+
   # Under a launcher (WORLD_SIZE set): ranks x stages-per-lane partitions,
   # no autograd schedule, a well-formed WORLD_SIZE; all refused before joining the job.
   export WORLD_SIZE=2
@@ -153,6 +158,7 @@ if [[ $mode == bad ]]; then
   bad --partitions "${d[@]}" --schedule interleaved --partitions 2
   bad --balance "${d[@]}" --stages-per-lane 2 --balance 6,7
   bad --stages-per-lane "${d[@]}" --stages-per-lane 0
+  bad --save "${d[@]}" --schedule 1f1b --save "$tmp/m.pt"
   export WORLD_SIZE=two
   bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0
@@ -180,6 +186,8 @@ elif [[ $mode == run ]]; then
     fail "a valid run printed no JSON summary of 4 steps: $(cat "$tmp/out")"
   elif [[ ! -s $tmp/t.json || ! -s $tmp/t.svg ]]; then
     fail "a valid run wrote no trace: $(cat "$tmp/out")"
+  elif ! grep -q '^balance_by_time chose \[[0-9]*, [0-9]*\] from per-layer ms' "$tmp/out"; then
+    fail "a run without --balance did not say which balance it chose: $(head -3 "$tmp/out")"
   else
     echo "ok: valid run: $(tail -n 1 "$tmp/out")"
   fi
@@ -204,6 +212,36 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --plan: $(tail -n 1 "$tmp/out")"
   fi
+  # --save after each epoch, and --load of it into another balance goes on
+  # from those weights (a lower loss than from scratch on the same steps).
+  run --data-dir "$data" --epochs 2 --limit 512 --json --save "$tmp/m.pt"
+  if [[ $status -ne 0 ]] || ! grep -q "saved the model to $tmp/m.pt" "$tmp/out" ||
+    [[ ! -s $tmp/m.pt ]]; then
+    fail "--save exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
+  else
+    echo "ok: --save"
+  fi
+  run --data-dir "$data" --epochs 1 --limit 256 --json --balance 5,8 --load "$tmp/m.pt"
+  loaded=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/out" | cut -d: -f2)
+  if [[ $status -ne 0 ]] || ! grep -q "loaded weights from $tmp/m.pt" "$tmp/out"; then
+    fail "--load exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
+  else
+    run --data-dir "$data" --epochs 1 --limit 256 --json --balance 5,8
+    fresh=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/out" | cut -d: -f2)
+    if ! awk -v a="$loaded" -v b="$fresh" 'BEGIN { exit !(a > b) }'; then
+      fail "--load did not start from the saved weights: accuracy $loaded, from scratch $fresh"
+    else
+      echo "ok: --load: accuracy $loaded against $fresh from scratch"
+    fi
+  fi
+  # A file of another model: exit 1 with the reason.
+  run --data-dir "$data" --epochs 1 --limit 256 --model resnet --load "$tmp/m.pt"
+  if [[ $status -ne 1 ]] || ! grep -qF "'$tmp/m.pt' has" "$tmp/err"; then
+    fail "--load of another model exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: --load of another model -> $(cat "$tmp/err")"
+  fi
+
   # Too few steps to trace is known only once the data is read: still 2.
   bad --trace-steps --data-dir "$data" --epochs 1 --limit 256 \
     --trace "$tmp/t.json" --trace-steps 4

@@ -154,8 +154,12 @@ int train(const Args& args) {
 
   const auto& spec = model_spec(args.model);
   auto net = make_model(spec);
+  const auto balance =
+      args.balance_given
+          ? args.balance
+          : choose_balance(args, net, train_x, world ? &*world : nullptr);
   const auto options =
-      gpipe::GPipeOptions(args.balance)
+      gpipe::GPipeOptions(balance)
           .chunks(args.chunks)
           .checkpoint(gpipe::checkpoint_from_string(args.checkpoint))
           .threads_per_lane(args.threads_per_lane)
@@ -170,6 +174,10 @@ int train(const Args& args) {
   } else {
     model = gpipe::GPipe(net, options);
     module = model.get();
+    if (!args.load_path.empty()) {
+      gpipe::load_into_gpipe(model, args.load_path);
+      std::cout << "loaded weights from " << args.load_path << std::endl;
+    }
   }
   torch::optim::SGD optimizer(
       module->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
@@ -325,6 +333,10 @@ int train(const Args& args) {
         static_cast<long long>(epoch + 1),
         accuracy,
         total);
+    if (!args.save_path.empty()) {
+      torch::save(model, args.save_path);
+      std::printf("saved the model to %s\n", args.save_path.c_str());
+    }
     if (skipped_batches > 0) {
       std::printf(
           "left out %lld short batches: they cut into fewer micro-batches "
@@ -337,7 +349,7 @@ int train(const Args& args) {
       if (args.json) {
         nlohmann::json summary = {
             {"model", args.model},
-            {"balance", args.balance},
+            {"balance", balance},
             {"chunks", args.chunks},
             {"checkpoint", args.checkpoint},
             {"schedule", args.schedule},
@@ -371,6 +383,7 @@ int main(int argc, char** argv) {
       "parallelism"};
   Args args;
   add_options(app, args);
+  add_save_options(app, args);
   const auto usage_error = [](const std::string& message) {
     std::cerr << "gpipe-train: " << one_line(message) << std::endl;
     return kUsageExit;
@@ -379,6 +392,8 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     args.world_size = world_size_from_env();
     verify_args(app, args);
+    verify_save_options(app, args);
+    args.balance_given = app.count("--balance") > 0;
   } catch (const CLI::ParseError& e) {
     // --help is a ParseError too, with exit code 0: let CLI11 print it. The
     // others get exit status 2 rather than CLI11's codes (above 100), and

@@ -13,6 +13,10 @@
 #include <string>
 #include <vector>
 
+namespace gpipe::dist {
+class World;
+}  // namespace gpipe::dist
+
 namespace gpipe_train {
 
 namespace fs = std::filesystem;
@@ -90,6 +94,12 @@ struct Args {
   // else 1. With more than one, rank r runs partitions r, r + ranks, ...
   // (stages_per_lane of them).
   int64_t world_size = 1;
+  // --balance was given; else train() replaces `balance` (the even split)
+  // by choose_balance's.
+  bool balance_given = false;
+  // --save: written after each epoch; --load: read before training.
+  std::string save_path;
+  std::string load_path;
 };
 
 /// WORLD_SIZE from the environment (1 when unset); a malformed value is a
@@ -104,6 +114,23 @@ void verify_args(const CLI::App& app, Args& args);
 /// args.partitions and args.stages_per_lane (throws UsageError), and sets
 /// args.plan and args.schedule "plan". Nothing without --plan.
 void read_plan(const CLI::App& app, Args& args);
+/// --save and --load (train_save.cpp): their flags, and their checks
+/// (throws UsageError): one process only, a writable --save path, an
+/// existing --load file.
+void add_save_options(CLI::App& app, Args& args);
+void verify_save_options(const CLI::App& app, const Args& args);
+/// The balance of `net` without --balance (train_balance.cpp):
+/// balance_by_time on one micro-batch of `images`, chosen on rank 0 and
+/// broadcast over `world` (null: one process); printed with the per-layer
+/// times on rank 0.
+std::vector<int64_t> choose_balance(
+    const Args& args,
+    const torch::nn::Sequential& net,
+    const torch::Tensor& images,
+    const gpipe::dist::World* world);
+/// Throws UsageError unless `path` names a file that can be written
+/// (`flag` starts the message).
+void verify_output_path(const std::string& flag, const std::string& path);
 /// Every --model entry.
 const std::vector<ModelSpec>& model_specs();
 /// The --model entry called `name` (verify_args checked it exists).

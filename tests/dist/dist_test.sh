@@ -207,11 +207,14 @@ case $mode in
     for schedule in 1f1b interleaved; do
     args=(--data-dir "$data" --limit 640 --epochs 1 --batch-size 64
       --chunks 4 --schedule $schedule --json --log-every 5)
-    single_args=()
-    [[ $schedule == interleaved ]] && single_args=(--partitions 4)
+    # (A balance given: the default one is measured, on each run anew.)
+    single_args=(--balance 6,7)
+    [[ $schedule == interleaved ]] && single_args=(--partitions 4 --balance 3,3,3,4)
     timeout 300 "$prog" "${args[@]}" "${single_args[@]}" >"$tmp/single" 2>&1
     single=$?
-    timeout 300 "$run_bin" -n 2 -- "$prog" "${args[@]}" >"$tmp/dist" 2>&1
+    dist_args=(--balance 6,7)
+    [[ $schedule == interleaved ]] && dist_args=(--balance 3,3,3,4)
+    timeout 300 "$run_bin" -n 2 -- "$prog" "${args[@]}" "${dist_args[@]}" >"$tmp/dist" 2>&1
     dist=$?
     if [[ $single -ne 0 || $dist -ne 0 ]]; then
       fail "gpipe-train $schedule exited $single (one process), $dist (2 ranks): $(tail -3 "$tmp/dist")"

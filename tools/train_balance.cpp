@@ -1,0 +1,59 @@
+// gpipe-train's balance when --balance is not given: balance_by_time on one
+// micro-batch of training images, chosen on rank 0 and sent to the others
+// under a launcher, printed with the per-layer times it came from.
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gpipe/balance.h>
+#include <gpipe/dist.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <sstream>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "train_args.h"
+
+namespace gpipe_train {
+
+std::vector<int64_t> choose_balance(
+    const Args& args,
+    const torch::nn::Sequential& net,
+    const torch::Tensor& images,
+    const gpipe::dist::World* world) {
+  const auto partitions = static_cast<int64_t>(args.balance.size());
+  std::vector<int64_t> balance(partitions, 0);
+  std::vector<double> costs;
+  // What each cell runs: a micro-batch of training images.
+  const auto rows = std::min<int64_t>(
+      images.size(0), (args.batch_size + args.chunks - 1) / args.chunks);
+  if (world == nullptr || world->rank() == 0) {
+    // Profiling must not move the random stream: a run with --balance
+    // given draws the same batches and masks.
+    auto generator = at::detail::getDefaultCPUGenerator();
+    const auto state = generator.get_state();
+    costs = gpipe::profile_times(net, images.narrow(0, 0, rows), 0.5);
+    generator.set_state(state);
+    balance = gpipe::balance_cost(costs, partitions);
+  }
+  if (world != nullptr) {
+    std::vector<at::Tensor> shared{torch::tensor(balance, torch::kLong)};
+    world->group()->broadcast(shared)->wait();
+    const auto* b = shared[0].data_ptr<int64_t>();
+    balance.assign(b, b + partitions);
+  }
+  if (!costs.empty()) {
+    std::ostringstream text;
+    text << "balance_by_time chose " << c10::IntArrayRef(balance)
+         << " from per-layer ms (forward + backward of " << rows << " images):";
+    for (const auto c : costs) {
+      text << ' ' << std::fixed;
+      text.precision(2);
+      text << c * 1000.0;
+    }
+    std::printf("%s\n", text.str().c_str());
+    std::fflush(stdout);
+  }
+  return balance;
+}
+
+}  // namespace gpipe_train
