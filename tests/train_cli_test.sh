@@ -144,6 +144,8 @@ if [[ $mode == bad ]]; then
   printf '0F0,1F0,1B0,0B0\n' >"$tmp/one-lane.csv"
   bad --plan "${d[@]}" --plan "$tmp/one-lane.csv"
 
+  bad --lr-schedule "${d[@]}" --lr-schedule linear
+
   # Saving and loading weights.
   bad --save "${d[@]}" --save "$tmp/no-such-folder/m.pt"
   bad --save "${d[@]}" --save "$tmp"
@@ -211,6 +213,17 @@ elif [[ $mode == run ]]; then
     fail "--plan exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
     echo "ok: --plan: $(tail -n 1 "$tmp/out")"
+  fi
+  # A learning-rate schedule and DeferredBatchNorm: the last step's rate
+  # is cosine's, and the run trains.
+  run --data-dir "$data" --epochs 1 --limit 256 --json --balance 6,7 \
+    --lr-schedule cosine --deferred-batch-norm
+  lr=$(grep -o '"final_lr":[0-9.e-]*' "$tmp/out" | cut -d: -f2)
+  if [[ $status -ne 0 ]] || ! grep -q '"deferred_batch_norm":true' "$tmp/out" ||
+    ! awk -v a="$lr" 'BEGIN { exit !(a > 0.0073 && a < 0.0074) }'; then
+    fail "--lr-schedule cosine --deferred-batch-norm exited $status, last rate '$lr': $(cat "$tmp/err") $(tail -1 "$tmp/out")"
+  else
+    echo "ok: --lr-schedule cosine (last step's rate $lr) --deferred-batch-norm"
   fi
   # --save after each epoch, and --load of it into another balance goes on
   # from those weights (a lower loss than from scratch on the same steps).

@@ -163,7 +163,8 @@ int train(const Args& args) {
           .chunks(args.chunks)
           .checkpoint(gpipe::checkpoint_from_string(args.checkpoint))
           .threads_per_lane(args.threads_per_lane)
-          .stages_per_lane(args.stages_per_lane);
+          .stages_per_lane(args.stages_per_lane)
+          .deferred_batch_norm(args.deferred_batch_norm);
   const auto& plan = args.plan;
   gpipe::GPipe model{nullptr};
   gpipe::dist::PipelineStage stage{nullptr};
@@ -211,6 +212,7 @@ int train(const Args& args) {
   int64_t step = 0;
   int64_t skipped_batches = 0;
   double last_loss = 0;
+  double lr = args.lr;
   double train_seconds = 0;
   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
     module->train();
@@ -256,6 +258,10 @@ int train(const Args& args) {
       } else {
         loss = model->train_step(
             x, y, loss_fn, gpipe::schedule_from_string(args.schedule));
+      }
+      lr = lr_at(args, step, epochs * steps_per_epoch);
+      for (auto& group : optimizer.param_groups()) {
+        static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
       }
       optimizer.step();
       ++step;
@@ -329,9 +335,10 @@ int train(const Args& args) {
       continue;
     }
     std::printf(
-        "epoch %lld done: test accuracy %.4f, elapsed %.1f s\n",
+        "epoch %lld done: test accuracy %.4f, lr %.5f, elapsed %.1f s\n",
         static_cast<long long>(epoch + 1),
         accuracy,
+        lr,
         total);
     if (!args.save_path.empty()) {
       torch::save(model, args.save_path);
@@ -354,6 +361,9 @@ int train(const Args& args) {
             {"checkpoint", args.checkpoint},
             {"schedule", args.schedule},
             {"stages_per_lane", args.stages_per_lane},
+            {"deferred_batch_norm", args.deferred_batch_norm},
+            {"lr_schedule", args.lr_schedule},
+            {"final_lr", lr},
             {"threads_per_lane",
              world ? int64_t{0} : model->threads_per_lane()},
             {"ranks", ranks},

@@ -32,63 +32,16 @@
 
 namespace gpipe_train {
 
-std::vector<int64_t> even_balance(int64_t layers, int64_t partitions) {
-  std::vector<int64_t> balance(partitions, layers / partitions);
-  for (int64_t k = 0; k < layers % partitions; ++k) {
-    balance[partitions - 1 - k] += 1;
+double lr_at(const Args& args, int64_t step, int64_t steps) {
+  const double done =
+      steps > 0 ? static_cast<double>(step) / static_cast<double>(steps) : 0;
+  if (args.lr_schedule == "cosine") {
+    return args.lr * 0.5 * (1.0 + std::cos(M_PI * done));
   }
-  return balance;
-}
-
-// Parses --balance: positive decimal integers separated by commas, e.g. 6,7.
-// Unlike std::getline, keeps a trailing empty entry ("6,7,") to refuse it.
-std::vector<int64_t> parse_balance(const std::string& text) {
-  constexpr const char* kExpected =
-      "; expected layers per partition as positive integers separated by "
-      "commas, e.g. 6,7";
-  usage_check(!text.empty(), "--balance is empty", kExpected);
-  std::vector<int64_t> balance;
-  size_t begin = 0;
-  while (true) {
-    const auto end = std::min(text.find(',', begin), text.size());
-    const auto item = text.substr(begin, end - begin);
-    const auto entry = balance.size() + 1;
-    usage_check(
-        !item.empty(),
-        "--balance '",
-        text,
-        "': entry ",
-        entry,
-        " is empty",
-        kExpected);
-    int64_t value = 0;
-    const auto [rest, error] =
-        std::from_chars(item.data(), item.data() + item.size(), value);
-    usage_check(
-        error == std::errc() && rest == item.data() + item.size(),
-        "--balance '",
-        text,
-        "': entry ",
-        entry,
-        " ('",
-        item,
-        "') is not a 64-bit integer",
-        kExpected);
-    usage_check(
-        value >= 1,
-        "--balance '",
-        text,
-        "': entry ",
-        entry,
-        " is ",
-        value,
-        ", but every partition needs at least one layer");
-    balance.push_back(value);
-    if (end == text.size()) {
-      return balance;
-    }
-    begin = end + 1;
+  if (args.lr_schedule == "step") {
+    return args.lr * (done >= 0.75 ? 0.01 : done >= 0.5 ? 0.1 : 1.0);
   }
+  return args.lr;
 }
 
 // CLI11 reads integers with strtoll's base 0 and saturates, so "010" would
@@ -198,8 +151,8 @@ void add_options(CLI::App& app, Args& args) {
       "--balance",
       args.balance_text,
       "Layers per partition, e.g. 6,7, summing to the model's layers "
-      "(default: even, or one that puts skips across 2 partitions for "
-      "resnet and unet)");
+      "(default: chosen by gpipe::balance_by_time on one micro-batch, and "
+      "printed)");
   app.add_option(
          "--chunks",
          args.chunks,
@@ -218,6 +171,17 @@ void add_options(CLI::App& app, Args& args) {
       ->check(int64);
   app.add_option(
       "--lr", args.lr, "SGD learning rate, positive and finite (momentum 0.9)");
+  app.add_option(
+         "--lr-schedule",
+         args.lr_schedule,
+         "constant; cosine: down to 0 over the run; step: x0.1 at half and "
+         "at three quarters of the steps")
+      ->check(CLI::IsMember({"constant", "cosine", "step"}));
+  app.add_flag(
+      "--deferred-batch-norm",
+      args.deferred_batch_norm,
+      "BatchNorm running statistics over the whole mini-batch, not per "
+      "micro-batch (gpipe::DeferredBatchNorm)");
   app.add_option(
          "--threads-per-lane",
          args.threads_per_lane,

@@ -72,6 +72,10 @@ struct Args {
   int64_t epochs = 1;
   int64_t batch_size = 64;
   double lr = 0.05;
+  // --lr-schedule: constant, cosine (to 0 over the run) or step (x0.1 at
+  // half and at three quarters of the steps).
+  std::string lr_schedule = "constant";
+  bool deferred_batch_norm = false;
   int64_t threads_per_lane = 0;
   int64_t limit = 0;
   int64_t log_every = 100;
@@ -119,6 +123,15 @@ void read_plan(const CLI::App& app, Args& args);
 /// existing --load file.
 void add_save_options(CLI::App& app, Args& args);
 void verify_save_options(const CLI::App& app, const Args& args);
+/// The learning rate of step `step` (from 0) of `steps`, by
+/// args.lr_schedule.
+double lr_at(const Args& args, int64_t step, int64_t steps);
+/// --balance's entries (train_balance.cpp); throws UsageError naming the
+/// first bad entry.
+std::vector<int64_t> parse_balance(const std::string& text);
+/// `layers` split into `partitions` as evenly as can be, the larger
+/// partitions last.
+std::vector<int64_t> even_balance(int64_t layers, int64_t partitions);
 /// The balance of `net` without --balance (train_balance.cpp):
 /// balance_by_time on one micro-batch of `images`, chosen on rank 0 and
 /// broadcast over `world` (null: one process); printed with the per-layer

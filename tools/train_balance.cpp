@@ -1,12 +1,14 @@
-// gpipe-train's balance when --balance is not given: balance_by_time on one
-// micro-batch of training images, chosen on rank 0 and sent to the others
-// under a launcher, printed with the per-layer times it came from.
+// gpipe-train's balance: --balance parsed, and when it is not given,
+// balance_by_time on one micro-batch of training images, chosen on rank 0
+// and sent to the others under a launcher, printed with the per-layer times
+// it came from.
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gpipe/balance.h>
 #include <gpipe/dist.h>
 #include <torch/torch.h>
 
+#include <charconv>
 #include <cstdio>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -14,6 +16,65 @@
 #include "train_args.h"
 
 namespace gpipe_train {
+
+std::vector<int64_t> even_balance(int64_t layers, int64_t partitions) {
+  std::vector<int64_t> balance(partitions, layers / partitions);
+  for (int64_t k = 0; k < layers % partitions; ++k) {
+    balance[partitions - 1 - k] += 1;
+  }
+  return balance;
+}
+
+// Parses --balance: positive decimal integers separated by commas, e.g. 6,7.
+// Unlike std::getline, keeps a trailing empty entry ("6,7,") to refuse it.
+std::vector<int64_t> parse_balance(const std::string& text) {
+  constexpr const char* kExpected =
+      "; expected layers per partition as positive integers separated by "
+      "commas, e.g. 6,7";
+  usage_check(!text.empty(), "--balance is empty", kExpected);
+  std::vector<int64_t> balance;
+  size_t begin = 0;
+  while (true) {
+    const auto end = std::min(text.find(',', begin), text.size());
+    const auto item = text.substr(begin, end - begin);
+    const auto entry = balance.size() + 1;
+    usage_check(
+        !item.empty(),
+        "--balance '",
+        text,
+        "': entry ",
+        entry,
+        " is empty",
+        kExpected);
+    int64_t value = 0;
+    const auto [rest, error] =
+        std::from_chars(item.data(), item.data() + item.size(), value);
+    usage_check(
+        error == std::errc() && rest == item.data() + item.size(),
+        "--balance '",
+        text,
+        "': entry ",
+        entry,
+        " ('",
+        item,
+        "') is not a 64-bit integer",
+        kExpected);
+    usage_check(
+        value >= 1,
+        "--balance '",
+        text,
+        "': entry ",
+        entry,
+        " is ",
+        value,
+        ", but every partition needs at least one layer");
+    balance.push_back(value);
+    if (end == text.size()) {
+      return balance;
+    }
+    begin = end + 1;
+  }
+}
 
 std::vector<int64_t> choose_balance(
     const Args& args,
