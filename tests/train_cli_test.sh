@@ -145,6 +145,9 @@ if [[ $mode == bad ]]; then
   bad --plan "${d[@]}" --plan "$tmp/one-lane.csv"
 
   bad --lr-schedule "${d[@]}" --lr-schedule linear
+  bad --devices "${d[@]}" --devices gpu:0,cpu
+  bad --devices "${d[@]}" --devices cpu
+  bad --devices "${d[@]}" --devices cpu,cpu,
 
   # Saving and loading weights.
   bad --save "${d[@]}" --save "$tmp/no-such-folder/m.pt"
@@ -161,6 +164,7 @@ if [[ $mode == bad ]]; then
   bad --balance "${d[@]}" --stages-per-lane 2 --balance 6,7
   bad --stages-per-lane "${d[@]}" --stages-per-lane 0
   bad --save "${d[@]}" --schedule 1f1b --save "$tmp/m.pt"
+  bad --devices "${d[@]}" --schedule 1f1b --devices cpu,cpu
   export WORLD_SIZE=two
   bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0
@@ -217,7 +221,7 @@ elif [[ $mode == run ]]; then
   # A learning-rate schedule and DeferredBatchNorm: the last step's rate
   # is cosine's, and the run trains.
   run --data-dir "$data" --epochs 1 --limit 256 --json --balance 6,7 \
-    --lr-schedule cosine --deferred-batch-norm
+    --lr-schedule cosine --deferred-batch-norm --devices cpu,cpu
   lr=$(grep -o '"final_lr":[0-9.e-]*' "$tmp/out" | cut -d: -f2)
   if [[ $status -ne 0 ]] || ! grep -q '"deferred_batch_norm":true' "$tmp/out" ||
     ! awk -v a="$lr" 'BEGIN { exit !(a > 0.0073 && a < 0.0074) }'; then

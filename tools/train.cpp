@@ -165,6 +165,8 @@ int train(const Args& args) {
           .threads_per_lane(args.threads_per_lane)
           .stages_per_lane(args.stages_per_lane)
           .deferred_batch_norm(args.deferred_batch_norm);
+  auto lane_options = options;
+  lane_options.devices(args.devices);
   const auto& plan = args.plan;
   gpipe::GPipe model{nullptr};
   gpipe::dist::PipelineStage stage{nullptr};
@@ -173,7 +175,7 @@ int train(const Args& args) {
     stage = gpipe::dist::PipelineStage(net, options, *world);
     module = stage.get();
   } else {
-    model = gpipe::GPipe(net, options);
+    model = gpipe::GPipe(net, lane_options);
     module = model.get();
     if (!args.load_path.empty()) {
       gpipe::load_into_gpipe(model, args.load_path);
@@ -394,6 +396,7 @@ int main(int argc, char** argv) {
   Args args;
   add_options(app, args);
   add_save_options(app, args);
+  add_devices_option(app, args);
   const auto usage_error = [](const std::string& message) {
     std::cerr << "gpipe-train: " << one_line(message) << std::endl;
     return kUsageExit;
@@ -403,6 +406,7 @@ int main(int argc, char** argv) {
     args.world_size = world_size_from_env();
     verify_args(app, args);
     verify_save_options(app, args);
+    verify_devices_option(app, args);
     args.balance_given = app.count("--balance") > 0;
   } catch (const CLI::ParseError& e) {
     // --help is a ParseError too, with exit code 0: let CLI11 print it. The

@@ -101,6 +101,9 @@ struct Args {
   // --balance was given; else train() replaces `balance` (the even split)
   // by choose_balance's.
   bool balance_given = false;
+  // --devices as given, and the device of each lane (given or default).
+  std::string devices_text;
+  std::vector<torch::Device> devices;
   // --save: written after each epoch; --load: read before training.
   std::string save_path;
   std::string load_path;
@@ -118,6 +121,10 @@ void verify_args(const CLI::App& app, Args& args);
 /// args.partitions and args.stages_per_lane (throws UsageError), and sets
 /// args.plan and args.schedule "plan". Nothing without --plan.
 void read_plan(const CLI::App& app, Args& args);
+/// --devices (train_devices.cpp): the flag, and its check, which fills
+/// args.devices (throws UsageError); after verify_args.
+void add_devices_option(CLI::App& app, Args& args);
+void verify_devices_option(const CLI::App& app, Args& args);
 /// --save and --load (train_save.cpp): their flags, and their checks
 /// (throws UsageError): one process only, a writable --save path, an
 /// existing --load file.
