@@ -78,6 +78,23 @@ inline std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
   return grads;
 }
 
+/// Expects the parameters of `got` to have the gradients of `expected`'s
+/// (relative 1e-10: float64 models), in order.
+inline void expect_same_gradients(
+    torch::nn::Module& expected, torch::nn::Module& got) {
+  auto g1 = grads_of(expected);
+  auto g2 = grads_of(got);
+  ASSERT_EQ(g1.size(), g2.size());
+  for (size_t k = 0; k < g1.size(); ++k) {
+    ASSERT_EQ(g1[k].defined(), g2[k].defined()) << "parameter " << k;
+    if (g1[k].defined()) {
+      EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13))
+          << "parameter " << k << ", max difference "
+          << (g2[k] - g1[k]).abs().max().item<double>();
+    }
+  }
+}
+
 /// A deep copy of `net` (same values, separate parameters).
 inline torch::nn::Sequential copy_of(const torch::nn::Sequential& net) {
   return std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());

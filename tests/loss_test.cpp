@@ -14,6 +14,7 @@
 namespace gpipe {
 namespace {
 
+using testing::expect_same_gradients;
 using testing::SeededTest;
 
 class LossTest : public SeededTest {};
@@ -31,20 +32,6 @@ torch::nn::Sequential small_net() {
 
 torch::Tensor cross_entropy(torch::Tensor y, torch::Tensor t) {
   return torch::nn::functional::cross_entropy(y, t);
-}
-
-void expect_same_gradients(
-    torch::nn::Module& expected, torch::nn::Module& got) {
-  auto g1 = testing::grads_of(expected);
-  auto g2 = testing::grads_of(got);
-  ASSERT_EQ(g1.size(), g2.size());
-  for (size_t k = 0; k < g1.size(); ++k) {
-    ASSERT_EQ(g1[k].defined(), g2[k].defined()) << "parameter " << k;
-    if (g1[k].defined()) {
-      EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13))
-          << "parameter " << k;
-    }
-  }
 }
 
 TEST_F(LossTest, PlanWithLossesWhereverWrittenGivesThePlainGradients) {
