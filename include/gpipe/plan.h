@@ -32,8 +32,19 @@ namespace gpipe {
 /// losses (`Phase::Loss`) are either all listed, each where the last
 /// stage's lane runs it, or none (then each runs right after its forward,
 /// as in plans written for torch.distributed.pipelining).
-/// Messages between lanes (or ranks) are sent as soon as a cell is done and
-/// received when the cell that needs them starts.
+///
+/// Messages between lanes (in gpipe::dist, ranks) are sent as soon as a
+/// cell is done and received when the cell that needs them starts, unless
+/// the plan lists them (`with_transfers`, or `0SEND_F3`-style actions in
+/// CSV). A plan that lists any transfer lists every message of a stage's
+/// boundary between lanes (forward output and input gradient; skips stay
+/// implicit): stage j's `SendForward` of micro-batch i after its forward,
+/// stage j + 1's `RecvForward` before its forward, and likewise
+/// `SendBackward` and `RecvBackward` in backward. A send then happens where
+/// the plan puts it (the message waits in the sender until then), and a
+/// receive is posted where the plan puts it, so that it can arrive while
+/// the lane computes; the cell that needs it still waits for it. Transfers
+/// take no time step, and in one process a receive has nothing to post.
 struct Plan {
   int64_t micro_batches = 0;
   int64_t stages = 0;
@@ -46,14 +57,23 @@ struct Plan {
   /// a whole backward and a split one, half a split backward, or a cell
   /// whose inputs can never be ready (the lanes would deadlock); a loss
   /// on another stage than the last, without its forward, or listed for
-  /// some micro-batches but not all.
+  /// some micro-batches but not all; a transfer between stages of one lane,
+  /// without the cells it connects, or missing while others are listed.
   void validate() const;
+
+  /// This plan with every message between lanes listed: each send right
+  /// after the cell that makes it, each receive posted before the compute
+  /// action that precedes its consumer on the lane (so that it arrives
+  /// while the lane computes). Transfers the plan lists already are placed
+  /// anew. What gpipe::dist's `train_step` and `forward` run.
+  Plan with_transfers() const;
 
   /// One row per lane, one action per column, in torch.distributed
   /// .pipelining's spelling: `<stage><kind><micro-batch>`, kind F
   /// (forward), B (backward; the input part when the same cell has a W),
-  /// W (weight part), L (loss; gpipe's own letter), e.g.
-  /// `0F3,1F3,1L3,1B3,1W3`. Lanes with no actions are empty rows.
+  /// W (weight part), L (loss; gpipe's own letter), SEND_F, RECV_F, SEND_B,
+  /// RECV_B (transfers), e.g. `0F3,1F3,1L3,1B3,1W3` or
+  /// `0F3,0SEND_F3,0RECV_B3,0B3`. Lanes with no actions are empty rows.
   std::string to_csv() const;
   /// Reads `to_csv()`'s format (also `I` for an input part, as newer
   /// PyTorch writes it; empty columns are skipped). micro_batches and
@@ -66,8 +86,10 @@ struct Plan {
   int64_t lane_of(int64_t stage) const;
 
   /// Unit-time simulation: every cell takes one step and starts at the
-  /// first step after its lane's previous cell and its inputs; a loss takes
-  /// no step and is listed at the end of the step its forward ran in. Shows
+  /// first step after its lane's previous cell and its inputs; a loss or a
+  /// transfer takes no step and is listed at the end of the step its inputs
+  /// ran in (a receive, at the start of step 0 or after its lane's previous
+  /// action). Shows
   /// where the bubbles are. Throws like `validate()` when the plan
   /// deadlocks.
   Steps steps() const;
@@ -93,7 +115,9 @@ struct ActionCosts {
   double backward_input = 1.0;   // the input part of a split backward
   double backward_weight = 1.0;  // the weight part
   double loss = 0.0;
-  /// Added to a cell's start when an input comes from another lane.
+  /// Added to a cell's start when an input comes from another lane (a
+  /// listed send on another lane, too). Listed transfers cost nothing
+  /// themselves, and `cost` is not asked about them.
   double transfer = 0.0;
   /// When set, the cost of each action (e.g. by stage); the fields above
   /// are then unused but `transfer`.
@@ -147,7 +171,7 @@ Plan training_plan(Schedule schedule, int64_t micro_batches, int64_t stages);
 /// ```
 /// (with the stage before the letter when a lane holds several stages; a
 /// split backward prints as B then W; losses take no step and are not
-/// shown).
+/// shown, nor are transfers).
 std::ostream& operator<<(std::ostream& out, const Plan& plan);
 
 }  // namespace gpipe

@@ -30,7 +30,30 @@ enum class Phase {
   /// own in the unit-time tables. A plan without losses runs each right
   /// after its forward.
   Loss,
+  // Messages between lanes (in gpipe::dist, between ranks), listed only by
+  // plans that place them (`Plan::with_transfers`, or a CSV that spells
+  // them as torch.distributed.pipelining does: `0SEND_F3`, `1RECV_F3`). They
+  // take no time step. The stage is the one that sends or receives.
+  /// Stage j sends micro-batch i's output to stage j + 1 (SEND_F). Waits
+  /// for the forward of (i, j).
+  SendForward,
+  /// Stage j posts the receive of micro-batch i's input from stage j - 1
+  /// (RECV_F), so that the message can arrive while the lane computes; the
+  /// forward of (i, j) waits for it. Waits for nothing itself.
+  RecvForward,
+  /// Stage j sends the gradient of micro-batch i's input to stage j - 1
+  /// (SEND_B). Waits for the backward (or its input part) of (i, j).
+  SendBackward,
+  /// Stage j posts the receive of the gradient of micro-batch i's output
+  /// from stage j + 1 (RECV_B); the backward of (i, j) waits for it.
+  RecvBackward,
 };
+
+/// A send or receive between lanes.
+inline bool is_transfer(Phase phase) {
+  return phase == Phase::SendForward || phase == Phase::RecvForward ||
+         phase == Phase::SendBackward || phase == Phase::RecvBackward;
+}
 
 /// One unit of pipeline work: micro-batch `micro_batch` through partition
 /// `partition`, in one direction.
@@ -63,9 +86,9 @@ Steps reverse_clock_cycles(int64_t micro_batches, int64_t partitions);
 /// exactly this list, one cell after the other.
 std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition);
 
-/// "F(0,1)" / "B(2,0)" / "I(2,0)" / "W(2,0)" / "L(2,3)" (micro-batch,
-/// stage): for messages and test output. "I" is the input-gradient part of
-/// a split backward, "L" a loss.
+/// "F(0,1)" / "B(2,0)" / "I(2,0)" / "W(2,0)" / "L(2,3)" / "SEND_F(2,0)"
+/// (micro-batch, stage): for messages and test output. "I" is the
+/// input-gradient part of a split backward, "L" a loss.
 std::string to_string(const Cell& cell);
 
 /// The order of forward and backward cells in a training step.

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace gpipe::dist::detail {
@@ -24,6 +25,14 @@ C10dTransport::C10dTransport(
       local_(m, n) {}
 
 C10dTransport::~C10dTransport() {
+  {
+    // The pass failed before they were needed: c10d may still write into
+    // them.
+    std::lock_guard<std::mutex> lock(posted_mutex_);
+    for (auto& [key, posted] : posted_) {
+      Connection::abandon(posted);
+    }
+  }
   std::lock_guard<std::mutex> lock(sends_mutex_);
   if (!sends_.empty()) {
     // The pass failed before finish(): the sends may never complete.
@@ -49,17 +58,36 @@ int64_t C10dTransport::source(Phase phase, int64_t k) const {
   return ranks[std::min(k, n_ - 1)];
 }
 
+MessageId C10dTransport::boundary_message(Phase phase, int64_t i, int64_t k) {
+  return MessageId{
+      phase == Phase::Forward ? MessageKind::Forward : MessageKind::Backward,
+      i,
+      k};
+}
+
 void C10dTransport::send(Phase phase, int64_t i, int64_t k, Packet packet) {
   const auto peer = destination(phase, k);
   if (peer == me()) {
     local_.send(phase, i, k, std::move(packet));
     return;
   }
-  const MessageId id{
-      phase == Phase::Forward ? MessageKind::Forward : MessageKind::Backward,
-      i,
-      k};
-  send_message(peer, id, Message{std::move(packet.tensors), packet.atomic});
+  send_message(
+      peer,
+      boundary_message(phase, i, k),
+      Message{std::move(packet.tensors), packet.atomic});
+}
+
+void C10dTransport::prefetch(Phase phase, int64_t i, int64_t k) {
+  const auto peer = source(phase, k);
+  if (peer == me()) {
+    return;
+  }
+  auto posted =
+      connection_->post_recv(peer, pass_, boundary_message(phase, i, k));
+  std::lock_guard<std::mutex> lock(posted_mutex_);
+  const auto key = std::make_tuple(static_cast<int>(phase), i, k);
+  TORCH_INTERNAL_ASSERT(posted_.count(key) == 0);
+  posted_.emplace(key, std::move(posted));
 }
 
 Packet C10dTransport::recv(Phase phase, int64_t i, int64_t k) {
@@ -67,11 +95,18 @@ Packet C10dTransport::recv(Phase phase, int64_t i, int64_t k) {
   if (peer == me()) {
     return local_.recv(phase, i, k);
   }
-  const MessageId id{
-      phase == Phase::Forward ? MessageKind::Forward : MessageKind::Backward,
-      i,
-      k};
-  auto m = receive_traced(peer, id);
+  std::optional<PostedReceive> posted;
+  {
+    std::lock_guard<std::mutex> lock(posted_mutex_);
+    auto it = posted_.find(std::make_tuple(static_cast<int>(phase), i, k));
+    if (it != posted_.end()) {
+      posted = std::move(it->second);
+      posted_.erase(it);
+    }
+  }
+  const auto id = boundary_message(phase, i, k);
+  auto m =
+      posted ? complete_traced(std::move(*posted)) : receive_traced(peer, id);
   return Packet{std::move(m.tensors), m.atomic};
 }
 
@@ -141,8 +176,13 @@ Message C10dTransport::recv_message(int64_t peer, const MessageId& id) {
 }
 
 Message C10dTransport::receive_traced(int64_t peer, const MessageId& id) {
+  return complete_traced(connection_->post_recv(peer, pass_, id));
+}
+
+Message C10dTransport::complete_traced(PostedReceive posted) {
   const auto start = std::chrono::steady_clock::now();
-  auto m = connection_->recv(peer, pass_, id);
+  const auto id = posted.id;
+  auto m = connection_->complete_recv(std::move(posted));
   if (trace_) {
     trace_->record(
         me(),  // this rank's lane, whichever of its stages receives

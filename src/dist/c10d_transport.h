@@ -11,6 +11,8 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "dist/connection.h"
@@ -45,6 +47,9 @@ class C10dTransport final : public gpipe::detail::Transport {
       int64_t k,
       gpipe::detail::Packet packet) override;
   gpipe::detail::Packet recv(gpipe::Phase phase, int64_t i, int64_t k) override;
+  /// Posts the receive of a boundary message from another rank, which
+  /// `recv` then completes.
+  void prefetch(gpipe::Phase phase, int64_t i, int64_t k) override;
   void send_skip(
       gpipe::Phase phase,
       int64_t i,
@@ -73,6 +78,9 @@ class C10dTransport final : public gpipe::detail::Transport {
   int64_t destination(gpipe::Phase phase, int64_t k) const;
   int64_t source(gpipe::Phase phase, int64_t k) const;
   Message receive_traced(int64_t peer, const MessageId& id);
+  // Waits for a posted receive (traced as "receive").
+  Message complete_traced(PostedReceive posted);
+  static MessageId boundary_message(gpipe::Phase phase, int64_t i, int64_t k);
 
   std::shared_ptr<Connection> connection_;
   const int64_t pass_;
@@ -82,6 +90,9 @@ class C10dTransport final : public gpipe::detail::Transport {
   gpipe::detail::InProcessTransport local_;
   std::mutex sends_mutex_;
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;  // guarded
+  // Receives posted by prefetch, by (phase, micro-batch, boundary).
+  std::mutex posted_mutex_;
+  std::map<std::tuple<int, int64_t, int64_t>, PostedReceive> posted_;
 };
 
 }  // namespace gpipe::dist::detail

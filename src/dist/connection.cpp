@@ -199,28 +199,32 @@ void Connection::check() const {
   }
 }
 
-torch::Tensor Connection::receive_bytes(
-    int64_t peer, int tag, int64_t n, const std::string& what) {
-  auto buffer = bytes(n);
-  std::vector<at::Tensor> tensors{buffer};
-  c10::intrusive_ptr<c10d::Work> work;
-  std::string refused;
-  bool failed = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    // Thrown below: throw_failure() takes mutex_ itself.
-    failed = failure_.has_value();
-    if (!failed) {
-      try {
-        work = group->recv(tensors, static_cast<int>(peer), tag);
-      } catch (const std::exception& e) {
-        refused = e.what();  // fails below, outside the lock
-      }
-      if (work) {
-        receiving_.insert(work);
-      }
+PostedBytes Connection::post_bytes(int64_t peer, int tag, int64_t n) {
+  PostedBytes posted;
+  posted.buffer = bytes(n);
+  std::vector<at::Tensor> tensors{posted.buffer};
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Thrown when waited for: throw_failure() takes mutex_ itself.
+  posted.failed = failure_.has_value();
+  if (!posted.failed) {
+    try {
+      posted.work = group->recv(tensors, static_cast<int>(peer), tag);
+    } catch (const std::exception& e) {
+      posted.refused = e.what();  // fails when waited for
+    }
+    if (posted.work) {
+      receiving_.insert(posted.work);
     }
   }
+  return posted;
+}
+
+torch::Tensor Connection::wait_bytes(
+    int64_t peer, PostedBytes posted, const std::string& what) {
+  auto& work = posted.work;
+  const auto& refused = posted.refused;
+  auto& buffer = posted.buffer;
+  const bool failed = posted.failed;
   if (failed) {
     throw_failure();
   }
@@ -339,16 +343,51 @@ void Connection::send(
 }
 
 Message Connection::recv(int64_t peer, int64_t pass, const MessageId& id) {
+  return complete_recv(post_recv(peer, pass, id));
+}
+
+PostedReceive Connection::post_recv(
+    int64_t peer, int64_t pass, const MessageId& id) {
+  PostedReceive posted;
+  posted.peer = peer;
+  posted.pass = pass;
+  posted.id = id;
   const int tag = id.tag();
-  const auto what = id.describe();
-  std::optional<std::vector<int64_t>> agreed;
   {
     std::lock_guard<std::mutex> lock(layouts_mutex_);
     auto it = received_layouts_.find({peer, tag});
     if (it != received_layouts_.end()) {
-      agreed = it->second;
+      posted.agreed = it->second;
     }
   }
+  int64_t first = kHeaderBytes;
+  if (posted.agreed) {
+    bool atomic = true;
+    std::vector<TensorSpec> specs;
+    TORCH_INTERNAL_ASSERT(parse_layout(*posted.agreed, atomic, specs));
+    first += payload_bytes(specs);
+  }
+  posted.head = post_bytes(peer, tag, first);
+  return posted;
+}
+
+void Connection::abandon(PostedReceive& posted) {
+  if (posted.head.work) {
+    keep_forever(std::move(posted.head.work));
+  }
+  if (posted.head.buffer.defined()) {
+    keep_forever(posted.head.buffer.getIntrusivePtr());
+    posted.head.buffer = torch::Tensor();
+  }
+}
+
+Message Connection::complete_recv(PostedReceive posted) {
+  const auto peer = posted.peer;
+  const auto pass = posted.pass;
+  const auto& id = posted.id;
+  const int tag = id.tag();
+  const auto what = id.describe();
+  const auto& agreed = posted.agreed;
   bool atomic = true;
   std::vector<TensorSpec> specs;
   int64_t first = kHeaderBytes;
@@ -356,7 +395,7 @@ Message Connection::recv(int64_t peer, int64_t pass, const MessageId& id) {
     TORCH_INTERNAL_ASSERT(parse_layout(*agreed, atomic, specs));
     first += payload_bytes(specs);
   }
-  auto head = receive_bytes(peer, tag, first, what);
+  auto head = wait_bytes(peer, std::move(posted.head), what);
   const auto* w = words(head);
   auto refuse = [&](const std::string& why) {
     std::ostringstream message;

@@ -69,6 +69,24 @@ void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object);
 /// The message of an exception (c10::Error without its backtrace).
 std::string message_of(std::exception_ptr error);
 
+/// A c10d receive of bytes, posted and not yet waited for.
+struct PostedBytes {
+  c10::intrusive_ptr<c10d::Work> work;  // null when not posted
+  torch::Tensor buffer;
+  std::string refused;  // why c10d refused to post it
+  bool failed = false;  // the connection had failed already
+};
+
+/// A message's receive, posted before the message is needed (a plan's
+/// listed receive): its first part, of the size the agreed layout gives.
+struct PostedReceive {
+  int64_t peer = 0;
+  int64_t pass = 0;
+  MessageId id;
+  std::optional<std::vector<int64_t>> agreed;
+  PostedBytes head;
+};
+
 struct Connection {
   Connection(
       c10::intrusive_ptr<c10d::Store> store,
@@ -94,6 +112,14 @@ struct Connection {
   /// failure if the connection fails first, and a c10::Error naming both
   /// sides if what arrives is not what was expected.
   Message recv(int64_t peer, int64_t pass, const MessageId& id);
+  /// recv in two halves: post the receive now (it never throws; a failure
+  /// shows when it is completed), wait for it later. A posted receive is
+  /// completed, or given up with `abandon` (the pass failed).
+  PostedReceive post_recv(int64_t peer, int64_t pass, const MessageId& id);
+  Message complete_recv(PostedReceive posted);
+  /// Keeps a posted receive's work and buffer for good: c10d may still
+  /// write into it.
+  static void abandon(PostedReceive& posted);
   /// Waits for sends to complete (the data is on its way).
   void wait_sends(std::vector<c10::intrusive_ptr<c10d::Work>>& pending);
 
@@ -128,11 +154,16 @@ struct Connection {
   // Records the first failure and aborts the receives in progress; returns
   // true if this one was the first.
   bool record_failure(const std::string& message);
-  // Posts a receive of `bytes` bytes from `peer` on `tag` and waits for it
-  // (registered, so that a failure aborts it). Throws the failure when
-  // aborted, and fails the connection on a c10d error.
+  // Posts a receive of `bytes` bytes from `peer` on `tag` (registered, so
+  // that a failure aborts it), and waits for it. Waiting throws the failure
+  // when aborted, and fails the connection on a c10d error.
+  PostedBytes post_bytes(int64_t peer, int tag, int64_t bytes);
+  torch::Tensor wait_bytes(
+      int64_t peer, PostedBytes posted, const std::string& what);
   torch::Tensor receive_bytes(
-      int64_t peer, int tag, int64_t bytes, const std::string& what);
+      int64_t peer, int tag, int64_t bytes, const std::string& what) {
+    return wait_bytes(peer, post_bytes(peer, tag, bytes), what);
+  }
   [[noreturn]] void throw_failure() const;
 
   mutable std::mutex mutex_;

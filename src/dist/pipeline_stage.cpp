@@ -255,11 +255,14 @@ torch::Tensor PipelineStageImpl::run_train_step(
         // same m: a plan that does not fit is refused alike everywhere.
         Plan made;
         if (plan == nullptr) {
+          // Receives posted a cell early, so that messages arrive while
+          // the rank computes.
           made = make_plan(
-              static_cast<Schedule>(begin.schedule),
-              m,
-              n,
-              options.stages_per_lane());
+                     static_cast<Schedule>(begin.schedule),
+                     m,
+                     n,
+                     options.stages_per_lane())
+                     .with_transfers();
           plan = &made;
         } else {
           try {
@@ -397,7 +400,9 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
           }
         }
         pipeline.run_and_commit(
-            pass, pipeline.on_lanes(forward_plan(m, pipeline.size())));
+            pass,
+            pipeline.on_lanes(forward_plan(m, pipeline.size()))
+                .with_transfers());
         connection.check();
         torch::Tensor output;
         if (last) {

@@ -100,7 +100,11 @@ void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
   for (const auto& row : plan.lanes) {
     for (const auto& c : row) {
       forwards += c.phase == Phase::Forward ? 1 : 0;
-      backwards += c.phase == Phase::Forward || c.phase == Phase::Loss ? 0 : 1;
+      backwards += c.phase == Phase::Backward ||
+                           c.phase == Phase::BackwardInput ||
+                           c.phase == Phase::BackwardWeight
+                       ? 1
+                       : 0;
     }
   }
   TORCH_CHECK_VALUE(

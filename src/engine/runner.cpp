@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <utility>
 
 #include "engine/pipeline.h"
 
@@ -46,6 +47,14 @@ const char* phase_name(Phase phase) {
       return ", backward (weight part)";
     case Phase::Loss:
       return ", loss";
+    case Phase::SendForward:
+      return ", sending the output";
+    case Phase::RecvForward:
+      return ", posting the input's receive";
+    case Phase::SendBackward:
+      return ", sending the input's gradient";
+    case Phase::RecvBackward:
+      return ", posting the receive of the output's gradient";
   }
   return "";
 }
@@ -87,6 +96,18 @@ void Pass::run(
     const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self) {
   at::ThreadLocalState tls;
   explicit_losses_ = false;
+  explicit_transfers_ = false;
+  lane_of_stage_.assign(n_, -1);
+  for (const auto l : c10::irange(plan.lanes.size())) {
+    for (const auto& cell : plan.lanes[l]) {
+      lane_of_stage_.at(cell.partition) = static_cast<int64_t>(l);
+      explicit_transfers_ = explicit_transfers_ || is_transfer(cell.phase);
+    }
+  }
+  if (explicit_transfers_) {
+    forward_outbox_.assign(m_, std::vector<Packet>(n_));
+    backward_outbox_.assign(m_, std::vector<Packet>(n_));
+  }
   for (const auto& row : plan.lanes) {
     for (const auto& cell : row) {
       if (cell.phase == Phase::Loss) {
@@ -194,6 +215,29 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
       case Phase::Loss:
         loss_cell(cell.micro_batch, lane);
         break;
+      case Phase::SendForward:
+        transport_->send(
+            Phase::Forward,
+            cell.micro_batch,
+            cell.partition + 1,
+            std::exchange(
+                forward_outbox_[cell.micro_batch][cell.partition], Packet{}));
+        break;
+      case Phase::SendBackward:
+        transport_->send(
+            Phase::Backward,
+            cell.micro_batch,
+            cell.partition,
+            std::exchange(
+                backward_outbox_[cell.micro_batch][cell.partition], Packet{}));
+        break;
+      case Phase::RecvForward:
+        transport_->prefetch(Phase::Forward, cell.micro_batch, cell.partition);
+        break;
+      case Phase::RecvBackward:
+        transport_->prefetch(
+            Phase::Backward, cell.micro_batch, cell.partition + 1);
+        break;
     }
   } catch (const Aborted&) {
     // The error that aborted the pass is recorded already.
@@ -231,7 +275,9 @@ void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
     t.send_skip(
         Phase::Forward, i, stage.skips_out()[k], std::move(out.skips[k]));
   }
-  if (loss_fn == nullptr || j < n_ - 1) {
+  if (held(j)) {
+    forward_outbox_[i][j] = std::move(out.boundary);
+  } else if (loss_fn == nullptr || j < n_ - 1) {
     t.send(Phase::Forward, i, j + 1, std::move(out.boundary));
   } else if (!explicit_losses_) {
     loss_cell(i, lane);
@@ -266,7 +312,16 @@ void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
     t.send_skip(
         Phase::Backward, i, stage.skips_in()[k], std::move(dx.skips[k]));
   }
-  t.send(Phase::Backward, i, j, std::move(dx.boundary));
+  if (held(j - 1)) {
+    backward_outbox_[i][j] = std::move(dx.boundary);
+  } else {
+    t.send(Phase::Backward, i, j, std::move(dx.boundary));
+  }
+}
+
+bool Pass::held(int64_t j) const {
+  return explicit_transfers_ && j >= 0 && j + 1 < n_ &&
+         lane_of_stage_[j] != lane_of_stage_[j + 1];
 }
 
 }  // namespace gpipe::detail

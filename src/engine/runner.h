@@ -89,6 +89,15 @@ class Pass {
   FirstError error_;
   // The plan being run lists its losses; else each follows its forward.
   bool explicit_losses_ = false;
+  // The plan being run lists its transfers between lanes: a message that
+  // crosses lanes waits in an outbox ([i][j]: what stage j made for
+  // micro-batch i) for its send; else cells send when they end.
+  bool explicit_transfers_ = false;
+  std::vector<int64_t> lane_of_stage_;
+  std::vector<std::vector<Packet>> forward_outbox_;
+  std::vector<std::vector<Packet>> backward_outbox_;
+  // A message between stages j and j + 1 waits for a listed send.
+  bool held(int64_t j) const;
 };
 
 }  // namespace gpipe::detail

@@ -38,6 +38,11 @@ class Transport {
       Phase phase, int64_t micro_batch, int64_t boundary, Packet packet) = 0;
   /// Waits for the message; throws Aborted when the pass is aborted first.
   virtual Packet recv(Phase phase, int64_t micro_batch, int64_t boundary) = 0;
+  /// Says that `recv(phase, micro_batch, boundary)` comes later (a plan's
+  /// listed receive): a transport that must post receives posts it now, so
+  /// that the message can arrive before the cell that needs it starts. In
+  /// one process there is nothing to post.
+  virtual void prefetch(Phase phase, int64_t micro_batch, int64_t boundary) {}
 
   /// A skip between stages: the stashed tensor in forward, its gradient in
   /// backward.

@@ -56,10 +56,23 @@ namespace detail {
 struct PlanShape {
   bool forward = false;
   bool loss = false;  // losses are listed (else each follows its forward)
+  // Transfers are listed (else messages move when cells end and start).
+  bool transfers = false;
   std::set<std::pair<int64_t, int64_t>> split;  // (i, j) with an input part
+  std::map<int64_t, size_t> lane;               // stage -> lane
 
   bool is_split(int64_t i, int64_t j) const {
     return split.count({i, j}) > 0;
+  }
+  // Messages between stages j and j + 1 go between lanes, and the plan
+  // lists them.
+  bool listed_transfer(int64_t j) const {
+    if (!transfers) {
+      return false;
+    }
+    auto a = lane.find(j);
+    auto b = lane.find(j + 1);
+    return a != lane.end() && b != lane.end() && a->second != b->second;
   }
 };
 
@@ -71,10 +84,12 @@ namespace {
 
 PlanShape shape_of(const Plan& plan) {
   PlanShape s;
-  for (const auto& lane : plan.lanes) {
-    for (const auto& c : lane) {
+  for (size_t l = 0; l < plan.lanes.size(); ++l) {
+    for (const auto& c : plan.lanes[l]) {
+      s.lane.emplace(c.partition, l);
       s.forward = s.forward || c.phase == Phase::Forward;
       s.loss = s.loss || c.phase == Phase::Loss;
+      s.transfers = s.transfers || is_transfer(c.phase);
       if (c.phase == Phase::BackwardInput) {
         s.split.insert({c.micro_batch, c.partition});
       }
@@ -92,10 +107,34 @@ Cell missing_input(
   const auto j = c.partition;
   switch (c.phase) {
     case Phase::Forward:
-      if (j > 0 && !finished(Cell{i, j - 1, Phase::Forward})) {
+      if (j > 0 && s.listed_transfer(j - 1)) {
+        for (const auto& d :
+             {Cell{i, j, Phase::RecvForward},
+              Cell{i, j - 1, Phase::SendForward}}) {
+          if (!finished(d)) {
+            return d;
+          }
+        }
+      } else if (j > 0 && !finished(Cell{i, j - 1, Phase::Forward})) {
         return Cell{i, j - 1, Phase::Forward};
       }
       break;
+    case Phase::SendForward:
+      if (!finished(Cell{i, j, Phase::Forward})) {
+        return Cell{i, j, Phase::Forward};
+      }
+      break;
+    case Phase::SendBackward: {
+      const Cell b{
+          i, j, s.is_split(i, j) ? Phase::BackwardInput : Phase::Backward};
+      if (!finished(b)) {
+        return b;
+      }
+      break;
+    }
+    case Phase::RecvForward:
+    case Phase::RecvBackward:
+      break;  // posting a receive waits for nothing
     case Phase::Loss:
       if (!finished(Cell{i, j, Phase::Forward})) {
         return Cell{i, j, Phase::Forward};
@@ -109,7 +148,15 @@ Cell missing_input(
       if (s.loss && j + 1 == n && !finished(Cell{i, j, Phase::Loss})) {
         return Cell{i, j, Phase::Loss};
       }
-      if (j + 1 < n) {
+      if (j + 1 < n && s.listed_transfer(j)) {
+        for (const auto& d :
+             {Cell{i, j, Phase::RecvBackward},
+              Cell{i, j + 1, Phase::SendBackward}}) {
+          if (!finished(d)) {
+            return d;
+          }
+        }
+      } else if (j + 1 < n) {
         const Cell next{
             i,
             j + 1,
@@ -174,6 +221,10 @@ Steps Plan::steps() const {
   std::map<Key, int64_t> done;  // cell -> the step it ran in
   std::vector<size_t> next(lanes.size(), 0);
   Steps steps;
+  std::vector<Cell> leading;  // instants before step 0
+  auto instant = [](const Cell& c) {
+    return c.phase == Phase::Loss || is_transfer(c.phase);
+  };
   for (int64_t t = 0; remaining > 0; ++t) {
     auto finished = [&](const Cell& c) {
       auto it = done.find(key_of(c));
@@ -182,17 +233,17 @@ Steps Plan::steps() const {
     auto ready = [&](const Cell& c) {
       return missing_input(c, stages, d, finished).micro_batch < 0;
     };
-    // Losses take no step: one whose forward ran in step t - 1 (so t > 0)
-    // is done at its end, and listed there after the step's cells.
+    // Losses and transfers take no step: one whose inputs are done by the
+    // end of step t - 1 is done then too, and listed there after the step's
+    // cells (before step 0's cells when it waits for nothing).
     for (bool progress = true; progress;) {
       progress = false;
       for (size_t l = 0; l < lanes.size(); ++l) {
-        while (next[l] < lanes[l].size() &&
-               lanes[l][next[l]].phase == Phase::Loss &&
+        while (next[l] < lanes[l].size() && instant(lanes[l][next[l]]) &&
                ready(lanes[l][next[l]])) {
           const auto& c = lanes[l][next[l]++];
           done[key_of(c)] = t - 1;
-          steps.back().push_back(c);
+          (t == 0 ? leading : steps.back()).push_back(c);
           --remaining;
           progress = true;
         }
@@ -203,14 +254,25 @@ Steps Plan::steps() const {
     }
     std::vector<Cell> step;
     for (size_t l = 0; l < lanes.size(); ++l) {
-      if (next[l] < lanes[l].size() && lanes[l][next[l]].phase != Phase::Loss &&
+      if (next[l] < lanes[l].size() && !instant(lanes[l][next[l]]) &&
           ready(lanes[l][next[l]])) {
         step.push_back(lanes[l][next[l]]);
       }
     }
     if (step.empty()) {
-      for (size_t l = 0; l < lanes.size(); ++l) {
-        if (next[l] < lanes[l].size()) {
+      // Every waiting lane is stuck; name one that waits for an action
+      // listed later on its own lane if there is one (the likely mistake).
+      auto own = [&](size_t l) {
+        const auto waits =
+            missing_input(lanes[l][next[l]], stages, d, finished);
+        auto it = d.lane.find(waits.partition);
+        return it != d.lane.end() && it->second == l;
+      };
+      for (const bool first_pass : {true, false}) {
+        for (size_t l = 0; l < lanes.size(); ++l) {
+          if (next[l] >= lanes[l].size() || (first_pass && !own(l))) {
+            continue;
+          }
           const auto& c = lanes[l][next[l]];
           const auto waits = missing_input(c, stages, d, finished);
           TORCH_CHECK_VALUE(
@@ -232,6 +294,12 @@ Steps Plan::steps() const {
     }
     steps.push_back(std::move(step));
   }
+  if (!leading.empty()) {
+    if (steps.empty()) {
+      steps.emplace_back();
+    }
+    steps[0].insert(steps[0].begin(), leading.begin(), leading.end());
+  }
   return steps;
 }
 
@@ -247,6 +315,7 @@ void Plan::validate() const {
   size_t forwards = 0;
   size_t backwards = 0;  // whole backwards and input parts
   size_t losses = 0;
+  size_t transfers = 0;
   for (size_t l = 0; l < lanes.size(); ++l) {
     for (const auto& c : lanes[l]) {
       TORCH_CHECK_VALUE(
@@ -290,6 +359,8 @@ void Plan::validate() const {
             c.partition,
             ", but losses belong to the last stage, ",
             stages - 1);
+      } else if (is_transfer(c.phase)) {
+        ++transfers;
       } else if (c.phase != Phase::BackwardWeight) {
         ++backwards;
       }
@@ -359,6 +430,9 @@ void Plan::validate() const {
           ") is never run, although other backwards are");
     }
   }
+  if (transfers > 0) {
+    detail::validate_transfers(*this, stage_lane, has);
+  }
   steps();
 }
 
@@ -376,9 +450,12 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
     return s + detail::action_letter(c.phase) + std::to_string(c.micro_batch);
   };
   size_t width = 1;
+  auto shown = [](const Cell& c) {
+    return c.phase != Phase::Loss && !is_transfer(c.phase);
+  };
   for (const auto& step : steps) {
     for (const auto& c : step) {
-      width = std::max(width, label(c).size());
+      width = shown(c) ? std::max(width, label(c).size()) : width;
     }
   }
   for (size_t l = 0; l < plan.lanes.size(); ++l) {
@@ -387,8 +464,7 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
     for (const auto& step : steps) {
       std::string cell = ".";
       for (const auto& c : step) {
-        if (c.phase != Phase::Loss &&
-            plan.lane_of(c.partition) == static_cast<int64_t>(l)) {
+        if (shown(c) && plan.lane_of(c.partition) == static_cast<int64_t>(l)) {
           cell = label(c);
         }
       }

@@ -5,6 +5,8 @@
 #include <gpipe/plan.h>
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -39,13 +41,21 @@ Plan fold_onto_lanes(const Plan& flat, int64_t lanes);
 /// forward.
 Plan with_losses(Plan plan);
 
+/// Throws `c10::ValueError` unless the transfers `plan` lists are exactly
+/// its messages between lanes (`stage_lane`: each stage's lane; `has`:
+/// whether the plan lists an action).
+void validate_transfers(
+    const Plan& plan,
+    const std::map<int64_t, size_t>& stage_lane,
+    const std::function<bool(int64_t, int64_t, Phase)>& has);
+
 /// Interleaved 1F1B's rows, one per lane (`lanes` lanes, `v` stages
 /// each, stage j on lane j % lanes).
 std::vector<std::vector<Cell>> interleaved_lanes(
     int64_t m, int64_t lanes, int64_t v);
 
-/// "F", "B" (whole backward or input part), "W" or "L": plans' table and
-/// CSV spelling.
+/// "F", "B" (whole backward or input part), "W", "L", "SEND_F", "RECV_F",
+/// "SEND_B" or "RECV_B": plans' table and CSV spelling.
 const char* action_letter(Phase phase);
 
 /// The cells stage j runs in a training step, one builder per schedule.

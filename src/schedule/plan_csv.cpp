@@ -37,9 +37,13 @@ std::string trim(const std::string& s) {
   return s.substr(begin, s.find_last_not_of(" \t\r") - begin + 1);
 }
 
-// "12F3" -> (12, 'F', 3); false when malformed.
+// "12F3" -> (12, "F", 3), "0SEND_F3" -> (0, "SEND_F", 3); false when
+// malformed.
 bool parse_action(
-    const std::string& text, int64_t& stage, char& kind, int64_t& micro) {
+    const std::string& text,
+    int64_t& stage,
+    std::string& kind,
+    int64_t& micro) {
   size_t k = 0;
   auto number = [&](int64_t& value) {
     const size_t begin = k;
@@ -53,11 +57,38 @@ bool parse_action(
     value = std::stoll(text.substr(begin, k - begin));
     return true;
   };
-  if (!number(stage) || k >= text.size()) {
+  if (!number(stage)) {
     return false;
   }
-  kind = text[k++];
+  const size_t begin = k;
+  while (
+      k < text.size() &&
+      (std::isupper(static_cast<unsigned char>(text[k])) || text[k] == '_')) {
+    ++k;
+  }
+  kind = text.substr(begin, k - begin);
   return number(micro) && k == text.size();
+}
+
+bool phase_of(const std::string& kind, Phase& phase) {
+  static const std::pair<const char*, Phase> kinds[] = {
+      {"F", Phase::Forward},
+      {"B", Phase::Backward},
+      {"I", Phase::BackwardInput},
+      {"W", Phase::BackwardWeight},
+      {"L", Phase::Loss},
+      {"SEND_F", Phase::SendForward},
+      {"RECV_F", Phase::RecvForward},
+      {"SEND_B", Phase::SendBackward},
+      {"RECV_B", Phase::RecvBackward},
+  };
+  for (const auto& [name, p] : kinds) {
+    if (kind == name) {
+      phase = p;
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace
@@ -84,28 +115,20 @@ Plan Plan::from_csv(const std::string& text) {
       }
       int64_t stage = 0;
       int64_t micro = 0;
-      char kind = 0;
+      std::string kind;
+      Phase phase = Phase::Forward;
       TORCH_CHECK_VALUE(
-          parse_action(field, stage, kind, micro) &&
-              std::string("FBIWL").find(kind) != std::string::npos,
+          parse_action(field, stage, kind, micro) && phase_of(kind, phase),
           "plan CSV: row ",
           row,
           ", column ",
           column,
-          ": expected an action <stage><F|B|I|W|L><micro-batch> such as "
-          "0F3, "
+          ": expected an action <stage><kind><micro-batch> such as 0F3 or "
+          "1RECV_F3 (kind F, B, I, W, L, SEND_F, RECV_F, SEND_B or RECV_B), "
           "but got '",
           field,
           "'");
-      Phase phase = Phase::Forward;
-      if (kind == 'B') {
-        phase = Phase::Backward;
-      } else if (kind == 'I') {
-        phase = Phase::BackwardInput;
-      } else if (kind == 'L') {
-        phase = Phase::Loss;
-      } else if (kind == 'W') {
-        phase = Phase::BackwardWeight;
+      if (phase == Phase::BackwardWeight) {
         weights.insert({micro, stage});
       }
       plan.micro_batches = std::max(plan.micro_batches, micro + 1);

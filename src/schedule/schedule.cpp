@@ -38,6 +38,14 @@ const char* action_letter(Phase phase) {
       return "W";
     case Phase::Loss:
       return "L";
+    case Phase::SendForward:
+      return "SEND_F";
+    case Phase::RecvForward:
+      return "RECV_F";
+    case Phase::SendBackward:
+      return "SEND_B";
+    case Phase::RecvBackward:
+      return "RECV_B";
   }
   return "?";
 }

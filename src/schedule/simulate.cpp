@@ -15,6 +15,9 @@ namespace gpipe {
 namespace {
 
 double cost_of(const Cell& c, const ActionCosts& costs) {
+  if (is_transfer(c.phase)) {
+    return 0;  // the message's time is `costs.transfer`, on its receiver
+  }
   if (costs.cost) {
     return costs.cost(c);
   }
@@ -29,6 +32,8 @@ double cost_of(const Cell& c, const ActionCosts& costs) {
       return costs.backward_weight;
     case Phase::Loss:
       return costs.loss;
+    default:
+      break;
   }
   return 0;
 }

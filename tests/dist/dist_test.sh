@@ -116,6 +116,12 @@ case $mode in
     printf '%s\n' 0F0,0F1,2F0,2F1,0F2,2F2,0F3,2F3,2B0,0B0,2B1,0B1,2B2,0B2,2B3,0B3 \
       1F0,1F1,3F0,3F1,3B0,1F2,3F2,3B1,1F3,1B0,3F3,3B2,1B1,3B3,1B2,1B3 >"$tmp/plan4.csv"
     parity 2 --plan "$tmp/plan4.csv" --stages-per-lane 2 --checkpoint always --batch-norm 1
+    # Transfers as written: rank 1 posts all its receives first; rank 0
+    # holds micro-batch 0's output until it has computed micro-batch 1's,
+    # and posts its gradient receives late.
+    printf '%s\n' 0F0,0F1,0SEND_F0,0SEND_F1,0F2,0SEND_F2,0F3,0SEND_F3,0RECV_B0,0RECV_B1,0B0,0B1,0RECV_B2,0RECV_B3,0B2,0B3 \
+      1RECV_F0,1RECV_F1,1RECV_F2,1RECV_F3,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1F2,1B2,1SEND_B2,1F3,1B3,1SEND_B3 >"$tmp/plan_transfers.csv"
+    parity 2 --plan "$tmp/plan_transfers.csv" --checkpoint except_last --dropout 0.3
     ;;
   failures)
     # Another balance on rank 1: refused at construction on both ranks.
