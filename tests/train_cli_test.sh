@@ -153,6 +153,8 @@ if [[ $mode == bad ]]; then
   bad --save "${d[@]}" --save "$tmp/no-such-folder/m.pt"
   bad --save "${d[@]}" --save "$tmp"
   bad --load "${d[@]}" --load "$tmp/no-such-model.pt"
+  bad --resume "${d[@]}" --resume
+  bad --resume "${d[@]}" --resume --save "$tmp/m.pt" --load "$tmp/m.pt"
 
   # Under a launcher (WORLD_SIZE set): ranks x stages-per-lane partitions,
   # no autograd schedule, a well-formed WORLD_SIZE; all refused before joining the job.
@@ -257,6 +259,40 @@ elif [[ $mode == run ]]; then
     fail "--load of another model exited $status: $(cat "$tmp/err")"
   else
     echo "ok: --load of another model -> $(cat "$tmp/err")"
+  fi
+
+  # --resume: a run stopped after epoch 1 and resumed ends exactly as one
+  # that never stopped (weights, optimizer, random state and step count).
+  r=(--data-dir "$data" --limit 512 --json --balance 6,7 --schedule 1f1b)
+  run "${r[@]}" --epochs 2 --save "$tmp/straight.pt"
+  ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$tmp/out" | tr '\n' ' '; }
+  straight=$(ending)
+  run "${r[@]}" --epochs 1 --save "$tmp/r.pt" --resume
+  if [[ $status -ne 0 ]] || ! grep -q "nothing saved at $tmp/r.pt yet" "$tmp/out"; then
+    fail "--resume with nothing saved exited $status: $(cat "$tmp/err") $(head -2 "$tmp/out")"
+  fi
+  run "${r[@]}" --epochs 2 --save "$tmp/r.pt" --resume
+  resumed=$(ending)
+  if [[ $status -ne 0 ]] || ! grep -q "resumed from $tmp/r.pt after epoch 1 (step 8)" "$tmp/out" ||
+    [[ -z $straight || $resumed != "$straight" ]]; then
+    fail "--resume exited $status, ended with '$resumed', straight '$straight': $(cat "$tmp/err")"
+  else
+    echo "ok: --resume ends as the run that never stopped: $resumed"
+  fi
+  # Other settings than the saved run's, or a weights file replaced: exit 1
+  # with the reason.
+  run "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume --batch-size 32
+  if [[ $status -ne 1 ]] || ! grep -qF -- "with --batch-size 64, but this run has 32" "$tmp/err"; then
+    fail "--resume with another --batch-size exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: --resume with other settings -> $(cat "$tmp/err")"
+  fi
+  cp "$tmp/straight.pt" "$tmp/r.pt"
+  run "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume
+  if [[ $status -ne 1 ]] || ! grep -qF "is not the file saved with" "$tmp/err"; then
+    fail "--resume of a replaced weights file exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: --resume of a replaced weights file -> $(cat "$tmp/err")"
   fi
 
   # Too few steps to trace is known only once the data is read: still 2.

@@ -184,6 +184,11 @@ int train(const Args& args) {
   }
   torch::optim::SGD optimizer(
       module->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
+  // --resume: the epochs and steps done, with the weights, the optimizer
+  // and the random generator as they were then (so that the data comes in
+  // the same order as in a run that never stopped).
+  const auto resumed =
+      args.resume ? resume_training(args, model, optimizer) : Resumed{};
   const auto out_device = world ? stage->device() : model->devices().back();
   if (world) {
     stage->pretty_print(std::cout);
@@ -211,12 +216,20 @@ int train(const Args& args) {
 
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  int64_t step = 0;
+  int64_t step = resumed.steps_done;
   int64_t skipped_batches = 0;
   double last_loss = 0;
   double lr = args.lr;
   double train_seconds = 0;
-  for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+  if (resumed.epochs_done >= epochs) {
+    std::printf(
+        "--resume: the saved run has done %lld epochs of --epochs %lld; "
+        "nothing left to train\n",
+        static_cast<long long>(resumed.epochs_done),
+        static_cast<long long>(epochs));
+    return 0;
+  }
+  for (int64_t epoch = resumed.epochs_done; epoch < epochs; ++epoch) {
     module->train();
     auto order = torch::randperm(n);
     auto window_start = Clock::now();
@@ -225,7 +238,7 @@ int train(const Args& args) {
       auto idx = order.narrow(0, begin, std::min(batch_size, n - begin));
       auto x = train_x.index_select(0, idx);
       auto y = train_y.index_select(0, idx).to(out_device);
-      if (trace && step == 1) {
+      if (trace && step - resumed.steps_done == 1) {
         trace->clear();
         set_trace(trace);
       }
@@ -267,14 +280,14 @@ int train(const Args& args) {
       }
       optimizer.step();
       ++step;
-      if (trace && step == 1 + args.trace_steps) {
+      if (trace && step - resumed.steps_done == 1 + args.trace_steps) {
         if (world) {
           // One timeline with a row per rank, on rank 0.
           trace = gpipe::dist::gather_trace(stage);
         }
         set_trace(nullptr);
       }
-      if (trace && step == 1 + args.trace_steps) {
+      if (trace && step - resumed.steps_done == 1 + args.trace_steps) {
         if (!args.trace_path.empty()) {
           trace->write_chrome_json(args.trace_path);
         }
@@ -343,8 +356,11 @@ int train(const Args& args) {
         lr,
         total);
     if (!args.save_path.empty()) {
-      torch::save(model, args.save_path);
-      std::printf("saved the model to %s\n", args.save_path.c_str());
+      save_training(args, model, optimizer, epoch + 1, step);
+      std::printf(
+          "saved the model to %s (training state: %s)\n",
+          args.save_path.c_str(),
+          state_path(args).c_str());
     }
     if (skipped_batches > 0) {
       std::printf(
@@ -376,7 +392,9 @@ int train(const Args& args) {
             {"final_loss", last_loss},
             {"test_accuracy", accuracy},
             {"train_seconds", train_seconds},
-            {"train_samples_per_second", double(n * epochs) / train_seconds},
+            {"resumed_after_epoch", resumed.epochs_done},
+            {"train_samples_per_second",
+             double(n * (epochs - resumed.epochs_done)) / train_seconds},
             {"total_seconds", total}};
         std::cout << summary.dump() << std::endl;
       }

@@ -6,12 +6,17 @@
 #include <c10/util/StringUtil.h>
 #include <gpipe/plan.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
 
 #include <CLI/CLI.hpp>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+namespace gpipe {
+class GPipe;
+}  // namespace gpipe
 
 namespace gpipe::dist {
 class World;
@@ -107,6 +112,15 @@ struct Args {
   // --save: written after each epoch; --load: read before training.
   std::string save_path;
   std::string load_path;
+  // --resume: go on from the last epoch --save wrote (its weights, and the
+  // training state beside them in <save>.state).
+  bool resume = false;
+};
+
+/// What --resume restores (train_save.cpp).
+struct Resumed {
+  int64_t epochs_done = 0;
+  int64_t steps_done = 0;
 };
 
 /// WORLD_SIZE from the environment (1 when unset); a malformed value is a
@@ -130,6 +144,26 @@ void verify_devices_option(const CLI::App& app, Args& args);
 /// existing --load file.
 void add_save_options(CLI::App& app, Args& args);
 void verify_save_options(const CLI::App& app, const Args& args);
+/// --save's file of training state: <save>.state.
+std::string state_path(const Args& args);
+/// After epoch `epochs_done` (counted from 1), step `steps_done`: writes
+/// the weights of `model` (a GPipe) to args.save_path and the optimizer,
+/// the random generator and the run's settings to state_path(args), each
+/// through a temporary file renamed into place, so that a run killed while
+/// saving leaves the previous epoch's files.
+void save_training(
+    const Args& args,
+    const gpipe::GPipe& model,
+    const torch::optim::Optimizer& optimizer,
+    int64_t epochs_done,
+    int64_t steps_done);
+/// --resume: when args.save_path exists, loads the weights into `model`
+/// (a GPipe), and the optimizer and the random generator's state from
+/// state_path(args); throws c10::Error when the state is missing or was
+/// written by a run with other settings (naming the flag). Epochs and
+/// steps done: 0 when nothing was saved yet.
+Resumed resume_training(
+    const Args& args, gpipe::GPipe& model, torch::optim::Optimizer& optimizer);
 /// The learning rate of step `step` (from 0) of `steps`, by
 /// args.lr_schedule.
 double lr_at(const Args& args, int64_t step, int64_t steps);
