@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
          "--only",
          only,
          "Run only these sections: speed, overhead, memory, schedules, "
-         "inference, trace, random, dist (dist: under gpipe-run -n 2)")
+         "inference, conv, trace, random, dist (dist: under gpipe-run -n "
+         "2)")
       ->check(CLI::IsMember(
           {"dist",
            "speed",
@@ -125,6 +126,7 @@ int main(int argc, char** argv) {
            "memory",
            "schedules",
            "inference",
+           "conv",
            "trace",
            "random"}));
   std::string dist_trace = "gpipe-bench-dist-trace";
@@ -442,6 +444,9 @@ int main(int argc, char** argv) {
   if (want("inference")) {
     out["inference"] =
         gpipe::bench::inference_section(blocks, width, batch, iters);
+  }
+  if (want("conv")) {
+    out["conv"] = gpipe::bench::conv_section(iters);
   }
 
   // Tracing: a training step with a trace on and off, timed in

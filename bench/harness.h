@@ -94,19 +94,22 @@ class CountingAllocator final : public c10::Allocator {
     return *instance;
   }
 
+  // Each block carries its size in a header before the data, so that the
+  // data pointer is its own context and raw_allocate (which some kernels,
+  // such as convolutions, use) works.
   c10::DataPtr allocate(size_t n) const override {
-    auto inner = base_->allocate(n);
-    auto* ctx = new Context{std::move(inner), n, this};
+    auto* raw = static_cast<char*>(base_->raw_allocate(n + kHeader));
+    *reinterpret_cast<size_t*>(raw) = n;
     const auto now = live_.fetch_add(n) + n;
     auto peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    return c10::DataPtr(
-        ctx->inner.get(), ctx, &release, c10::Device(c10::kCPU));
+    void* data = raw + kHeader;
+    return c10::DataPtr(data, data, &release, c10::Device(c10::kCPU));
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
-    return nullptr;
+    return &release;
   }
 
   /// Starts a new peak from what is live now; returns that baseline.
@@ -120,16 +123,17 @@ class CountingAllocator final : public c10::Allocator {
   }
 
  private:
-  struct Context {
-    c10::DataPtr inner;
-    size_t bytes;
-    const CountingAllocator* owner;
-  };
+  // Keeps the data 64-byte aligned, as the CPU allocator's is.
+  static constexpr size_t kHeader = 64;
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    ctx->owner->live_.fetch_sub(ctx->bytes);
-    delete ctx;
+  static void release(void* data) {
+    if (data == nullptr) {
+      return;
+    }
+    auto* raw = static_cast<char*>(data) - kHeader;
+    auto& self = install();
+    self.live_.fetch_sub(*reinterpret_cast<size_t*>(raw));
+    self.base_->raw_deallocate(raw);
   }
 
   c10::Allocator* base_;

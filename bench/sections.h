@@ -25,6 +25,11 @@ nlohmann::json random_section();
 /// tables and returns their rows.
 nlohmann::json schedules_section(int iters);
 
+/// 8 x Conv2d(32,32,3)+ReLU, batch 64: training steps of the plain model
+/// and of GPipe on 2 lanes at chunks 1 and 4 (one thread each), with
+/// their minor page faults. Prints a table and returns its rows.
+nlohmann::json conv_section(int iters);
+
 /// Forward under InferenceMode of `blocks` x Linear(`width`), batch
 /// `batch`: the plain model on 1 and 2 threads, GPipe on 2 partitions at
 /// chunks 1, 4 and 8. Prints a table and returns its rows.

@@ -1,12 +1,23 @@
 #include "engine/lane.h"
 
 #include <c10/util/Exception.h>
+#include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <torch/torch.h>
 
 #include <atomic>
 #include <chrono>
 #include <set>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define GPIPE_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define GPIPE_SANITIZED 1
+#endif
+#endif
 
 namespace {
 
@@ -116,6 +127,54 @@ TEST(WorkerTest, ContextTurnsOtherExceptionsIntoC10Errors) {
     EXPECT_NE(what.find("boom"), std::string::npos);
     EXPECT_NE(what.find("partition 0"), std::string::npos);
   }
+}
+
+// Note [Lanes and glibc's malloc]: steps through lanes reuse the memory of
+// the steps before them instead of faulting in fresh pages (with
+// GPIPE_MALLOC=system, and the skip below taken out, 5,356 faults per step
+// here; with the lanes' setting, none).
+TEST(WorkerTest, LaneStepsReuseTheirMemory) {
+#if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
+  GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
+#else
+  const char* choice = std::getenv("GPIPE_MALLOC");
+  if (choice != nullptr && std::string(choice) == "system") {
+    GTEST_SKIP() << "GPIPE_MALLOC=system: lanes leave malloc alone";
+  }
+  at::set_num_threads(1);
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int k = 0; k < 4; ++k) {
+    net->push_back(
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 16, 3).padding(1)));
+    net->push_back(torch::nn::ReLU());
+  }
+  gpipe::GPipe model(
+      net,
+      gpipe::GPipeOptions({4, 4})
+          .chunks(1)
+          .checkpoint(gpipe::Checkpoint::Never)
+          .threads_per_lane(1));
+  auto x = torch::randn({32, 16, 32, 32});
+  auto step = [&] {
+    model->zero_grad();
+    model->forward(x).sum().backward();
+  };
+  for (int k = 0; k < 3; ++k) {
+    step();  // warm-up: the memory of a step is taken once
+  }
+  auto faults = [] {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    return usage.ru_minflt;
+  };
+  const auto before = faults();
+  for (int k = 0; k < 5; ++k) {
+    step();
+  }
+  const auto per_step = (faults() - before) / 5;
+  EXPECT_LT(per_step, 200) << "minor page faults per step";
+#endif
 }
 
 }  // namespace
