@@ -82,7 +82,12 @@ std::map<std::string, std::string> settings_of(const Args& args) {
       {"--limit", std::to_string(args.limit)},
       {"--seed", std::to_string(args.seed)},
       {"--lr", lr.str()},
-      {"--lr-schedule", args.lr_schedule},
+      // A decaying rate follows the run's length: resuming with another
+      // --epochs would change it.
+      {"--lr-schedule",
+       args.lr_schedule == "constant" ? args.lr_schedule
+                                      : args.lr_schedule + " over --epochs " +
+                                            std::to_string(args.epochs)},
       {"--deferred-batch-norm", args.deferred_batch_norm ? "on" : "off"}};
 }
 

@@ -87,9 +87,9 @@ struct Plan {
 
   /// Unit-time simulation: every cell takes one step and starts at the
   /// first step after its lane's previous cell and its inputs; a loss or a
-  /// transfer takes no step and is listed at the end of the step its inputs
-  /// ran in (a receive, at the start of step 0 or after its lane's previous
-  /// action). Shows
+  /// transfer takes no step and is listed at the end of the step in which
+  /// both its inputs and its lane's previous action are done (a receive
+  /// first on its lane, at the start of step 0). Shows
   /// where the bubbles are. Throws like `validate()` when the plan
   /// deadlocks.
   Steps steps() const;

@@ -82,12 +82,11 @@ void C10dTransport::prefetch(Phase phase, int64_t i, int64_t k) {
   if (peer == me()) {
     return;
   }
-  auto posted =
-      connection_->post_recv(peer, pass_, boundary_message(phase, i, k));
-  std::lock_guard<std::mutex> lock(posted_mutex_);
   const auto key = std::make_tuple(static_cast<int>(phase), i, k);
-  TORCH_INTERNAL_ASSERT(posted_.count(key) == 0);
-  posted_.emplace(key, std::move(posted));
+  std::lock_guard<std::mutex> lock(posted_mutex_);
+  TORCH_INTERNAL_ASSERT(posted_.count(key) == 0);  // validate() rules it out
+  posted_.emplace(
+      key, connection_->post_recv(peer, pass_, boundary_message(phase, i, k)));
 }
 
 Packet C10dTransport::recv(Phase phase, int64_t i, int64_t k) {

@@ -20,14 +20,17 @@ namespace {
 // shrinks as soon as they are free. A lane's activations (megabytes each,
 // a whole partition's worth in flight) therefore went back to the system
 // at the end of every step and came back as fresh pages in the next: a
-// conv model through 2 lanes at chunks 1 took 30,000 minor page faults and
-// twice the plain model's time per step (gpipe-bench --only conv). One
-// arena that keeps what is freed (no mmap for big blocks, no trimming)
+// conv model through 2 lanes at chunks 1 took 27,000 minor page faults and
+// 2 to 3 times the plain model's time per step (gpipe-bench --only conv).
+// One arena that keeps what is freed (no mmap for big blocks, no trimming)
 // reuses the same memory every step, as the plain model on the main thread
-// mostly does: 0 faults, and the plain model's time. It applies to the
-// whole process and only to memory freed from then on; peak memory is not
-// given back to the system until the process ends. The user's own settings
-// win: with GPIPE_MALLOC=system, MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
+// mostly does: about 1,200 faults, and the plain model's time. It takes
+// hold for threads that get their arena after it (glibc hands out existing
+// arenas first once more than 8 exist, so the README gives the
+// GLIBC_TUNABLES that set it from the start). It applies to the whole
+// process and only to memory freed from then on; peak memory is not given
+// back to the system until the process ends. The user's own settings win:
+// with GPIPE_MALLOC=system, MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
 // MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES in the environment, malloc is
 // left alone (as it is under another allocator, such as jemalloc).
 void keep_freed_memory_once() {
