@@ -1,4 +1,5 @@
 #include <c10/util/irange.h>
+#include <gpipe/batchnorm.h>
 #include <gpipe/models/resnet.h>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
@@ -34,7 +35,9 @@ nn::Conv2d conv(
 
 // Pops the block's identity, downsamples it (1x1 convolution and BatchNorm)
 // when the block changes its shape, and adds it to the block's output.
-class ResidualImpl : public nn::Cloneable<ResidualImpl>, public Skippable {
+class ResidualImpl : public nn::Cloneable<ResidualImpl>,
+                     public Skippable,
+                     public ConvertibleToDeferredBatchNorm {
  public:
   ResidualImpl(int64_t in_channels, int64_t out_channels, int64_t stride)
       : Skippable(/*stash=*/{}, /*pop=*/{"identity"}),
@@ -60,6 +63,17 @@ class ResidualImpl : public nn::Cloneable<ResidualImpl>, public Skippable {
       identity = downsample_->forward(identity);
     }
     return input + identity;
+  }
+
+  // A copy (the same skip names, parameters and buffers) whose
+  // downsampling BatchNorm is a DeferredBatchNorm.
+  nn::AnyModule to_deferred_batch_norm(int64_t chunks) const override {
+    auto copy = std::make_shared<ResidualImpl>(*this);
+    if (downsample_) {
+      copy->downsample_ = copy->replace_module(
+          "downsample", convert_deferred_batch_norm(downsample_, chunks));
+    }
+    return nn::AnyModule(copy);
   }
 
   void pretty_print(std::ostream& stream) const override {

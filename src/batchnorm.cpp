@@ -226,7 +226,21 @@ torch::nn::Sequential convert_deferred_batch_norm(
       converted->push_back(name, torch::nn::AnyModule(deferred));
       continue;
     }
-    for (const auto& inner : child->named_modules("", /*include_self=*/false)) {
+    auto kept = any;
+    const auto* convertible =
+        dynamic_cast<const ConvertibleToDeferredBatchNorm*>(child.get());
+    if (convertible != nullptr) {
+      kept = convertible->to_deferred_batch_norm(chunks);
+      TORCH_CHECK_VALUE(
+          !kept.is_empty(),
+          "deferred_batch_norm: the ",
+          child->name(),
+          " at '",
+          name,
+          "' gave an empty module from to_deferred_batch_norm");
+    }
+    const auto layer = kept.ptr();
+    for (const auto& inner : layer->named_modules("", /*include_self=*/false)) {
       TORCH_CHECK_VALUE(
           !is_batch_norm(*inner.value()),
           "deferred_batch_norm cannot replace the BatchNorm at '",
@@ -234,12 +248,16 @@ torch::nn::Sequential convert_deferred_batch_norm(
           ".",
           inner.key(),
           "' inside a ",
-          child->name(),
-          ": only BatchNorm layers that are children of the Sequential can "
-          "be replaced; flatten that layer into the Sequential, or use "
-          "gpipe::DeferredBatchNorm in it directly");
+          layer->name(),
+          convertible != nullptr
+              ? ": its to_deferred_batch_norm left it in place; replace every "
+                "BatchNorm inside it there"
+              : ": only BatchNorm layers that are children of the Sequential "
+                "can be replaced; flatten that layer into the Sequential, "
+                "make it a gpipe::ConvertibleToDeferredBatchNorm, or use "
+                "gpipe::DeferredBatchNorm in it directly");
     }
-    converted->push_back(name, any);
+    converted->push_back(name, kept);
   }
   return converted;
 }

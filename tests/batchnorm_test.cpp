@@ -176,6 +176,38 @@ TEST_F(DeferredBatchNormTest, BatchNormInsideAnotherModuleIsRefused) {
   }
 }
 
+// A block that says it converts itself but leaves its BatchNorm in place.
+struct CarelessBlockImpl : torch::nn::Cloneable<CarelessBlockImpl>,
+                           ConvertibleToDeferredBatchNorm {
+  CarelessBlockImpl() {
+    reset();
+  }
+  void reset() override {
+    bn = register_module("bn", torch::nn::BatchNorm1d(3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return bn(x);
+  }
+  torch::nn::AnyModule to_deferred_batch_norm(int64_t) const override {
+    return torch::nn::AnyModule(std::make_shared<CarelessBlockImpl>(*this));
+  }
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(CarelessBlock);
+
+TEST_F(DeferredBatchNormTest, AConversionThatLeavesABatchNormIsRefused) {
+  auto net = torch::nn::Sequential(torch::nn::Identity(), CarelessBlock());
+  try {
+    convert_deferred_batch_norm(net, 2);
+    FAIL() << "expected c10::ValueError";
+  } catch (const c10::ValueError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'1.bn'"), std::string::npos) << what;
+    EXPECT_NE(what.find("to_deferred_batch_norm left it"), std::string::npos)
+        << what;
+  }
+}
+
 // --- through GPipe ---
 
 // One BatchNorm (the layers after a BatchNorm see micro-batches normalised

@@ -259,6 +259,53 @@ TEST_F(SeededTest, SmallResNetThroughGPipeEqualsPlain) {
   }
 }
 
+// The downsampling BatchNorm sits inside a Residual (so that ResNet-101
+// keeps torchgpipe's 370 layers); Residual converts itself.
+TEST_F(SeededTest, SmallResNetTakesDeferredBatchNorm) {
+  auto net = models::resnet_small();
+  net->to(torch::kFloat64);
+  auto plain = testing::copy_of(net);
+  GPipe model(net, GPipeOptions({18, 21}).chunks(4).deferred_batch_norm(true));
+  int64_t batch_norms = 0;
+  for (const auto& m : net->modules()) {
+    batch_norms += m->as<torch::nn::BatchNorm2dImpl>() != nullptr;
+  }
+  int64_t deferred = 0;
+  for (const auto& m : model->modules()) {
+    deferred += m->as<DeferredBatchNormImpl>() != nullptr;
+  }
+  EXPECT_EQ(batch_norms, 13);  // 3 per bottleneck, 3 downsamplings, stem
+  EXPECT_EQ(deferred, batch_norms);
+  for (int step = 0; step < 2; ++step) {
+    auto x = torch::randn({8, 1, 28, 28}, torch::kFloat64);
+    plain->forward(x).sum().backward();
+    model->forward(x).sum().backward();
+  }
+  // Every BatchNorm, the downsampling ones included, updated its running
+  // statistics once per mini-batch, not once per micro-batch; the stem's,
+  // whose input is the plain model's, to the plain model's values.
+  auto expected = plain->named_buffers();
+  auto got = net->named_buffers();  // shared with the GPipe's layers
+  ASSERT_EQ(expected.size(), got.size());
+  int64_t counters = 0;
+  for (size_t k = 0; k < got.size(); ++k) {
+    const auto& name = got[k].key();
+    if (name.find("num_batches_tracked") != std::string::npos) {
+      EXPECT_EQ(got[k].value().item<int64_t>(), 2) << name;
+      ++counters;
+    } else if (name.rfind("bn1.", 0) == 0) {
+      EXPECT_TRUE(
+          torch::allclose(got[k].value(), expected[k].value(), 1e-10, 1e-12))
+          << name;
+    }
+  }
+  EXPECT_EQ(counters, 13);
+  // The plain model (the user's layers) keeps its own BatchNorms.
+  for (const auto& m : net->modules()) {
+    EXPECT_EQ(m->as<DeferredBatchNormImpl>(), nullptr) << m->name();
+  }
+}
+
 TEST_F(SeededTest, ImageNetStemResNetThroughGPipeEqualsPlain) {
   // The 7x7 stem and max-pool, two stages of two blocks of width 4.
   auto net = models::resnet({2, 2}, 5, models::ResNetOptions().width(4));

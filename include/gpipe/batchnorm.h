@@ -22,6 +22,7 @@
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
@@ -113,12 +114,40 @@ class DeferredBatchNormImpl
 /// A `ModuleHolder` for `DeferredBatchNormImpl`.
 TORCH_MODULE(DeferredBatchNorm);
 
+/// A layer that holds BatchNorm layers inside it, rather than being one
+/// child of the Sequential, and can give a copy of itself with those
+/// replaced: `convert_deferred_batch_norm` (and so
+/// `GPipeOptions::deferred_batch_norm`) asks it instead of refusing it. A
+/// C++ layer calls its inner layers through its own members, which nothing
+/// outside it can swap; this is how it swaps them itself.
+///
+/// Example (a residual block whose shortcut is a Sequential):
+/// ```
+/// torch::nn::AnyModule to_deferred_batch_norm(int64_t chunks) const override {
+///   auto copy = std::make_shared<BlockImpl>(*this);  // shares parameters
+///   copy->shortcut = copy->replace_module(
+///       "shortcut", gpipe::convert_deferred_batch_norm(shortcut, chunks));
+///   return torch::nn::AnyModule(copy);
+/// }
+/// ```
+class ConvertibleToDeferredBatchNorm {
+ public:
+  virtual ~ConvertibleToDeferredBatchNorm() = default;
+  /// This layer with every BatchNorm inside it replaced by a
+  /// DeferredBatchNorm of `chunks` sharing its parameters and buffers,
+  /// for example by `convert_deferred_batch_norm` of an inner Sequential.
+  /// The layer itself must stay as it is: the user's model keeps using it.
+  virtual torch::nn::AnyModule to_deferred_batch_norm(int64_t chunks) const = 0;
+};
+
 /// `module` with every BatchNorm{1,2,3}d child that tracks running
 /// statistics replaced by a DeferredBatchNorm sharing
 /// its parameters and buffers. Children keep their names. A
 /// DeferredBatchNorm with the same `chunks` is kept; one with other `chunks`
-/// is replaced. Throws `c10::ValueError` for a BatchNorm inside another kind
-/// of module, which cannot be replaced from outside.
+/// is replaced. A child that is a `ConvertibleToDeferredBatchNorm` is
+/// replaced by its `to_deferred_batch_norm(chunks)`. Throws
+/// `c10::ValueError` for a BatchNorm inside any other kind of module (or
+/// left inside such a replacement), which cannot be replaced from outside.
 torch::nn::Sequential convert_deferred_batch_norm(
     const torch::nn::Sequential& module, int64_t chunks = 1);
 

@@ -8,6 +8,10 @@
 // `residual` (pops the identity, downsamples it when the shape changes, adds)
 // and relu3. Every block puts "identity" in a `gpipe::Namespace` of its own,
 // so a cut inside a block carries the identity across partitions as a skip.
+// The downsampling BatchNorm lives inside `residual` (as in torchgpipe, so
+// that ResNet-101 keeps its 370 layers); `residual` is a
+// `gpipe::ConvertibleToDeferredBatchNorm`, so `deferred_batch_norm(true)`
+// converts it too.
 
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
