@@ -279,6 +279,17 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --resume ends as the run that never stopped: $resumed"
   fi
+  # Resuming a finished run trains nothing and still prints its JSON line.
+  run "${r[@]}" --epochs 2 --save "$tmp/r.pt" --resume
+  if [[ $status -ne 0 ]] || ! grep -q '"nothing_left_to_train":true' "$tmp/out"; then
+    fail "--resume of a finished run exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
+  else
+    echo "ok: --resume of a finished run -> $(tail -1 "$tmp/out")"
+  fi
+  # --trace-steps counts the steps left, not the whole run's: 1 epoch of 8
+  # steps left cannot record 8 after the first.
+  bad --trace-steps "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume \
+    --trace "$tmp/t.json" --trace-steps 8
   # Other settings than the saved run's, or a weights file replaced: exit 1
   # with the reason.
   run "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume --batch-size 32
@@ -286,6 +297,15 @@ elif [[ $mode == run ]]; then
     fail "--resume with another --batch-size exited $status: $(cat "$tmp/err")"
   else
     echo "ok: --resume with other settings -> $(cat "$tmp/err")"
+  fi
+  # A cosine rate follows --epochs: resuming a cosine run with more epochs
+  # would change the rate of the epochs already done.
+  run "${r[@]}" --epochs 1 --lr-schedule cosine --save "$tmp/c.pt"
+  run "${r[@]}" --epochs 2 --lr-schedule cosine --save "$tmp/c.pt" --resume
+  if [[ $status -ne 1 ]] || ! grep -qF -- "with --lr-schedule cosine over --epochs 1, but this run has cosine over --epochs 2" "$tmp/err"; then
+    fail "--resume of a cosine run with other --epochs exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: --resume of a cosine run with other --epochs -> $(cat "$tmp/err")"
   fi
   cp "$tmp/straight.pt" "$tmp/r.pt"
   run "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume

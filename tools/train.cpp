@@ -10,7 +10,6 @@
 #include <gpipe/models/unet.h>
 #include <torch/torch.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -30,74 +29,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "fashion_mnist.h"
 #include "train_args.h"
 
 namespace {
 
 using namespace gpipe_train;
-
-std::vector<uint8_t> read_gzip(const std::string& path) {
-  gzFile file = gzopen(path.c_str(), "rb");
-  TORCH_CHECK_VALUE(
-      file != nullptr,
-      "cannot open ",
-      path,
-      "; install Debian's dataset-fashion-mnist or pass --data-dir");
-  std::vector<uint8_t> bytes;
-  std::vector<uint8_t> buffer(1 << 20);
-  int got = 0;
-  while ((got = gzread(file, buffer.data(), buffer.size())) > 0) {
-    bytes.insert(bytes.end(), buffer.begin(), buffer.begin() + got);
-  }
-  gzclose(file);
-  TORCH_CHECK_VALUE(got == 0, "cannot decompress ", path);
-  return bytes;
-}
-
-uint32_t big_endian(const std::vector<uint8_t>& b, size_t at) {
-  return (uint32_t(b[at]) << 24) | (uint32_t(b[at + 1]) << 16) |
-         (uint32_t(b[at + 2]) << 8) | uint32_t(b[at + 3]);
-}
-
-torch::Tensor read_idx(const std::string& path, bool images) {
-  auto bytes = read_gzip(path);
-  TORCH_CHECK_VALUE(bytes.size() >= 8, path, " is too short for IDX");
-  const uint32_t magic = big_endian(bytes, 0);
-  const uint32_t expected = images ? 0x803 : 0x801;
-  TORCH_CHECK_VALUE(
-      magic == expected,
-      path,
-      ": expected IDX magic ",
-      expected,
-      ", got ",
-      magic);
-  const int64_t count = big_endian(bytes, 4);
-  std::vector<int64_t> shape{count};
-  size_t header = 8;
-  if (images) {
-    shape = {
-        count,
-        1,
-        int64_t(big_endian(bytes, 8)),
-        int64_t(big_endian(bytes, 12))};
-    header = 16;
-  }
-  int64_t numel = 1;
-  for (auto s : shape) {
-    numel *= s;
-  }
-  TORCH_CHECK_VALUE(
-      int64_t(bytes.size() - header) == numel, path, ": truncated IDX payload");
-  auto t =
-      torch::from_blob(bytes.data() + header, shape, torch::kUInt8).clone();
-  if (images) {
-    // Scale to [0, 1] and standardise with the training set's statistics.
-    return (t.to(torch::kFloat) / 255.0 - 0.2860) / 0.3530;
-  }
-  return t.to(torch::kLong);
-}
-
-// Conv-BN-ReLU blocks and a classifier, flattened into one Sequential.
 
 int train(const Args& args) {
   // Under a launcher: one partition per rank; rank 0 prints.
@@ -110,18 +47,11 @@ int train(const Args& args) {
   const bool lead = rank == 0;
   const bool last = rank == ranks - 1;
   torch::manual_seed(args.seed);
-  auto train_x = read_idx(args.data_dir + "/" + kDataFiles[0], true);
-  auto train_y = read_idx(args.data_dir + "/" + kDataFiles[1], false);
-  auto test_x = read_idx(args.data_dir + "/" + kDataFiles[2], true);
-  auto test_y = read_idx(args.data_dir + "/" + kDataFiles[3], false);
-  TORCH_CHECK_VALUE(
-      train_x.size(0) == train_y.size(0) && test_x.size(0) == test_y.size(0),
-      args.data_dir,
-      ": the image and label files do not have as many entries");
-  TORCH_CHECK_VALUE(
-      train_x.size(0) > 0 && test_x.size(0) > 0,
-      args.data_dir,
-      ": no training or no test images");
+  auto data = gpipe_data::read_fashion_mnist(args.data_dir);
+  auto train_x = data.train_x;
+  auto train_y = data.train_y;
+  auto test_x = data.test_x;
+  auto test_y = data.test_y;
   if (args.limit > 0 && args.limit < train_x.size(0)) {
     train_x = train_x.narrow(0, 0, args.limit);
     train_y = train_y.narrow(0, 0, args.limit);
@@ -189,6 +119,48 @@ int train(const Args& args) {
   // the same order as in a run that never stopped).
   const auto resumed =
       args.resume ? resume_training(args, model, optimizer) : Resumed{};
+  if (resumed.epochs_done >= epochs) {
+    if (lead) {
+      std::printf(
+          "--resume: the saved run has done %lld epochs of --epochs %lld; "
+          "nothing left to train\n",
+          static_cast<long long>(resumed.epochs_done),
+          static_cast<long long>(epochs));
+      if (args.json) {
+        nlohmann::json summary = {
+            {"model", args.model},
+            {"balance", balance},
+            {"epochs", epochs},
+            {"steps", resumed.steps_done},
+            {"resumed_after_epoch", resumed.epochs_done},
+            {"nothing_left_to_train", true}};
+        std::cout << summary.dump() << std::endl;
+      }
+    }
+    return 0;
+  }
+  // --trace-steps was checked against the whole run; a resumed run has
+  // only the epochs left.
+  if (tracing &&
+      epochs - resumed.epochs_done <= args.trace_steps / steps_per_epoch) {
+    throw UsageError(c10::str(
+        "--trace-steps ",
+        args.trace_steps,
+        " needs more than ",
+        args.trace_steps,
+        " steps (the first one is not recorded), but --resume leaves ",
+        epochs - resumed.epochs_done,
+        " of --epochs ",
+        epochs,
+        ", ",
+        (epochs - resumed.epochs_done) * steps_per_epoch,
+        " steps; lower --trace-steps or raise --epochs"));
+  }
+  if (args.resume && lead) {
+    std::cout << "resumed from " << args.save_path << " after epoch "
+              << resumed.epochs_done << " (step " << resumed.steps_done << ")"
+              << std::endl;
+  }
   const auto out_device = world ? stage->device() : model->devices().back();
   if (world) {
     stage->pretty_print(std::cout);
@@ -221,14 +193,6 @@ int train(const Args& args) {
   double last_loss = 0;
   double lr = args.lr;
   double train_seconds = 0;
-  if (resumed.epochs_done >= epochs) {
-    std::printf(
-        "--resume: the saved run has done %lld epochs of --epochs %lld; "
-        "nothing left to train\n",
-        static_cast<long long>(resumed.epochs_done),
-        static_cast<long long>(epochs));
-    return 0;
-  }
   for (int64_t epoch = resumed.epochs_done; epoch < epochs; ++epoch) {
     module->train();
     auto order = torch::randperm(n);

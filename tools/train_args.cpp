@@ -114,7 +114,7 @@ void verify_data_dir(const std::string& dir) {
       dir,
       "' is not a folder",
       kWayOut);
-  for (const char* file : kDataFiles) {
+  for (const char* file : kFashionMnistFiles) {
     usage_check(
         fs::is_regular_file(fs::path(dir) / file, ignored),
         "--data-dir '",

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "fashion_mnist.h"
+
 namespace gpipe {
 class GPipe;
 }  // namespace gpipe
@@ -50,11 +52,7 @@ constexpr int kUsageExit = 2;
 constexpr int64_t kMaxThreadsPerLane = 1024;
 
 // The gzipped IDX files that --data-dir must hold.
-constexpr const char* kDataFiles[] = {
-    "train-images-idx3-ubyte.gz",
-    "train-labels-idx1-ubyte.gz",
-    "t10k-images-idx3-ubyte.gz",
-    "t10k-labels-idx1-ubyte.gz"};
+using gpipe_data::kFashionMnistFiles;
 
 // One entry per --model. The layer counts are known here so that
 // --partitions and --balance are checked before anything is built

@@ -232,9 +232,6 @@ Resumed resume_training(
   resumed.epochs_done = t.item<int64_t>();
   state.read("steps_done", t);
   resumed.steps_done = t.item<int64_t>();
-  std::cout << "resumed from " << args.save_path << " after epoch "
-            << resumed.epochs_done << " (step " << resumed.steps_done << ")"
-            << std::endl;
   return resumed;
 }
 
