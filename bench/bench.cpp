@@ -117,10 +117,15 @@ int main(int argc, char** argv) {
          "--only",
          only,
          "Run only these sections: speed, overhead, memory, schedules, "
-         "inference, conv, trace, random, dist (dist: under gpipe-run -n "
-         "2)")
+         "inference, conv, trace, random, microbatch (the default: all of "
+         "those); "
+         "unet-speed, unet-memory, accuracy (minutes each: run only when "
+         "named); dist (under gpipe-run -n 2)")
       ->check(CLI::IsMember(
           {"dist",
+           "unet-speed",
+           "unet-memory",
+           "accuracy",
            "speed",
            "overhead",
            "memory",
@@ -128,16 +133,57 @@ int main(int argc, char** argv) {
            "inference",
            "conv",
            "trace",
-           "random"}));
+           "random",
+           "microbatch"}));
   std::string dist_trace = "gpipe-bench-dist-trace";
   app.add_option(
       "--dist-trace",
       dist_trace,
       "Where the dist section writes its timeline (.svg and .json added)");
+  std::string markdown_path;
+  app.add_option(
+      "--markdown",
+      markdown_path,
+      "Also write the results as Markdown tables here (scripts/benchmarks.sh "
+      "builds docs/benchmarks.md from them)");
+  std::string svg_dir;
+  app.add_option(
+      "--svg-dir",
+      svg_dir,
+      "Folder for the unet sections' SVG plots and timelines (none unless "
+      "given)");
+  double budget_mib = 256;
+  app.add_option(
+         "--budget-mib", budget_mib, "unet-memory: MiB per device (lane)")
+      ->check(CLI::PositiveNumber);
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  app.add_option("--data-dir", data_dir, "accuracy: Fashion-MNIST's folder");
+  int seeds = 3;
+  int64_t accuracy_epochs = 2;
+  int64_t accuracy_limit = 10000;
+  app.add_option("--seeds", seeds, "accuracy: seeds per configuration")
+      ->check(CLI::Range(1, 100));
+  app.add_option("--accuracy-epochs", accuracy_epochs, "accuracy: epochs")
+      ->check(CLI::Range(int64_t{1}, int64_t{1000}));
+  app.add_option(
+         "--accuracy-limit",
+         accuracy_limit,
+         "accuracy: the first N training images")
+      ->check(CLI::Range(int64_t{128}, int64_t{60000}));
   CLI11_PARSE(app, argc, argv);
-  auto want = [&only](const std::string& section) {
-    return only.empty() ||
-           std::find(only.begin(), only.end(), section) != only.end();
+  auto named = [&only](const std::string& section) {
+    return std::find(only.begin(), only.end(), section) != only.end();
+  };
+  auto want = [&only, &named](const std::string& section) {
+    return only.empty() || named(section);
+  };
+  auto write_results = [&](const json& results) {
+    std::ofstream(json_path) << results.dump(2) << std::endl;
+    std::printf("\n# JSON written to %s\n", json_path.c_str());
+    if (!markdown_path.empty()) {
+      std::ofstream(markdown_path) << gpipe::bench::to_markdown(results);
+      std::printf("# Markdown written to %s\n", markdown_path.c_str());
+    }
   };
   // Started as one rank of several (gpipe-run, torchrun): the dist section
   // alone, printed and written by rank 0.
@@ -159,8 +205,7 @@ int main(int argc, char** argv) {
     out["dist"] = gpipe::bench::dist_section(
         world, blocks, width, batch, iters, dist_trace);
     if (world.rank() == 0) {
-      std::ofstream(json_path) << out.dump(2) << std::endl;
-      std::printf("\n# JSON written to %s\n", json_path.c_str());
+      write_results(out);
     }
     return 0;
   }
@@ -339,62 +384,8 @@ int main(int argc, char** argv) {
         {"configs", configs}};
   }
 
-  // Scheduling overhead: 32 tiny layers, chunks 32, against the plain model
-  // running the same micro-batches one after the other.
   if (want("overhead")) {
-    at::set_num_threads(1);
-    auto tiny = mlp(16, 64);
-    const int64_t chunks = 32;
-    auto xt = torch::randn({chunks * 4, 64});
-    auto pieces = xt.chunk(chunks);
-    auto plain_step = [&] {
-      tiny->zero_grad();
-      for (const auto& p : pieces) {
-        tiny->forward(p).pow(2).mean().backward();
-      }
-    };
-    json overhead = json::array();
-    std::printf(
-        "\n# per-cell overhead: 16 x (Linear(64,64)+ReLU) = 32 layers, chunks "
-        "32, checkpoint never\n");
-    std::printf(
-        "%3s %8s %12s %12s %14s\n",
-        "n",
-        "cells",
-        "plain_ms",
-        "gpipe_ms",
-        "us_per_cell");
-    for (int64_t n : {1, 2}) {
-      gpipe::GPipe model(
-          tiny,
-          gpipe::GPipeOptions(
-              n == 1 ? std::vector<int64_t>{32} : std::vector<int64_t>{16, 16})
-              .chunks(chunks)
-              .checkpoint(Checkpoint::Never)
-              .threads_per_lane(1));
-      auto step = train_step(model, xt);
-      const auto [t_plain, t] =
-          gpipe::bench::time_paired(plain_step, step, 5, 101);
-      const int64_t cells = 2 * chunks * n;
-      // One lane does all the plain model's work plus the engine's: the
-      // difference per cell is the overhead. With two lanes the work is
-      // split, so that row shows wall time only.
-      const double per_cell = n == 1 ? (t - t_plain) / cells * 1e6 : 0.0;
-      std::printf(
-          "%3lld %8lld %12.3f %12.3f %14.2f\n",
-          (long long)n,
-          (long long)cells,
-          t_plain * 1e3,
-          t * 1e3,
-          per_cell);
-      overhead.push_back(
-          {{"partitions", n},
-           {"cells", cells},
-           {"plain_seconds", t_plain},
-           {"gpipe_seconds", t},
-           {"overhead_us_per_cell", per_cell}});
-    }
-    out["overhead"] = overhead;
+    out["overhead"] = gpipe::bench::overhead_section();
   }
 
   // Memory: wide activations, 32 layers, chunks 8, per checkpoint mode.
@@ -461,8 +452,20 @@ int main(int argc, char** argv) {
   if (want("random")) {
     out["random"] = gpipe::bench::random_section();
   }
-
-  std::ofstream(json_path) << out.dump(2) << std::endl;
-  std::printf("\n# JSON written to %s\n", json_path.c_str());
+  if (want("microbatch")) {
+    out["microbatch"] =
+        gpipe::bench::microbatch_section(blocks, width, batch, iters);
+  }
+  if (named("unet-speed")) {
+    out["unet_speed"] = gpipe::bench::unet_speed_section(iters, svg_dir);
+  }
+  if (named("unet-memory")) {
+    out["unet_memory"] = gpipe::bench::unet_memory_section(budget_mib, svg_dir);
+  }
+  if (named("accuracy")) {
+    out["accuracy"] = gpipe::bench::accuracy_section(
+        data_dir, seeds, accuracy_epochs, accuracy_limit);
+  }
+  write_results(out);
   return 0;
 }

@@ -81,8 +81,14 @@ inline void print_environment() {
   std::printf("# %s", at::get_parallel_info().c_str());
 }
 
+/// The tag a thread's allocations are counted under (CountingAllocator's
+/// per-tag counts): 0 unless the thread sets it. The U-Net memory table
+/// gives each lane a tag of its own, so that each lane's peak stands for
+/// the memory of one device.
+inline thread_local int allocation_tag = 0;
+
 /// Counts the bytes of live CPU tensors, and their peak, by wrapping
-/// LibTorch's CPU allocator.
+/// LibTorch's CPU allocator; in all, and per allocation_tag.
 class CountingAllocator final : public c10::Allocator {
  public:
   static CountingAllocator& install() {
@@ -99,11 +105,13 @@ class CountingAllocator final : public c10::Allocator {
   // such as convolutions, use) works.
   c10::DataPtr allocate(size_t n) const override {
     auto* raw = static_cast<char*>(base_->raw_allocate(n + kHeader));
+    const int tag = allocation_tag >= 0 && allocation_tag < kTags
+                        ? allocation_tag
+                        : kTags - 1;
     *reinterpret_cast<size_t*>(raw) = n;
-    const auto now = live_.fetch_add(n) + n;
-    auto peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
+    *reinterpret_cast<int*>(raw + sizeof(size_t)) = tag;
+    raise(peak_, live_.fetch_add(n) + n);
+    raise(tag_peak_[tag], tag_live_[tag].fetch_add(n) + n);
     void* data = raw + kHeader;
     return c10::DataPtr(data, data, &release, c10::Device(c10::kCPU));
   }
@@ -122,7 +130,25 @@ class CountingAllocator final : public c10::Allocator {
     return peak_.load();
   }
 
+  /// The same per tag: starts every tag's peak from its live bytes.
+  void reset_tag_peaks() {
+    for (int k = 0; k < kTags; ++k) {
+      tag_peak_[k].store(tag_live_[k].load());
+    }
+  }
+  /// Peak live bytes of the allocations made under `tag` (in
+  /// 0 .. kTags - 2; the last tag counts every other one).
+  size_t tag_peak(int tag) const {
+    return tag_peak_[tag].load();
+  }
+  static constexpr int kTags = 16;
+
  private:
+  static void raise(std::atomic<size_t>& peak, size_t now) {
+    auto seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
+  }
   // Keeps the data 64-byte aligned, as the CPU allocator's is.
   static constexpr size_t kHeader = 64;
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
@@ -132,13 +158,17 @@ class CountingAllocator final : public c10::Allocator {
     }
     auto* raw = static_cast<char*>(data) - kHeader;
     auto& self = install();
-    self.live_.fetch_sub(*reinterpret_cast<size_t*>(raw));
+    const auto n = *reinterpret_cast<size_t*>(raw);
+    self.live_.fetch_sub(n);
+    self.tag_live_[*reinterpret_cast<int*>(raw + sizeof(size_t))].fetch_sub(n);
     self.base_->raw_deallocate(raw);
   }
 
   c10::Allocator* base_;
   mutable std::atomic<size_t> live_{0};
   mutable std::atomic<size_t> peak_{0};
+  mutable std::atomic<size_t> tag_live_[kTags] = {};
+  mutable std::atomic<size_t> tag_peak_[kTags] = {};
 };
 
 /// Peak bytes allocated above the baseline while `step` runs.

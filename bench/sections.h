@@ -56,4 +56,46 @@ nlohmann::json dist_section(
     int iters,
     const std::string& trace_prefix);
 
+/// Per-cell overhead: 16 x Linear(64) at chunks 32 through 1 and 2 lanes
+/// against the plain model on the same micro-batches. Prints a table and
+/// returns its rows.
+nlohmann::json overhead_section();
+
+/// The speed model's training step (`blocks` x Linear(`width`), batch
+/// `batch`, one thread) as 1 to 32 micro-batches in turn, without the
+/// engine: its matrix products, the gradient accumulation and the rest;
+/// the time per sample at micro-batches of 24 to 65 rows; one weight
+/// gradient over gathered micro-batches against m of them. Prints three
+/// tables and returns their rows.
+nlohmann::json microbatch_section(
+    int64_t blocks, int64_t width, int64_t batch, int iters);
+
+/// U-Net(2, 16), batch 64 of 3x64x64: training steps of the plain model
+/// (1 and 2 threads) and of GPipe on 1, 2 and 4 lanes at 1, 4 and 32
+/// micro-batches under each schedule (interleaved with 2 stages per lane).
+/// Writes unet-speedup.svg (speed-up against micro-batches, with the
+/// bound) and two timelines (unet-timeline-fill_drain.svg and
+/// -1f1b.svg, 4 lanes, 4 micro-batches) into `svg_dir` unless it is empty.
+nlohmann::json unet_speed_section(int iters, const std::string& svg_dir);
+
+/// For `budget_mib` per device (each lane counted as one device: its
+/// parameters plus the peak of what its thread allocates), the largest
+/// U-Net(B, C) of a growing list whose training step fits: the plain
+/// model, GPipe on 1 lane with checkpoint always, on 2 and 4 lanes with
+/// fill_drain and 1f1b. Writes unet-memory.svg (peak on the fullest device
+/// against parameters) into `svg_dir` unless it is empty.
+nlohmann::json unet_memory_section(
+    double budget_mib, const std::string& svg_dir);
+
+/// resnet_small on Fashion-MNIST from `data_dir` (the first `limit`
+/// training images, `epochs` epochs), the plain model against GPipe on 2
+/// lanes at chunks 4 and 8, DeferredBatchNorm off and on, each checkpoint
+/// mode, `seeds` seeds each: the top-1 test error's mean and deviation.
+nlohmann::json accuracy_section(
+    const std::string& data_dir, int seeds, int64_t epochs, int64_t limit);
+
+/// `results` (gpipe-bench's JSON) as Markdown: every array of objects a
+/// table, every other value a list item, under a heading per section.
+std::string to_markdown(const nlohmann::json& results);
+
 }  // namespace gpipe::bench

@@ -1,0 +1,272 @@
+#!/usr/bin/env bash
+# Regenerates docs/benchmarks.md and its pictures (docs/img/) from one run
+# of gpipe-bench: every number on that page comes from this script's run.
+# It builds first (scripts/setup.sh). About 40 minutes on the 2-core
+# development machine, most of it the accuracy table (39 trainings).
+#
+#   ./scripts/benchmarks.sh                 # the whole page
+#   ACCURACY_EPOCHS=1 ./scripts/benchmarks.sh   # a shorter accuracy table
+#
+# The page says which machine, commit and date it was run on; the raw JSON
+# and printed tables of each section are kept in docs/bench-output/.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+"$root/scripts/setup.sh"
+
+bench="$root/build/bench/gpipe-bench"
+launcher="$root/build/tools/gpipe-run"
+img="$root/docs/img"
+raw="$root/docs/bench-output"
+page="$root/docs/benchmarks.md"
+mkdir -p "$img" "$raw"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# section NAME [FLAGS...]: runs `gpipe-bench --only NAME FLAGS...`, keeps
+# its printed output and JSON in docs/bench-output/, and leaves its
+# Markdown tables in $work/NAME.md.
+section() {
+  local name=$1
+  shift
+  echo "== benchmarks.sh: $name" >&2
+  local start=$SECONDS
+  (cd "$work" && "$bench" --only "$name" --json "$raw/$name.json" \
+    --markdown "$work/$name.md" "$@") | tee "$raw/$name.txt" >&2
+  echo "== benchmarks.sh: $name took $((SECONDS - start)) s" >&2
+  seconds[$name]=$((SECONDS - start))
+}
+declare -A seconds
+
+accuracy_epochs=${ACCURACY_EPOCHS:-2}
+section accuracy --seeds 3 --accuracy-epochs "$accuracy_epochs" \
+  --accuracy-limit 8000
+section unet-memory --svg-dir "$img"
+section unet-speed --iters 3 --svg-dir "$img"
+section speed
+section schedules
+section memory
+section overhead
+section inference
+section conv
+section microbatch
+section trace
+section random
+echo "== benchmarks.sh: dist" >&2
+start=$SECONDS
+(cd "$work" && "$launcher" -n 2 -- "$bench" --only dist \
+  --json "$raw/dist.json" --markdown "$work/dist.md" \
+  --dist-trace "$img/dist-trace") | tee "$raw/dist.txt" >&2
+seconds[dist]=$((SECONDS - start))
+rm -f "$img/dist-trace.json"
+
+# The page: prose without numbers, then each section's tables as measured.
+table() { cat "$work/$1.md"; }
+cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
+commit=$(git -C "$root" rev-parse --short HEAD)
+dirty=$(git -C "$root" status --porcelain --untracked-files=no | grep -q . && echo " with uncommitted changes" || true)
+blas=$(sed -n 's/^# blas: //p' "$raw/speed.txt" | head -1)
+{
+  cat <<EOF
+# Benchmarks
+
+Written by \`scripts/benchmarks.sh\` on $(date -u +%Y-%m-%d) from commit
+$commit$dirty: every number on this page comes from that run. Machine: $(nproc)
+cores ($cpu), LibTorch $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo unknown),
+$blas. Each section's printed output and JSON are in
+[bench-output/](bench-output/). The machine is shared and noisy: compare
+ratios within one section, not across runs. Hand-written analyses of earlier
+runs are in [benchmark-history.md](benchmark-history.md).
+
+torchgpipe's README has three tables: accuracy with and without
+pipelining, the largest U-Net per memory budget, and speed-up per device
+count. The first three sections are ours, scaled to a CPU with two cores:
+each lane (a partition's thread) stands for one device.
+
+## Accuracy parity (\`--only accuracy\`, ${seconds[accuracy]} s)
+
+The small ResNet of \`gpipe::models\` (\`resnet_small\`, 39 layers with
+BatchNorm) trained on Fashion-MNIST as the plain model (2 intra-op threads)
+and through GPipe on 2 lanes (one thread each), at chunks 4 and 8, with
+DeferredBatchNorm off and on, in each checkpoint mode; the same seeds
+(initial weights and data order) and hyper-parameters for every row. The
+error is top-1 on the 10,000 test images, mean and sample deviation over
+the seeds; \`difference_to_plain\` is the row's mean minus the plain
+model's. Checkpointing only changes when activations are computed, not
+their values, so its three rows agree; micro-batches change BatchNorm's
+batch statistics in training, which is what torchgpipe's table tests.
+
+\`\`\`sh
+gpipe-bench --only accuracy --seeds 3 --accuracy-epochs $accuracy_epochs --accuracy-limit 8000
+\`\`\`
+
+EOF
+  table accuracy
+  cat <<EOF
+
+## Memory: the largest U-Net per budget (\`--only unet-memory\`, ${seconds[unet-memory]} s)
+
+torchgpipe's U-Net(B, C) (\`gpipe::models::unet\`: B convolutions per cell,
+C base channels, skips from each encoder level to its decoder level)
+trained on batches of 16 images of 3x32x32 at chunks 8, without dropout
+and without optimizer state. Each lane counts as one device: its
+parameters plus the peak of the bytes its thread allocates and has not
+freed (a counting wrapper around LibTorch's CPU allocator; the batch and
+the loss, made on the caller's thread, count on the first device). An
+activation or a stashed skip is counted on the lane that made it until it
+is freed, as on GPUs until the engine copies it to the next device.
+\`device_peak_mib\` is the fullest device's peak, \`counted_total_mib\` the
+devices' sum, and \`peak_rss_mib\` the process's peak resident memory in
+the same step (after handing malloc's free pages back), which also holds
+LibTorch's code and the data. For each width C, B grows until a step no
+longer fits the budget; the row is the fitting model with the most
+parameters. More devices fit bigger models, as in torchgpipe's table.
+
+\`\`\`sh
+gpipe-bench --only unet-memory --svg-dir docs/img
+\`\`\`
+
+EOF
+  table unet-memory
+  cat <<EOF
+
+![Peak memory of the fullest device against parameters](img/unet-memory.svg)
+
+## Speed: U-Net through 1, 2 and 4 lanes (\`--only unet-speed\`, ${seconds[unet-speed]} s)
+
+A U-Net(2, 16) training step (mean squared error, checkpoint except_last,
+one intra-op thread per lane) through \`train_step\` under each schedule
+(interleaved with 2 stages per lane), against the plain model on 1 and on
+2 threads. The bound is fill-drain's n·m/(m+n−1) for n devices and m
+micro-batches; here n lanes share two cores, so no row can pass 2, and
+every micro-batch pays LibTorch's fixed cost per operation (109 layers,
+forward, recomputation and backward), which grows with m.
+
+\`\`\`sh
+gpipe-bench --only unet-speed --iters 3 --svg-dir docs/img
+\`\`\`
+
+EOF
+  table unet-speed
+  cat <<EOF
+
+![Speed-up against micro-batches, with the bounds](img/unet-speedup.svg)
+
+One step on 4 lanes at 4 micro-batches, fill-drain then 1F1B (forward,
+backward and recomputation boxes per lane; white is the bubble):
+
+![Timeline, fill-drain](img/unet-timeline-fill_drain.svg)
+
+![Timeline, 1F1B](img/unet-timeline-1f1b.svg)
+
+## Speed: 16 x (Linear(1024,1024)+ReLU), batch 256 (\`--only speed\`, ${seconds[speed]} s)
+
+Training steps of the plain Sequential (1 and 2 threads), of GPipe on one
+lane (the same micro-batches one after the other) and on two lanes, by
+chunks and checkpoint mode. \`parallel_capacity\` is what two threads each
+running half the layers give over one thread running both halves;
+\`attainable\` is the fill-drain bound times that capacity over 2.
+
+EOF
+  table speed
+  cat <<EOF
+
+## Schedules (\`--only schedules\`, ${seconds[schedules]} s)
+
+All four schedules through \`train_step\` on 4 lanes and 8 micro-batches:
+on layers that sleep a fixed time (so that cores and noise do not matter)
+against \`gpipe::simulate\` of the same plan, and on 16 x Linear(1024) with
+4 lanes sharing the 2 cores.
+
+EOF
+  table schedules
+  cat <<EOF
+
+## Peak memory by checkpoint mode (\`--only memory\`, ${seconds[memory]} s)
+
+16 x (Linear(256,256)+ReLU), batch 4096, 2 partitions, chunks 8: the
+allocator's peak during a training step, above what was live before it.
+
+EOF
+  table memory
+  cat <<EOF
+
+## Per-cell overhead (\`--only overhead\`, ${seconds[overhead]} s)
+
+16 x (Linear(64,64)+ReLU) at chunks 32, checkpoint never: the engine's
+cost per cell over the plain model running the same micro-batches.
+
+EOF
+  table overhead
+  cat <<EOF
+
+## Inference (\`--only inference\`, ${seconds[inference]} s)
+
+Forward under \`InferenceMode\` of the speed model: the plain model on 1 and
+2 threads, GPipe on 2 partitions at chunks 1, 4 and 8.
+
+EOF
+  table inference
+  cat <<EOF
+
+## Conv at chunks 1 (\`--only conv\`, ${seconds[conv]} s)
+
+8 x (Conv2d(32,32,3,padding 1)+ReLU), batch 64 of 32x32: the plain model
+against GPipe on 2 lanes at chunks 1 and 4, with the minor page faults per
+step (Note [Lanes and glibc's malloc] in \`src/engine/lane.cpp\`; run with
+\`GPIPE_MALLOC=system\` to see the lanes without that setting).
+
+EOF
+  table conv
+  cat <<EOF
+
+## What micro-batches cost (\`--only microbatch\`, ${seconds[microbatch]} s)
+
+Why the speed model's step at m micro-batches on one lane is slower than
+at one, without the engine: the plain model run as m micro-batches one
+after the other on one thread, split into its matrix products (each
+Linear's forward, input-gradient and weight-gradient products timed
+alone, with their GFLOP/s), the gradient accumulation between
+micro-batches (m - 1 adds per weight) and the rest (ReLU, bias, per-call
+costs). Then two changes within reach: micro-batches whose rows are a
+multiple of the kernel's blocking (time per sample at 24 to 65 rows), and
+one weight-gradient product over the gathered micro-batches instead of m
+products and their adds.
+
+EOF
+  table microbatch
+  cat <<EOF
+
+## Tracing cost (\`--only trace\`, ${seconds[trace]} s)
+
+A training step with a \`gpipe::Trace\` recording against none, timed in
+alternation, and the cost of one recorded event.
+
+EOF
+  table trace
+  cat <<EOF
+
+## Random numbers (\`--only random\`, ${seconds[random]} s)
+
+The per-cell cost of giving each cell its own random stream (Note [Random
+streams of concurrent cells] in \`src/random.cpp\`).
+
+EOF
+  table random
+  cat <<EOF
+
+## Distributed stages (\`gpipe-run -n 2 -- gpipe-bench --only dist\`, ${seconds[dist]} s)
+
+Two processes on loopback (Gloo), one intra-op thread each:
+\`PipelineStage\`'s training step against the single-process 2-lane GPipe
+on the speed model, one gpipe message against a bare c10d send/recv of the
+same tensor, and the timeline of one step (one row per rank; receive and
+send waits drawn).
+
+EOF
+  table dist
+  cat <<EOF
+
+![Distributed timeline](img/dist-trace.svg)
+EOF
+} > "$page"
+echo "== benchmarks.sh: wrote $page" >&2
