@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", data_dir, "accuracy: Fashion-MNIST's folder");
   int seeds = 3;
   int64_t accuracy_epochs = 2;
-  int64_t accuracy_limit = 10000;
+  int64_t accuracy_limit = 20000;
   app.add_option("--seeds", seeds, "accuracy: seeds per configuration")
       ->check(CLI::Range(1, 100));
   app.add_option("--accuracy-epochs", accuracy_epochs, "accuracy: epochs")
