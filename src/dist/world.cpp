@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dist/connection.h"
+#include "engine/lane.h"
 
 namespace gpipe::dist {
 
@@ -85,6 +86,8 @@ World init_from_env(std::chrono::milliseconds timeout) {
       "gpipe::dist::init_from_env expects a positive timeout, but got ",
       timeout.count(),
       " ms");
+  // Before c10d's threads allocate (Note [Lanes and glibc's malloc]).
+  gpipe::detail::keep_freed_memory_once();
   const char* addr = env("MASTER_ADDR");
   TORCH_CHECK_VALUE(
       addr != nullptr,

@@ -12,8 +12,6 @@
 
 namespace gpipe::detail {
 
-namespace {
-
 // Note [Lanes and glibc's malloc]
 // glibc gives each thread that allocates its own arena, and an arena other
 // than the main one lives in heaps of at most 64 MiB that it unmaps or
@@ -25,11 +23,16 @@ namespace {
 // One arena that keeps what is freed (no mmap for big blocks, no trimming)
 // reuses the same memory every step, as the plain model on the main thread
 // mostly does: about 1,200 faults, and the plain model's time. It takes
-// hold for threads that get their arena after it (glibc hands out existing
-// arenas first once more than 8 exist, so the README gives the
-// GLIBC_TUNABLES that set it from the start). It applies to the whole
-// process and only to memory freed from then on; peak memory is not given
-// back to the system until the process ends. The user's own settings win:
+// hold for threads that get their arena after it: with one arena allowed,
+// glibc hands them the arenas that exist, in turn, and a thread that
+// allocated before it keeps an arena of its own that a lane may then be
+// handed. gpipe::dist::init_from_env therefore calls this before c10d
+// starts its threads: after them, each rank had 3 or 4 arenas, and in one
+// run out of two a rank's U-Net steps took 8,000 to 30,000 fresh pages
+// each. A program that starts threads of its own first can set it from the
+// start with the GLIBC_TUNABLES that the README gives. It applies to the
+// whole process and only to memory freed from then on; peak memory is not
+// given back to the system until the process ends. The user's own settings win:
 // with GPIPE_MALLOC=system, MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
 // MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES in the environment, malloc is
 // left alone (as it is under another allocator, such as jemalloc).
@@ -58,8 +61,6 @@ void keep_freed_memory_once() {
   (void)done;
 #endif
 }
-
-}  // namespace
 
 Lane::Lane(std::function<void()> init)
     // Before the first lane thread allocates (Note [Lanes and glibc's

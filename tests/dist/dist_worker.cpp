@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -20,7 +21,49 @@
 #include <string>
 #include <thread>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 namespace {
+
+// The arenas glibc's malloc has made (malloc_info lists one <heap> per
+// arena), or 0 where that cannot be told or the environment chose its own
+// malloc settings, which gpipe leaves alone (Note [Lanes and glibc's
+// malloc] in src/engine/lane.cpp).
+int malloc_arenas() {
+#if defined(__GLIBC__)
+  for (const char* name :
+       {"GPIPE_MALLOC",
+        "MALLOC_ARENA_MAX",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_MMAP_MAX_",
+        "GLIBC_TUNABLES"}) {
+    if (std::getenv(name) != nullptr) {
+      return 0;
+    }
+  }
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* f = open_memstream(&text, &size);
+  if (f == nullptr) {
+    return 0;
+  }
+  malloc_info(0, f);
+  std::fclose(f);
+  const std::string info(text, size);
+  std::free(text);
+  int arenas = 0;
+  for (auto at = info.find("<heap nr="); at != std::string::npos;
+       at = info.find("<heap nr=", at + 1)) {
+    ++arenas;
+  }
+  return arenas;
+#else
+  return 0;
+#endif
+}
 
 // Set by the forward-throw scenario: the stashing layer (rank 0) throws,
 // and the popping layer (the last rank) is slow, so that the failure
@@ -292,6 +335,17 @@ int main(int argc, char** argv) {
     auto ref_out = ref->forward(x);
     if (r == n - 1 ? !close(out, ref_out) : out.defined()) {
       std::cout << "rank " << r << ": forward differs from GPipe's\n";
+      return 1;
+    }
+    // init_from_env sets malloc up before c10d starts its threads: every
+    // thread, the lanes' included, then shares the main arena, which keeps
+    // what is freed. A c10d thread's arena made earlier would be handed to
+    // a lane, whose steps then took fresh pages (about 100 MiB of them per
+    // step of a U-Net, in one run out of two).
+    if (const int arenas = malloc_arenas(); arenas > 1) {
+      std::cout << "rank " << r << ": malloc has " << arenas
+                << " arenas, but gpipe::dist::init_from_env should have "
+                   "limited it to one before c10d's threads allocated\n";
       return 1;
     }
     std::cout << "rank " << r << ": OK (" << stage->named_parameters().size()
