@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
          "inference, conv, trace, random, microbatch (the default: all of "
          "those); "
          "unet-speed, unet-memory, accuracy (minutes each: run only when "
-         "named); dist (under gpipe-run -n 2)")
+         "named); dist and unet-speed under gpipe-run -n N")
       ->check(CLI::IsMember(
           {"dist",
            "unet-speed",
@@ -186,24 +186,33 @@ int main(int argc, char** argv) {
     }
   };
   // Started as one rank of several (gpipe-run, torchrun): the dist section
-  // alone, printed and written by rank 0.
+  // (the default) or the U-Net speed table across the ranks, printed and
+  // written by rank 0.
   const char* world_size = std::getenv("WORLD_SIZE");
   if (world_size != nullptr && std::atoi(world_size) > 1) {
-    if (!only.empty() && !want("dist")) {
-      std::fprintf(
-          stderr,
-          "gpipe-bench: under a launcher only --only dist runs, but got "
-          "--only %s\n",
-          only.front().c_str());
-      return 2;
+    for (const auto& section : only) {
+      if (section != "dist" && section != "unet-speed") {
+        std::fprintf(
+            stderr,
+            "gpipe-bench: under a launcher only --only dist and --only "
+            "unet-speed run, but got --only %s\n",
+            section.c_str());
+        return 2;
+      }
     }
     auto world = gpipe::dist::init_from_env();
     if (world.rank() == 0) {
       gpipe::bench::print_environment();
     }
     json out;
-    out["dist"] = gpipe::bench::dist_section(
-        world, blocks, width, batch, iters, dist_trace);
+    if (want("dist")) {
+      out["dist"] = gpipe::bench::dist_section(
+          world, blocks, width, batch, iters, dist_trace);
+    }
+    if (named("unet-speed")) {
+      out["unet_speed_ranks"] =
+          gpipe::bench::unet_speed_dist_section(world, iters);
+    }
     if (world.rank() == 0) {
       write_results(out);
     }

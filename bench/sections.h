@@ -98,4 +98,13 @@ nlohmann::json accuracy_section(
 /// table, every other value a list item, under a heading per section.
 std::string to_markdown(const nlohmann::json& results);
 
+/// The same U-Net table across the ranks of a job (`gpipe-run -n N --
+/// gpipe-bench --only unet-speed`): PipelineStage at 1, 4 and 32
+/// micro-batches under each schedule (interleaved with 2 stages per rank),
+/// against the plain model and against the same pipeline as N lanes of one
+/// process, both timed on rank 0 in the same run. Rank 0 prints the table;
+/// every rank returns the rows.
+nlohmann::json unet_speed_dist_section(
+    const gpipe::dist::World& world, int iters);
+
 }  // namespace gpipe::bench

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates docs/benchmarks.md and its pictures (docs/img/) from one run
 # of gpipe-bench: every number on that page comes from this script's run.
-# It builds first (scripts/setup.sh). About 40 minutes on the 2-core
-# development machine, most of it the accuracy table (39 trainings).
+# It builds first (scripts/setup.sh). About 30 minutes on the 2-core
+# development machine once built, most of it the accuracy table (39
+# trainings).
 #
 #   ./scripts/benchmarks.sh                 # the whole page
 #   ACCURACY_EPOCHS=1 ./scripts/benchmarks.sh   # a shorter accuracy table
@@ -57,7 +58,18 @@ start=$SECONDS
   --json "$raw/dist.json" --markdown "$work/dist.md" \
   --dist-trace "$img/dist-trace") | tee "$raw/dist.txt" >&2
 seconds[dist]=$((SECONDS - start))
-rm -f "$img/dist-trace.json"
+# The U-Net speed table across 2 and 4 processes.
+for n in 2 4; do
+  name=unet-speed-$n-ranks
+  echo "== benchmarks.sh: $name" >&2
+  start=$SECONDS
+  (cd "$work" && "$launcher" -n "$n" -- "$bench" --only unet-speed --iters 3 \
+    --json "$raw/$name.json" --markdown "$work/$name.md") |
+    tee "$raw/$name.txt" >&2
+  seconds[$name]=$((SECONDS - start))
+done
+# Paths relative to the project, not to the machine that ran it.
+sed -i "s#$root/##g" "$work"/*.md "$raw"/*.txt "$raw"/*.json
 
 # The page: prose without numbers, then each section's tables as measured.
 table() { cat "$work/$1.md"; }
@@ -162,6 +174,31 @@ backward and recomputation boxes per lane; white is the bubble):
 
 ![Timeline, 1F1B](img/unet-timeline-1f1b.svg)
 
+### The same U-Net across processes
+
+The same step with one stage per process (two with the interleaved
+schedule) over Gloo on loopback, one intra-op thread per process: the
+rows of the table above on 2 and on 4 ranks. \`one_process_ms\` is the
+same pipeline as lanes of one process, and the plain model's times, both
+measured on rank 0 in the same run while the other ranks wait;
+\`speedup_vs_one_process\` above 1 means the processes are faster.
+
+\`\`\`sh
+gpipe-run -n 2 -- gpipe-bench --only unet-speed --iters 3   # and -n 4
+\`\`\`
+
+### On 2 processes (${seconds[unet-speed-2-ranks]} s)
+
+EOF
+  table unet-speed-2-ranks
+  cat <<EOF
+
+### On 4 processes (${seconds[unet-speed-4-ranks]} s)
+
+EOF
+  table unet-speed-4-ranks
+  cat <<EOF
+
 ## Speed: 16 x (Linear(1024,1024)+ReLU), batch 256 (\`--only speed\`, ${seconds[speed]} s)
 
 Training steps of the plain Sequential (1 and 2 threads), of GPipe on one
@@ -264,7 +301,8 @@ Two processes on loopback (Gloo), one intra-op thread each:
 \`PipelineStage\`'s training step against the single-process 2-lane GPipe
 on the speed model, one gpipe message against a bare c10d send/recv of the
 same tensor, and the timeline of one step (one row per rank; receive and
-send waits drawn).
+send waits drawn; [img/dist-trace.json](img/dist-trace.json) is the same
+step as a Chrome trace, for Perfetto or chrome://tracing).
 
 EOF
   table dist
