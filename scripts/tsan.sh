@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Builds the engine's tests (gpipe_tests, and the long run) with
-# ThreadSanitizer in build-tsan/ (RelWithDebInfo at -O1) and runs them: the
-# check that catches races between the caller, the lanes and the autograd
-# engine. Not part of CI (scripts/test.sh); run it after touching the
-# engine. Needs the packages scripts/setup.sh installs.
+# Builds the engine's tests (gpipe_tests, and the long run) and the
+# distributed stages' worker with ThreadSanitizer in build-tsan/
+# (RelWithDebInfo at -O1) and runs them: the check that catches races
+# between the caller, the lanes, the autograd engine and, in a distributed
+# run, the c10d transport's sends and receives. Not part of CI
+# (scripts/test.sh); run it after touching the engine or src/dist. Needs the
+# packages scripts/setup.sh installs.
 #
 #   scripts/tsan.sh                                every test
 #   scripts/tsan.sh --gtest_filter='Pipeline*'     extra arguments go to both
-#                                                  binaries
+#                                                  gtest binaries
+#   GPIPE_TSAN_DIST=0 scripts/tsan.sh              without the distributed run
 #
 # LibTorch is not instrumented: TSan does not see the reference counts it
 # drops inside its own code. The engine therefore frees every pass on the
@@ -49,9 +52,29 @@ cmake -S "$root" -B "$build" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" \
   -DGPIPE_USE_TSAN=ON -DGPIPE_USE_ASAN=OFF -DGPIPE_USE_UBSAN=OFF \
-  -DGPIPE_BUILD_TOOLS=OFF -DGPIPE_BUILD_BENCHMARKS=OFF
-cmake --build "$build" -j "$jobs" --target gpipe_tests gpipe_long_run_tests
+  -DGPIPE_BUILD_TOOLS=ON -DGPIPE_BUILD_BENCHMARKS=OFF
+dist=${GPIPE_TSAN_DIST:-1}
+targets=(gpipe_tests gpipe_long_run_tests)
+((dist)) && targets+=(gpipe_dist_worker gpipe-run)
+cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 status=0
 "$build/tests/gpipe_tests" "$@" || status=$?
 "$build/tests/gpipe_long_run_tests" "$@" || status=$?
+if ((dist)); then
+  # tests/dist/dist_test.sh parity: every rank of every run is a process
+  # under TSan, writing its reports to a file of its own (log_path), kept
+  # whole here rather than cut short in the test's output. Gloo's threads
+  # (uninstrumented) move the tensors' bytes; TSan sees those copies
+  # through its memcpy interceptor, ordered by the Work's wait.
+  logs=$(mktemp -d)
+  TSAN_OPTIONS="$TSAN_OPTIONS:log_path=$logs/rank" \
+    "$root/tests/dist/dist_test.sh" "$build/tools/gpipe-run" \
+    "$build/tests/gpipe_dist_worker" parity || status=$?
+  if compgen -G "$logs/rank*" >/dev/null; then
+    echo "ThreadSanitizer reports from the distributed run:"
+    cat "$logs"/rank*
+    status=66
+  fi
+  rm -rf "$logs"
+fi
 exit "$status"
