@@ -20,6 +20,12 @@ img="$root/docs/img"
 raw="$root/docs/bench-output"
 page="$root/docs/benchmarks.md"
 mkdir -p "$img" "$raw"
+# The commit measured, and whether the code differed from it, taken before
+# the run rewrites the page's own (tracked) files.
+commit=$(git -C "$root" rev-parse --short HEAD)
+dirty=$(git -C "$root" status --porcelain --untracked-files=no -- . \
+  ':!docs/benchmarks.md' ':!docs/img' ':!docs/bench-output' |
+  grep -q . && echo " with uncommitted changes" || true)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -74,8 +80,6 @@ sed -i "s#$root/##g" "$work"/*.md "$raw"/*.txt "$raw"/*.json
 # The page: prose without numbers, then each section's tables as measured.
 table() { cat "$work/$1.md"; }
 cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
-commit=$(git -C "$root" rev-parse --short HEAD)
-dirty=$(git -C "$root" status --porcelain --untracked-files=no | grep -q . && echo " with uncommitted changes" || true)
 blas=$(sed -n 's/^# blas: //p' "$raw/speed.txt" | head -1)
 {
   cat <<EOF
