@@ -135,10 +135,15 @@ TEST(WorkerTest, ContextTurnsOtherExceptionsIntoC10Errors) {
 // here; with the lanes' setting, 0 to about 200).
 TEST(WorkerTest, LaneStepsReuseTheirMemory) {
 #if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
+  // Skipped in the sanitizer build and off glibc: mallopt does not govern
+  // a sanitizer's allocator or another libc's malloc, so there is nothing
+  // of gpipe's to check.
   GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
 #else
   const char* choice = std::getenv("GPIPE_MALLOC");
   if (choice != nullptr && std::string(choice) == "system") {
+    // Skipped when the user asked gpipe to leave malloc alone: the faults
+    // are then glibc's default behaviour, which this test does not judge.
     GTEST_SKIP() << "GPIPE_MALLOC=system: lanes leave malloc alone";
   }
   at::set_num_threads(1);
