@@ -14,6 +14,7 @@
 #include "harness.h"
 #include "plot.h"
 #include "sections.h"
+#include "unet_case.h"
 
 namespace gpipe::bench {
 
@@ -50,18 +51,14 @@ struct SpeedCase {
 }  // namespace
 
 json unet_speed_section(int iters, const std::string& svg_dir) {
-  const int64_t B = 2;
-  const int64_t C = 16;
-  const int64_t batch = 64;
-  const int64_t image = 64;
-  at::set_num_threads(1);
-  torch::manual_seed(0);
-  auto x = torch::randn({batch, 3, image, image});
-  auto y = torch::randn({batch, 1, image, image});
-  auto make = [&] {
-    torch::manual_seed(0);
-    return models::unet(B, C, 3, 1);
-  };
+  const UNetSpeedCase unet;
+  const int64_t B = UNetSpeedCase::B;
+  const int64_t C = UNetSpeedCase::C;
+  const int64_t batch = UNetSpeedCase::batch;
+  const int64_t image = UNetSpeedCase::image;
+  const auto& x = unet.x;
+  const auto& y = unet.y;
+  const auto make = &UNetSpeedCase::make;
   std::printf(
       "\n# unet-speed: U-Net(%lld, %lld), %lld layers, %.2f M parameters, "
       "batch %lld of 3x%lldx%lld, training step (mse), checkpoint "
@@ -74,12 +71,6 @@ json unet_speed_section(int iters, const std::string& svg_dir) {
       (long long)image,
       (long long)image);
   auto plain = make();
-  {
-    // A GPipe's lanes set malloc up for the whole process (Note [Lanes and
-    // glibc's malloc]); make one first, so that every row, the plain model
-    // included, runs with the same malloc.
-    GPipe first(make(), GPipeOptions({static_cast<int64_t>(plain->size())}));
-  }
   std::map<int, double> plain_s;
   for (int threads : {1, 2}) {
     at::set_num_threads(threads);
@@ -243,7 +234,7 @@ json unet_speed_section(int iters, const std::string& svg_dir) {
         series);
   }
   return {
-      {"model", {{"B", B}, {"C", C}, {"batch", batch}, {"image", image}}},
+      {"model", UNetSpeedCase::model_json()},
       {"plain_ms_1t", plain_s[1] * 1e3},
       {"plain_ms_2t", plain_s[2] * 1e3},
       {"rows", rows}};

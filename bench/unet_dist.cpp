@@ -20,6 +20,7 @@
 
 #include "harness.h"
 #include "sections.h"
+#include "unet_case.h"
 
 namespace gpipe::bench {
 
@@ -76,21 +77,17 @@ struct Case {
 }  // namespace
 
 json unet_speed_dist_section(const gpipe::dist::World& world, int iters) {
-  const int64_t B = 2;
-  const int64_t C = 16;
-  const int64_t batch = 64;
-  const int64_t image = 64;
+  const UNetSpeedCase unet;
+  const int64_t B = UNetSpeedCase::B;
+  const int64_t C = UNetSpeedCase::C;
+  const int64_t batch = UNetSpeedCase::batch;
+  const int64_t image = UNetSpeedCase::image;
   const auto ranks = world.size();
   const auto rank = world.rank();
   const bool lead = rank == 0;
-  at::set_num_threads(1);
-  torch::manual_seed(0);
-  auto x = torch::randn({batch, 3, image, image});
-  auto y = torch::randn({batch, 1, image, image});
-  auto make = [&] {
-    torch::manual_seed(0);
-    return models::unet(B, C, 3, 1);
-  };
+  const auto& x = unet.x;
+  const auto& y = unet.y;
+  const auto make = &UNetSpeedCase::make;
   if (lead) {
     std::printf(
         "\n# unet-speed across %lld ranks: U-Net(%lld, %lld), batch %lld of "
@@ -104,12 +101,6 @@ json unet_speed_dist_section(const gpipe::dist::World& world, int iters) {
         (long long)image,
         (long long)image,
         (long long)ranks);
-  }
-  {
-    // A GPipe's lanes set malloc up for the whole process (Note [Lanes and
-    // glibc's malloc]); make one first, so that every row, the plain model
-    // included, runs with the same malloc.
-    GPipe first(make(), GPipeOptions({static_cast<int64_t>(make()->size())}));
   }
   // The plain model on rank 0 (1 and 2 threads) while the others wait.
   double plain_s[3] = {0, 0, 0};
@@ -222,7 +213,7 @@ json unet_speed_dist_section(const gpipe::dist::World& world, int iters) {
     }
   }
   return {
-      {"model", {{"B", B}, {"C", C}, {"batch", batch}, {"image", image}}},
+      {"model", UNetSpeedCase::model_json()},
       {"ranks", ranks},
       {"plain_ms_1t", plain_s[1] * 1e3},
       {"plain_ms_2t", plain_s[2] * 1e3},
