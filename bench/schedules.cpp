@@ -4,7 +4,11 @@
 // set time in forward and in each part of backward), so that each step can
 // be held against its own simulation and the bubbles compared without the
 // machine's noise: n = 4 lanes, m = 8 micro-batches, 8 layers (2 per stage;
-// interleaved: 1 per stage, 2 stages per lane). Then on real layers (16 x
+// interleaved: 1 per stage, 2 stages per lane). The bubble is read from a
+// trace of the step (Trace::summary: each lane's idle time between the
+// step's first and last interval), so that a layer's sleep running long
+// counts as work and a lane waiting for its input as bubble; the nominal
+// bubble, the step's time less the layers' set costs, is printed beside it. Then on real layers (16 x
 // Linear(1024)+ReLU, 4 lanes of one thread sharing the cores): step time
 // and peak memory of each schedule, one run.
 
@@ -12,8 +16,10 @@
 #include <gpipe/models/timed.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,17 +62,20 @@ nlohmann::json timed_table(int iters) {
       (long long)layers,
       unit * 1e3);
   std::printf(
-      "%-12s %9s %9s %7s %10s %10s %12s %10s\n",
+      "%-12s %8s %8s %6s %8s %8s %8s %8s %8s %8s %8s %6s\n",
       "schedule",
       "step_ms",
       "sim_ms",
       "ratio",
-      "bubble_ms",
-      "sim_bubble",
-      "bubble/1f1b",
-      "peak_live");
+      "busy_ms",
+      "sim_busy",
+      "bubble",
+      "sim_bub",
+      "nominal",
+      "bub/1f1b",
+      "nom/1f1b",
+      "peak");
   nlohmann::json rows = nlohmann::json::array();
-  double one_f_one_b_bubble = 0;
   for (auto schedule : kSchedules) {
     const auto v = stages_per_lane_of(schedule);
     const auto stages = lanes * v;
@@ -93,6 +102,24 @@ nlohmann::json timed_table(int iters) {
         },
         1,
         iters);
+    // The same steps again, traced: each lane's real busy time and the
+    // step's span from its first interval to its last.
+    auto trace = std::make_shared<Trace>();
+    model->set_trace(trace);
+    std::vector<TraceSummary> traced;
+    for (int k = 0; k < iters; ++k) {
+      trace->clear();
+      model->zero_grad();
+      model->train_step(x, t, mse, schedule);
+      traced.push_back(trace->summary());
+    }
+    model->set_trace(nullptr);
+    std::sort(traced.begin(), traced.end(), [](auto& a, auto& b) {
+      return a.bubble < b.bubble;
+    });
+    const auto median = traced[traced.size() / 2];
+    const double bubble = median.bubble;
+    const double traced_busy = median.span - median.bubble;
     // The same step simulated with the layers' costs.
     const double per_stage = unit * static_cast<double>(layers / stages);
     ActionCosts costs;
@@ -107,36 +134,58 @@ nlohmann::json timed_table(int iters) {
       busy += b;
     }
     busy /= static_cast<double>(lanes);
-    const double bubble = seconds - busy;
-    if (schedule == Schedule::OneFOneB) {
-      one_f_one_b_bubble = bubble;
-    }
+    // The step's time less the nominal work: also counts the layers'
+    // sleeps running long and the step's own set-up as bubble.
+    const double nominal = seconds - busy;
     int64_t peak = 0;
     for (auto p : sim.lane_peak_live) {
       peak = std::max(peak, p);
     }
-    const double bubble_ratio =
-        one_f_one_b_bubble > 0 ? bubble / one_f_one_b_bubble : 0.0;
-    std::printf(
-        "%-12s %9.1f %9.1f %7.3f %10.1f %10.1f %12.3f %10lld\n",
-        to_string(schedule).c_str(),
-        seconds * 1e3,
-        sim.makespan * 1e3,
-        seconds / sim.makespan,
-        bubble * 1e3,
-        sim.bubble * 1e3,
-        bubble_ratio,
-        (long long)peak);
     rows.push_back(
         {{"schedule", to_string(schedule)},
          {"stages_per_lane", v},
          {"step_seconds", seconds},
          {"simulated_seconds", sim.makespan},
          {"step_over_simulation", seconds / sim.makespan},
+         {"traced_span_seconds", median.span},
+         {"traced_busy_seconds", traced_busy},
+         {"simulated_busy_seconds", busy},
          {"bubble_seconds", bubble},
          {"simulated_bubble_seconds", sim.bubble},
-         {"bubble_over_1f1b", bubble_ratio},
+         {"nominal_bubble_seconds", nominal},
          {"peak_live_micro_batches_per_lane", peak}});
+  }
+  // Each bubble against 1F1B's, then the table.
+  double one_f_one_b_bubble = 0;
+  double one_f_one_b_nominal = 0;
+  for (const auto& row : rows) {
+    if (row["schedule"] == to_string(Schedule::OneFOneB)) {
+      one_f_one_b_bubble = row["bubble_seconds"].get<double>();
+      one_f_one_b_nominal = row["nominal_bubble_seconds"].get<double>();
+    }
+  }
+  for (auto& row : rows) {
+    auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+    row["bubble_over_1f1b"] =
+        ratio(row["bubble_seconds"].get<double>(), one_f_one_b_bubble);
+    row["nominal_bubble_over_1f1b"] = ratio(
+        row["nominal_bubble_seconds"].get<double>(), one_f_one_b_nominal);
+    auto ms = [&](const char* key) { return row[key].get<double>() * 1e3; };
+    std::printf(
+        "%-12s %8.1f %8.1f %6.3f %8.1f %8.1f %8.1f %8.1f %8.1f %8.3f %8.3f "
+        "%6lld\n",
+        row["schedule"].get<std::string>().c_str(),
+        ms("step_seconds"),
+        ms("simulated_seconds"),
+        row["step_over_simulation"].get<double>(),
+        ms("traced_busy_seconds"),
+        ms("simulated_busy_seconds"),
+        ms("bubble_seconds"),
+        ms("simulated_bubble_seconds"),
+        ms("nominal_bubble_seconds"),
+        row["bubble_over_1f1b"].get<double>(),
+        row["nominal_bubble_over_1f1b"].get<double>(),
+        (long long)row["peak_live_micro_batches_per_lane"].get<int64_t>());
   }
   return rows;
 }

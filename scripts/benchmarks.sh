@@ -220,7 +220,13 @@ EOF
 All four schedules through \`train_step\` on 4 lanes and 8 micro-batches:
 on layers that sleep a fixed time (so that cores and noise do not matter)
 against \`gpipe::simulate\` of the same plan, and on 16 x Linear(1024) with
-4 lanes sharing the 2 cores.
+4 lanes sharing the 2 cores. On the fixed-cost layers the bubble is
+measured from a trace of each step (\`Trace::summary\`: the mean idle time
+per lane between the step's first and last cell), so that a sleep running
+long counts as work; \`nominal_bubble_seconds\` is the step's time less the
+layers' set costs, which counts that overshoot and the step's set-up as
+bubble too. The ideal ratios to 1F1B's bubble are 0.5 (interleaved, v = 2)
+and 1/3 (zero-bubble, input and weight parts alike).
 
 EOF
   table schedules

@@ -1,6 +1,7 @@
 // gpipe::Trace: what the engine records, and the JSON and SVG it writes.
 
 #include <gpipe/gpipe.h>
+#include <gpipe/models/timed.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -30,6 +31,95 @@ int64_t count(const std::vector<TraceEvent>& events, TraceKind kind) {
   return std::count_if(events.begin(), events.end(), [kind](const auto& e) {
     return e.kind == kind;
   });
+}
+
+TEST_F(TraceTest, SummaryCountsEachLanesWorkOnce) {
+  Trace trace;
+  auto add = [&](int64_t lane, TraceKind kind, double start, double end) {
+    trace.add(TraceEvent{lane, 0, kind, start, end});
+  };
+  // Lane 0: two overlapping intervals (0 to 15), a gap, one with another
+  // inside it (20 to 30): 25 us of work.
+  add(0, TraceKind::Forward, 0, 10);
+  add(0, TraceKind::Recompute, 5, 15);
+  add(0, TraceKind::Backward, 20, 30);
+  add(0, TraceKind::Copy, 22, 25);
+  // Lane 1: a wait for another rank (not work), then 30 us of work, the
+  // last interval touching the one before it.
+  add(1, TraceKind::Receive, 0, 10);
+  add(1, TraceKind::Forward, 10, 30);
+  add(1, TraceKind::Weight, 30, 40);
+  // Lane 2: only waits.
+  add(2, TraceKind::Send, 35, 40);
+  const auto summary = trace.summary();
+  EXPECT_DOUBLE_EQ(summary.span, 40e-6);
+  ASSERT_EQ(summary.busy.size(), 3u);
+  EXPECT_DOUBLE_EQ(summary.busy[0], 25e-6);
+  EXPECT_DOUBLE_EQ(summary.busy[1], 30e-6);
+  EXPECT_DOUBLE_EQ(summary.busy[2], 0.0);
+  EXPECT_NEAR(summary.bubble, 40e-6 - 55e-6 / 3, 1e-15);
+  EXPECT_NEAR(summary.bubble_fraction, summary.bubble / 40e-6, 1e-12);
+
+  trace.clear();
+  const auto empty = trace.summary();
+  EXPECT_EQ(empty.span, 0.0);
+  EXPECT_TRUE(empty.busy.empty());
+  EXPECT_EQ(empty.bubble, 0.0);
+  EXPECT_EQ(empty.bubble_fraction, 0.0);
+}
+
+TEST_F(TraceTest, AddRejectsABadEvent) {
+  Trace trace;
+  EXPECT_THROW(
+      trace.add(TraceEvent{-1, 0, TraceKind::Forward, 0, 1}),
+      c10::IndexError);
+  try {
+    trace.add(TraceEvent{0, 0, TraceKind::Forward, 5, 4});
+    FAIL() << "expected c10::ValueError";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("start_us 5 and end_us 4"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(trace.events().empty());
+  EXPECT_EQ(trace.summary().span, 0.0);
+}
+
+TEST_F(TraceTest, SummaryOfAStepOnFixedCostLayers) {
+  // 2 lanes, 2 micro-batches, fill-drain; each layer waits 2 ms in forward
+  // and in backward. Each lane works at least its layers' time, and
+  // its first and last cells leave it idle at least one cell's time.
+  const auto part = std::chrono::microseconds(2000);
+  torch::nn::Sequential net;
+  for (int k = 0; k < 2; ++k) {
+    net->push_back(models::TimedLayer(4, models::TimedCosts{part, part, part}));
+  }
+  GPipe model(
+      net, GPipeOptions({1, 1}).chunks(2).checkpoint(Checkpoint::Never));
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  model->train_step(
+      torch::randn({4, 4}).requires_grad_(true),
+      torch::randn({4, 4}),
+      [](auto y, auto t) { return torch::mse_loss(y, t); },
+      Schedule::FillDrain);
+  model->set_trace(nullptr);
+  const auto summary = trace->summary();
+  ASSERT_EQ(summary.busy.size(), 2u);
+  const double cell_forward = 2e-3;
+  const double cell_backward = 4e-3;  // input and weight parts
+  for (double busy : summary.busy) {
+    EXPECT_GE(busy, 2 * (cell_forward + cell_backward));
+    EXPECT_LE(busy, summary.span);
+  }
+  // Lane 1 waits for lane 0's first forward, lane 0 for lane 1's last
+  // backward.
+  EXPECT_GE(summary.bubble, cell_forward / 2 + cell_backward / 2);
+  EXPECT_GE(summary.span, 2 * (cell_forward + cell_backward) + cell_forward);
+  EXPECT_NEAR(
+      summary.bubble,
+      summary.span - (summary.busy[0] + summary.busy[1]) / 2,
+      1e-12);
 }
 
 TEST_F(TraceTest, RecordsEveryCellOfATrainingStep) {

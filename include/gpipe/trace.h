@@ -48,6 +48,21 @@ struct TraceEvent {
   double end_us = 0;
 };
 
+/// What a trace says about how busy its lanes were, as `gpipe::simulate`
+/// says it of a plan (but in seconds, from the clock).
+struct TraceSummary {
+  /// Seconds from the first interval's start to the last one's end.
+  double span = 0;
+  /// Per lane (row 0 to the highest one traced): the seconds it worked, the
+  /// union of its intervals (overlapping ones count once). Receive and Send
+  /// intervals are waits for another rank and do not count as work.
+  std::vector<double> busy;
+  /// Mean idle seconds per lane within the span (span - busy): the bubble.
+  double bubble = 0;
+  /// bubble / span; 0 for an empty trace.
+  double bubble_fraction = 0;
+};
+
 /// A thread-safe recording of pipeline events.
 class Trace {
  public:
@@ -61,13 +76,17 @@ class Trace {
       std::chrono::steady_clock::time_point start,
       std::chrono::steady_clock::time_point end);
 
-  /// Adds an event whose times are already relative to origin().
+  /// Adds an event whose times are already relative to origin(); throws
+  /// `c10::Error` for a negative lane or an end before the start.
   void add(const TraceEvent& event);
   /// When the trace began (times are microseconds since then).
   std::chrono::steady_clock::time_point origin() const;
 
   /// The events so far, by start time.
   std::vector<TraceEvent> events() const;
+  /// The span, each lane's busy time and the bubble of the events so far
+  /// (e.g. of one step: `clear()` before it).
+  TraceSummary summary() const;
   /// Forgets every event and restarts the clock.
   void clear();
 
