@@ -171,6 +171,19 @@ class CountingAllocator final : public c10::Allocator {
   mutable std::atomic<size_t> tag_peak_[kTags] = {};
 };
 
+/// An identity layer that puts its thread's allocations under `tag`: placed
+/// first in a partition, it tags that partition's lane (a lane runs its
+/// partitions' forward, recomputation and backward alike).
+struct LaneTagImpl : torch::nn::Module {
+  explicit LaneTagImpl(int tag) : tag(tag) {}
+  torch::Tensor forward(torch::Tensor x) {
+    allocation_tag = tag;
+    return x;
+  }
+  int tag;
+};
+TORCH_MODULE(LaneTag);
+
 /// Peak bytes allocated above the baseline while `step` runs.
 inline double peak_mib(const std::function<void()>& step) {
   auto& counter = CountingAllocator::install();

@@ -10,7 +10,8 @@
 // counts as work and a lane waiting for its input as bubble; the nominal
 // bubble, the step's time less the layers' set costs, is printed beside it. Then on real layers (16 x
 // Linear(1024)+ReLU, 4 lanes of one thread sharing the cores): step time
-// and peak memory of each schedule, one run.
+// and peak memory of each schedule, one run; the peak of the whole step and
+// the most one lane allocated, which is what one device would need.
 
 #include <gpipe/gpipe.h>
 #include <gpipe/models/timed.h>
@@ -198,26 +199,37 @@ nlohmann::json real_table(int iters) {
   auto t = torch::zeros({256, 1024});
   std::printf(
       "\n# schedules on 16 x (Linear(1024,1024)+ReLU), batch 256, %lld "
-      "lanes of 1 thread, %lld micro-batches, checkpoint never\n",
+      "lanes of 1 thread, %lld micro-batches, checkpoint never; peak: the "
+      "whole step's, and the most one lane allocated (a device's share)\n",
       (long long)lanes,
       (long long)m);
   std::printf(
-      "%-12s %9s %10s %10s %10s\n",
+      "%-12s %9s %10s %10s %10s %10s %10s\n",
       "schedule",
       "step_ms",
       "vs_1f1b",
       "peak_MiB",
+      "vs_1f1b",
+      "lane_MiB",
       "vs_1f1b");
+  auto& counter = CountingAllocator::install();
   nlohmann::json rows = nlohmann::json::array();
-  double base_time = 0;
-  double base_memory = 0;
-  std::vector<std::pair<double, double>> results;
   for (auto schedule : kSchedules) {
     const auto v = stages_per_lane_of(schedule);
     const auto stages = lanes * v;
+    const auto per_stage = static_cast<int64_t>(net->size()) / stages;
+    // Each stage starts with a LaneTag of its lane (stage j runs on lane
+    // j % lanes), so that each lane's allocations count apart.
+    torch::nn::Sequential tagged;
+    for (int64_t j = 0; j < stages; ++j) {
+      tagged->push_back(LaneTag(static_cast<int>(j % lanes) + 1));
+      for (int64_t k = 0; k < per_stage; ++k) {
+        tagged->push_back(*(net->begin() + j * per_stage + k));
+      }
+    }
     GPipe model(
-        net,
-        GPipeOptions(std::vector<int64_t>(stages, 32 / stages))
+        tagged,
+        GPipeOptions(std::vector<int64_t>(stages, per_stage + 1))
             .chunks(m)
             .checkpoint(Checkpoint::Never)
             .stages_per_lane(v)
@@ -227,30 +239,53 @@ nlohmann::json real_table(int iters) {
       model->train_step(x, t, mse, schedule);
     };
     const double seconds = time_median(step, 1, iters);
-    const double memory = peak_mib(step);
-    if (schedule == Schedule::OneFOneB) {
-      base_time = seconds;
-      base_memory = memory;
+    counter.reset_tag_peaks();
+    std::vector<size_t> live(lanes);
+    for (int64_t k = 0; k < lanes; ++k) {
+      live[k] = counter.tag_peak(static_cast<int>(k) + 1);
     }
-    results.emplace_back(seconds, memory);
+    const double memory = peak_mib(step);
+    double lane_memory = 0;
+    for (int64_t k = 0; k < lanes; ++k) {
+      lane_memory = std::max(
+          lane_memory,
+          static_cast<double>(
+              counter.tag_peak(static_cast<int>(k) + 1) - live[k]) /
+              (1024.0 * 1024.0));
+    }
+    rows.push_back(
+        {{"schedule", to_string(schedule)},
+         {"stages_per_lane", v},
+         {"step_seconds", seconds},
+         {"peak_mib", memory},
+         {"lane_peak_mib", lane_memory}});
   }
-  size_t k = 0;
-  for (auto schedule : kSchedules) {
-    const auto [seconds, memory] = results[k++];
+  double base_time = 0;
+  double base_memory = 0;
+  double base_lane = 0;
+  for (const auto& row : rows) {
+    if (row["schedule"] == to_string(Schedule::OneFOneB)) {
+      base_time = row["step_seconds"].get<double>();
+      base_memory = row["peak_mib"].get<double>();
+      base_lane = row["lane_peak_mib"].get<double>();
+    }
+  }
+  for (auto& row : rows) {
+    const double seconds = row["step_seconds"].get<double>();
+    const double memory = row["peak_mib"].get<double>();
+    const double lane = row["lane_peak_mib"].get<double>();
+    row["time_over_1f1b"] = seconds / base_time;
+    row["memory_over_1f1b"] = memory / base_memory;
+    row["lane_memory_over_1f1b"] = lane / base_lane;
     std::printf(
-        "%-12s %9.1f %10.3f %10.1f %10.3f\n",
-        to_string(schedule).c_str(),
+        "%-12s %9.1f %10.3f %10.1f %10.3f %10.1f %10.3f\n",
+        row["schedule"].get<std::string>().c_str(),
         seconds * 1e3,
         seconds / base_time,
         memory,
-        memory / base_memory);
-    rows.push_back(
-        {{"schedule", to_string(schedule)},
-         {"stages_per_lane", stages_per_lane_of(schedule)},
-         {"step_seconds", seconds},
-         {"peak_mib", memory},
-         {"time_over_1f1b", seconds / base_time},
-         {"memory_over_1f1b", memory / base_memory}});
+        memory / base_memory,
+        lane,
+        lane / base_lane);
   }
   return rows;
 }

@@ -28,19 +28,6 @@ torch::Tensor mse(torch::Tensor out, torch::Tensor target) {
   return torch::mse_loss(out, target);
 }
 
-// An identity layer that puts its thread's allocations under `tag`: placed
-// first in a partition, it tags that partition's lane (a lane runs one
-// partition, forward, recomputation and backward alike).
-struct LaneTagImpl : torch::nn::Module {
-  explicit LaneTagImpl(int tag) : tag(tag) {}
-  torch::Tensor forward(torch::Tensor x) {
-    allocation_tag = tag;
-    return x;
-  }
-  int tag;
-};
-TORCH_MODULE(LaneTag);
-
 // VmHWM and VmRSS of this process, in MiB.
 std::pair<double, double> rss_mib() {
   std::ifstream status("/proc/self/status");
