@@ -8,10 +8,11 @@
 // trace of the step (Trace::summary: each lane's idle time between the
 // step's first and last interval), so that a layer's sleep running long
 // counts as work and a lane waiting for its input as bubble; the nominal
-// bubble, the step's time less the layers' set costs, is printed beside it. Then on real layers (16 x
-// Linear(1024)+ReLU, 4 lanes of one thread sharing the cores): step time
-// and peak memory of each schedule, one run; the peak of the whole step and
-// the most one lane allocated, which is what one device would need.
+// bubble, the step's time less the layers' set costs, is printed beside it.
+// Then on real layers (16 x Linear(1024)+ReLU, 4 lanes of one thread sharing
+// the cores): step time and peak memory of each schedule, one run; the peak of
+// the whole step and the most one lane allocated, which is what one device
+// would need.
 
 #include <gpipe/gpipe.h>
 #include <gpipe/models/timed.h>
@@ -169,8 +170,8 @@ nlohmann::json timed_table(int iters) {
     auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
     row["bubble_over_1f1b"] =
         ratio(row["bubble_seconds"].get<double>(), one_f_one_b_bubble);
-    row["nominal_bubble_over_1f1b"] = ratio(
-        row["nominal_bubble_seconds"].get<double>(), one_f_one_b_nominal);
+    row["nominal_bubble_over_1f1b"] =
+        ratio(row["nominal_bubble_seconds"].get<double>(), one_f_one_b_nominal);
     auto ms = [&](const char* key) { return row[key].get<double>() * 1e3; };
     std::printf(
         "%-12s %8.1f %8.1f %6.3f %8.1f %8.1f %8.1f %8.1f %8.1f %8.3f %8.3f "

@@ -90,9 +90,7 @@ void Trace::record(
 
 void Trace::add(const TraceEvent& event) {
   TORCH_CHECK_INDEX(
-      event.lane >= 0,
-      "Trace::add: expected a lane >= 0, got ",
-      event.lane);
+      event.lane >= 0, "Trace::add: expected a lane >= 0, got ", event.lane);
   TORCH_CHECK_VALUE(
       event.end_us >= event.start_us,
       "Trace::add: expected an event that ends at or after its start, got ",

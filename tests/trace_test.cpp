@@ -71,14 +71,14 @@ TEST_F(TraceTest, SummaryCountsEachLanesWorkOnce) {
 TEST_F(TraceTest, AddRejectsABadEvent) {
   Trace trace;
   EXPECT_THROW(
-      trace.add(TraceEvent{-1, 0, TraceKind::Forward, 0, 1}),
-      c10::IndexError);
+      trace.add(TraceEvent{-1, 0, TraceKind::Forward, 0, 1}), c10::IndexError);
   try {
     trace.add(TraceEvent{0, 0, TraceKind::Forward, 5, 4});
     FAIL() << "expected c10::ValueError";
   } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("start_us 5 and end_us 4"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("start_us 5 and end_us 4"),
+        std::string::npos)
         << e.what();
   }
   EXPECT_TRUE(trace.events().empty());
