@@ -226,7 +226,9 @@ per lane between the step's first and last cell), so that a sleep running
 long counts as work; \`nominal_bubble_seconds\` is the step's time less the
 layers' set costs, which counts that overshoot and the step's set-up as
 bubble too. The ideal ratios to 1F1B's bubble are 0.5 (interleaved, v = 2)
-and 1/3 (zero-bubble, input and weight parts alike).
+and 1/3 (zero-bubble, input and weight parts alike). On the real layers,
+\`peak_mib\` is the whole step's (all lanes together) and
+\`lane_peak_mib\` the most one lane allocated: one device's share.
 
 EOF
   table schedules
