@@ -172,15 +172,20 @@ class CountingAllocator final : public c10::Allocator {
 };
 
 /// An identity layer that puts its thread's allocations under `tag`: placed
-/// first in a partition, it tags that partition's lane (a lane runs its
-/// partitions' forward, recomputation and backward alike).
+/// first in a partition, it tags that partition's lane (on CPU a lane runs
+/// its partitions' forward, recomputation and backward alike). With
+/// `copy_input`, it returns a copy of its input made under the new tag, as
+/// a device holds what it receives: otherwise a partition's input stays
+/// charged to the lane that made it.
 struct LaneTagImpl : torch::nn::Module {
-  explicit LaneTagImpl(int tag) : tag(tag) {}
+  explicit LaneTagImpl(int tag, bool copy_input = false)
+      : tag(tag), copy_input(copy_input) {}
   torch::Tensor forward(torch::Tensor x) {
     allocation_tag = tag;
-    return x;
+    return copy_input ? x.clone() : x;
   }
   int tag;
+  bool copy_input;
 };
 TORCH_MODULE(LaneTag);
 

@@ -11,8 +11,9 @@
 // bubble, the step's time less the layers' set costs, is printed beside it.
 // Then on real layers (16 x Linear(1024)+ReLU, 4 lanes of one thread sharing
 // the cores): step time and peak memory of each schedule, one run; the peak of
-// the whole step and the most one lane allocated, which is what one device
-// would need.
+// the whole step and the most one lane allocated above what it held before
+// the step (its activations and transients, not its parameters and
+// gradients).
 
 #include <gpipe/gpipe.h>
 #include <gpipe/models/timed.h>
@@ -201,7 +202,9 @@ nlohmann::json real_table(int iters) {
   std::printf(
       "\n# schedules on 16 x (Linear(1024,1024)+ReLU), batch 256, %lld "
       "lanes of 1 thread, %lld micro-batches, checkpoint never; peak: the "
-      "whole step's, and the most one lane allocated (a device's share)\n",
+      "whole step's, and the most one lane allocated above what it held "
+      "before the step (activations and transients; parameters and "
+      "gradients excluded)\n",
       (long long)lanes,
       (long long)m);
   std::printf(
@@ -220,10 +223,12 @@ nlohmann::json real_table(int iters) {
     const auto stages = lanes * v;
     const auto per_stage = static_cast<int64_t>(net->size()) / stages;
     // Each stage starts with a LaneTag of its lane (stage j runs on lane
-    // j % lanes), so that each lane's allocations count apart.
+    // j % lanes), so that each lane's allocations count apart; it copies
+    // the stage's input, so that what a stage keeps of its input counts on
+    // its own lane.
     torch::nn::Sequential tagged;
     for (int64_t j = 0; j < stages; ++j) {
-      tagged->push_back(LaneTag(static_cast<int>(j % lanes) + 1));
+      tagged->push_back(LaneTag(static_cast<int>(j % lanes) + 1, true));
       for (int64_t k = 0; k < per_stage; ++k) {
         tagged->push_back(*(net->begin() + j * per_stage + k));
       }

@@ -228,7 +228,9 @@ layers' set costs, which counts that overshoot and the step's set-up as
 bubble too. The ideal ratios to 1F1B's bubble are 0.5 (interleaved, v = 2)
 and 1/3 (zero-bubble, input and weight parts alike). On the real layers,
 \`peak_mib\` is the whole step's (all lanes together) and
-\`lane_peak_mib\` the most one lane allocated: one device's share.
+\`lane_peak_mib\` the most one lane allocated above what it held before
+the step (its activations and transients; parameters and gradients, the
+same under every schedule, left out).
 
 EOF
   table schedules

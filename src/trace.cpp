@@ -78,6 +78,7 @@ void Trace::record(
     TraceKind kind,
     std::chrono::steady_clock::time_point start,
     std::chrono::steady_clock::time_point end) {
+  TORCH_INTERNAL_ASSERT(lane >= 0, "Trace::record: lane ", lane);
   std::lock_guard<std::mutex> lock(mutex_);
   using us = std::chrono::duration<double, std::micro>;
   events_.push_back(TraceEvent{
@@ -118,6 +119,10 @@ TraceSummary Trace::summary() const {
   // Per lane, sweep its intervals in start order, adding each run of
   // overlapping ones once.
   std::vector<double> busy_us(lanes, 0.0);
+  std::vector<bool> traced(lanes, false);  // any event, waits included
+  for (const auto& e : events) {
+    traced[e.lane] = true;
+  }
   std::vector<bool> started(lanes, false);
   std::vector<double> open(lanes, 0.0);
   std::vector<double> close(lanes, 0.0);
@@ -139,14 +144,18 @@ TraceSummary Trace::summary() const {
   }
   summary.span = (last - first) * 1e-6;
   double total = 0;
+  int64_t counted = 0;
   for (int64_t lane = 0; lane < lanes; ++lane) {
     if (started[lane]) {
       busy_us[lane] += close[lane] - open[lane];
     }
     summary.busy.push_back(busy_us[lane] * 1e-6);
-    total += busy_us[lane] * 1e-6;
+    if (traced[lane]) {
+      total += busy_us[lane] * 1e-6;
+      ++counted;
+    }
   }
-  summary.bubble = summary.span - total / static_cast<double>(lanes);
+  summary.bubble = summary.span - total / static_cast<double>(counted);
   summary.bubble_fraction =
       summary.span > 0 ? summary.bubble / summary.span : 0.0;
   return summary;

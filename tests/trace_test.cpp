@@ -60,6 +60,18 @@ TEST_F(TraceTest, SummaryCountsEachLanesWorkOnce) {
   EXPECT_NEAR(summary.bubble, 40e-6 - 55e-6 / 3, 1e-15);
   EXPECT_NEAR(summary.bubble_fraction, summary.bubble / 40e-6, 1e-12);
 
+  // A trace of one rank's row (here row 3, as a PipelineStage on rank 3
+  // records it) is measured over that row alone, not over rows 0 to 2.
+  trace.clear();
+  add(3, TraceKind::Receive, -5, 0);  // a wait that began before the clock
+  add(3, TraceKind::Forward, 0, 10);
+  add(3, TraceKind::Backward, 15, 20);
+  const auto rank = trace.summary();
+  EXPECT_DOUBLE_EQ(rank.span, 25e-6);
+  ASSERT_EQ(rank.busy.size(), 4u);
+  EXPECT_DOUBLE_EQ(rank.busy[3], 15e-6);
+  EXPECT_NEAR(rank.bubble, 10e-6, 1e-15);
+
   trace.clear();
   const auto empty = trace.summary();
   EXPECT_EQ(empty.span, 0.0);

@@ -57,7 +57,10 @@ struct TraceSummary {
   /// union of its intervals (overlapping ones count once). Receive and Send
   /// intervals are waits for another rank and do not count as work.
   std::vector<double> busy;
-  /// Mean idle seconds per lane within the span (span - busy): the bubble.
+  /// Mean idle seconds within the span (span - busy) over the lanes with
+  /// any event, waits included: the bubble. A rank's own trace (only its
+  /// row) is then measured alone; a gathered one over every rank. Times are
+  /// the host's: on CUDA lanes a cell ends when its kernels are queued.
   double bubble = 0;
   /// bubble / span; 0 for an empty trace.
   double bubble_fraction = 0;
