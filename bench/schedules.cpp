@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "harness.h"
@@ -47,6 +48,25 @@ int64_t stages_per_lane_of(Schedule s) {
 
 torch::Tensor mse(torch::Tensor y, torch::Tensor t) {
   return torch::mse_loss(y, t);
+}
+
+// Adds to each row, for each (key, name), row[key] over 1F1B's row[key]
+// as row[name] (0 where 1F1B's is not positive).
+void add_ratios_to_1f1b(
+    nlohmann::json& rows,
+    const std::vector<std::pair<const char*, const char*>>& ratios) {
+  nlohmann::json base;
+  for (const auto& row : rows) {
+    if (row["schedule"] == to_string(Schedule::OneFOneB)) {
+      base = row;
+    }
+  }
+  for (auto& row : rows) {
+    for (const auto& [key, name] : ratios) {
+      const double b = base[key].get<double>();
+      row[name] = b > 0 ? row[key].get<double>() / b : 0.0;
+    }
+  }
 }
 
 nlohmann::json timed_table(int iters) {
@@ -158,21 +178,11 @@ nlohmann::json timed_table(int iters) {
          {"nominal_bubble_seconds", nominal},
          {"peak_live_micro_batches_per_lane", peak}});
   }
-  // Each bubble against 1F1B's, then the table.
-  double one_f_one_b_bubble = 0;
-  double one_f_one_b_nominal = 0;
-  for (const auto& row : rows) {
-    if (row["schedule"] == to_string(Schedule::OneFOneB)) {
-      one_f_one_b_bubble = row["bubble_seconds"].get<double>();
-      one_f_one_b_nominal = row["nominal_bubble_seconds"].get<double>();
-    }
-  }
+  add_ratios_to_1f1b(
+      rows,
+      {{"bubble_seconds", "bubble_over_1f1b"},
+       {"nominal_bubble_seconds", "nominal_bubble_over_1f1b"}});
   for (auto& row : rows) {
-    auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
-    row["bubble_over_1f1b"] =
-        ratio(row["bubble_seconds"].get<double>(), one_f_one_b_bubble);
-    row["nominal_bubble_over_1f1b"] =
-        ratio(row["nominal_bubble_seconds"].get<double>(), one_f_one_b_nominal);
     auto ms = [&](const char* key) { return row[key].get<double>() * 1e3; };
     std::printf(
         "%-12s %8.1f %8.1f %6.3f %8.1f %8.1f %8.1f %8.1f %8.1f %8.3f %8.3f "
@@ -266,32 +276,21 @@ nlohmann::json real_table(int iters) {
          {"peak_mib", memory},
          {"lane_peak_mib", lane_memory}});
   }
-  double base_time = 0;
-  double base_memory = 0;
-  double base_lane = 0;
+  add_ratios_to_1f1b(
+      rows,
+      {{"step_seconds", "time_over_1f1b"},
+       {"peak_mib", "memory_over_1f1b"},
+       {"lane_peak_mib", "lane_memory_over_1f1b"}});
   for (const auto& row : rows) {
-    if (row["schedule"] == to_string(Schedule::OneFOneB)) {
-      base_time = row["step_seconds"].get<double>();
-      base_memory = row["peak_mib"].get<double>();
-      base_lane = row["lane_peak_mib"].get<double>();
-    }
-  }
-  for (auto& row : rows) {
-    const double seconds = row["step_seconds"].get<double>();
-    const double memory = row["peak_mib"].get<double>();
-    const double lane = row["lane_peak_mib"].get<double>();
-    row["time_over_1f1b"] = seconds / base_time;
-    row["memory_over_1f1b"] = memory / base_memory;
-    row["lane_memory_over_1f1b"] = lane / base_lane;
     std::printf(
         "%-12s %9.1f %10.3f %10.1f %10.3f %10.1f %10.3f\n",
         row["schedule"].get<std::string>().c_str(),
-        seconds * 1e3,
-        seconds / base_time,
-        memory,
-        memory / base_memory,
-        lane,
-        lane / base_lane);
+        row["step_seconds"].get<double>() * 1e3,
+        row["time_over_1f1b"].get<double>(),
+        row["peak_mib"].get<double>(),
+        row["memory_over_1f1b"].get<double>(),
+        row["lane_peak_mib"].get<double>(),
+        row["lane_memory_over_1f1b"].get<double>());
   }
   return rows;
 }
