@@ -178,6 +178,82 @@ TEST_F(SchedulesTrainTest, SplitBackwardRunsEachPartOncePerCell) {
   EXPECT_EQ(counts->backward_input.load(), 20);
 }
 
+// Keeps, for its backward only, a tensor of its own (as GELU keeps its
+// input), and lets `kept` watch it.
+struct Keep : torch::autograd::Function<Keep> {
+  static torch::Tensor forward(
+      torch::autograd::AutogradContext* ctx,
+      torch::Tensor x,
+      c10::weak_intrusive_ptr<c10::TensorImpl>* kept) {
+    auto own = x * 2;
+    *kept = c10::weak_intrusive_ptr<c10::TensorImpl>(own.getIntrusivePtr());
+    ctx->save_for_backward({own});
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    EXPECT_TRUE(ctx->get_saved_variables()[0].defined());
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+// Records, in its backward, whether the tensor that a later Keep kept has
+// been freed by then.
+struct Look : torch::autograd::Function<Look> {
+  static torch::Tensor forward(
+      torch::autograd::AutogradContext* ctx,
+      torch::Tensor x,
+      const c10::weak_intrusive_ptr<c10::TensorImpl>* kept,
+      std::vector<bool>* freed) {
+    ctx->saved_data["kept"] = reinterpret_cast<int64_t>(kept);
+    ctx->saved_data["freed"] = reinterpret_cast<int64_t>(freed);
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    const auto* kept =
+        reinterpret_cast<const c10::weak_intrusive_ptr<c10::TensorImpl>*>(
+            ctx->saved_data["kept"].toInt());
+    auto* freed =
+        reinterpret_cast<std::vector<bool>*>(ctx->saved_data["freed"].toInt());
+    freed->push_back(kept->expired());
+    return {grads[0], torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct LookThenKeepImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) {
+    return Keep::apply(Look::apply(x, &kept, &freed), &kept);
+  }
+  // (A weak pointer has no empty state: this one starts expired.)
+  c10::weak_intrusive_ptr<c10::TensorImpl> kept{
+      torch::empty({0}).getIntrusivePtr()};
+  std::vector<bool> freed;
+};
+TORCH_MODULE(LookThenKeep);
+
+TEST_F(SchedulesTrainTest, InputPartFreesWhatOnlyItNeedsAsItGoes) {
+  // A weight part holds its layers' inputs and output gradients until it
+  // runs; what only the input part needs (here Keep's tensor) must go as
+  // soon as the input part is past it, as a whole backward frees it, not
+  // when the input part ends: otherwise zero-bubble holds more than 1F1B.
+  for (auto schedule : {Schedule::OneFOneB, Schedule::ZeroBubble}) {
+    SCOPED_TRACE(to_string(schedule));
+    LookThenKeep probe;
+    torch::nn::Sequential net(
+        torch::nn::Linear(3, 3), probe, torch::nn::Linear(3, 3));
+    GPipe model(net, GPipeOptions({1, 2}).chunks(1));
+    model->train_step(
+        torch::randn({2, 3}),
+        torch::randn({2, 3}),
+        [](auto y, auto t) { return torch::mse_loss(y, t); },
+        schedule);
+    EXPECT_EQ(probe->freed, std::vector<bool>{true});
+  }
+}
+
 TEST_F(SchedulesTrainTest, SplitBackwardWithFrozenLayersAndSharedModules) {
   // A frozen first partition (its input needs no grad either: its cells
   // have nothing to do), one Linear used twice in a layer of the second

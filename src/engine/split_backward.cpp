@@ -1,11 +1,14 @@
 #include "engine/split_backward.h"
 
+#include <c10/util/ScopeExit.h>
 #include <c10/util/irange.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -20,7 +23,14 @@ namespace gpipe::detail {
 // input-path edges need (task_should_compute_output), so a Linear's
 // AddmmBackward computes dX and not dW. A node on the input paths with an
 // edge leaving them (towards parameters only) is a fork; the input part
-// also captures the gradients arriving at every fork.
+// also captures the gradients arriving at every fork. It keeps the graph
+// (the forks' saved tensors are the weight part's), but a node on the input
+// paths that is not a fork frees its saved tensors as soon as it has run,
+// through a post-hook, as a whole backward frees them: so what only the
+// input part needs (a GELU's input, a dropout's mask) does not outlive it,
+// and a micro-batch waiting for its weight part holds only the forks'
+// inputs and captured gradients. Held until the input part's end, those
+// tensors put zero-bubble's first lane above 1F1B's peak.
 //
 // The weight part then runs, per fork, the engine from the fork with its
 // captured gradients and its leaving edges as outputs (the fork computes
@@ -59,6 +69,18 @@ struct WeightWork {
 };
 
 namespace {
+
+// Frees its node's saved tensors as soon as the node has run (what the
+// engine does for every node when it does not keep the graph).
+struct ReleaseAfterRun final : torch::autograd::FunctionPostHook {
+  explicit ReleaseAfterRun(Node* node) : node(node) {}
+  variable_list operator()(
+      const variable_list& outputs, const variable_list& /*inputs*/) override {
+    node->release_variables();
+    return outputs;
+  }
+  Node* node;
+};
 
 torch::autograd::Engine& engine() {
   return torch::autograd::Engine::get_default_engine();
@@ -215,6 +237,26 @@ std::vector<torch::Tensor> backward_input(
     return dx;
   }
 
+  // See the Note: the input paths' nodes other than the forks free their
+  // saved tensors as they run; any the input part did not run, after it.
+  std::unordered_set<Node*> forks;
+  for (const auto& fork : work->forks) {
+    forks.insert(fork.node.get());
+  }
+  std::vector<std::pair<Node*, uintptr_t>> hooks;
+  for (auto* node : on_path) {
+    if (forks.count(node) == 0) {
+      hooks.emplace_back(
+          node, node->add_post_hook(std::make_unique<ReleaseAfterRun>(node)));
+    }
+  }
+  // Also when the input part throws: no hook outlives it.
+  auto unhook = c10::make_scope_exit([&] {
+    for (const auto& [node, key] : hooks) {
+      node->del_post_hook(key);
+      node->release_variables();
+    }
+  });
   if (!input_roots.empty() && (!leaf_edges.empty() || !work->forks.empty())) {
     edge_list outputs = leaf_edges;
     for (auto& fork : work->forks) {
@@ -244,17 +286,6 @@ std::vector<torch::Tensor> backward_input(
         }
       }
       fork.inputs = std::move(inputs);
-    }
-  }
-  // The input paths' own saved tensors are no longer needed: the weight
-  // part runs only the forks and what lies beyond them.
-  std::unordered_set<Node*> forks;
-  for (const auto& fork : work->forks) {
-    forks.insert(fork.node.get());
-  }
-  for (auto* node : on_path) {
-    if (forks.count(node) == 0) {
-      node->release_variables();
     }
   }
   if (!work->roots.empty() || !work->forks.empty()) {
