@@ -1,19 +1,26 @@
 // gpipe-bench's schedules section: the four schedules through train_step.
 //
-// First on layers whose cost is fixed (gpipe::models::TimedLayer waits a
-// set time in forward and in each part of backward), so that each step can
-// be held against its own simulation and the bubbles compared without the
-// machine's noise: n = 4 lanes, m = 8 micro-batches, 8 layers (2 per stage;
-// interleaved: 1 per stage, 2 stages per lane). The bubble is read from a
-// trace of the step (Trace::summary: each lane's idle time between the
-// step's first and last interval), so that a layer's sleep running long
-// counts as work and a lane waiting for its input as bubble; the nominal
-// bubble, the step's time less the layers' set costs, is printed beside it.
+// First on layers whose cost is fixed (each a GELU and a
+// gpipe::models::TimedLayer, which waits a set time in forward and in each
+// part of backward), so that each step can be held against its own
+// simulation and the bubbles compared without the machine's noise: n = 4
+// lanes, m = 8 micro-batches, 8 layers (2 per stage; interleaved: 1 per
+// stage, 2 stages per lane). The bubble is read from a trace of the step
+// (Trace::summary: each lane's idle time between the step's first and last
+// interval), so that a layer's sleep running long counts as work and a lane
+// waiting for its input as bubble; the nominal bubble, the step's time less
+// the layers' set costs, is printed beside it. The memory is measured: the
+// most one lane (one device) allocated above what it held before the step.
+// The GELU gives the layers the memory that zero-bubble's claim rests on
+// (Qi et al.: a weight part needs less than the input part, as in a
+// transformer layer): its forward keeps its input for the input part only;
+// the weight part keeps the TimedLayer's input and its output gradient.
 // Then on real layers (16 x Linear(1024)+ReLU, 4 lanes of one thread sharing
-// the cores): step time and peak memory of each schedule, one run; the peak of
-// the whole step and the most one lane allocated above what it held before
-// the step (its activations and transients, not its parameters and
-// gradients).
+// the cores), where a weight part keeps more than the forward did (a
+// Linear's input and its output gradient, against its input alone): step
+// time and peak memory of each schedule, one run; the peak of the whole
+// step and the most one lane allocated above what it held before the step
+// (its activations and transients, not its parameters and gradients).
 
 #include <gpipe/gpipe.h>
 #include <gpipe/models/timed.h>
@@ -69,23 +76,53 @@ void add_ratios_to_1f1b(
   }
 }
 
+// Runs `step` once and returns the most that one lane (allocation tags
+// 1 .. lanes) allocated above what it held before the step, in bytes.
+double lane_peak_bytes(
+    CountingAllocator& counter,
+    int64_t lanes,
+    const std::function<void()>& step) {
+  counter.reset_tag_peaks();
+  std::vector<size_t> live(lanes);
+  for (int64_t k = 0; k < lanes; ++k) {
+    live[k] = counter.tag_peak(static_cast<int>(k) + 1);
+  }
+  step();
+  double most = 0;
+  for (int64_t k = 0; k < lanes; ++k) {
+    most = std::max(
+        most,
+        static_cast<double>(
+            counter.tag_peak(static_cast<int>(k) + 1) - live[k]));
+  }
+  return most;
+}
+
 nlohmann::json timed_table(int iters) {
   const int64_t lanes = 4;
   const int64_t m = 8;
   const int64_t layers = 8;
+  // Each micro-batch's tensors are 4 x 1024 floats (16 KiB), large against
+  // the step's small allocations, so that the lanes' peaks count
+  // activations; the elementwise work on them is a few microseconds.
+  const int64_t features = 1024;
+  auto& counter = CountingAllocator::install();
   // Long enough that a sleep's overshoot (a fraction of a millisecond on a
   // busy machine) stays small against it.
   const auto part = std::chrono::microseconds(10000);
   const double unit = 10e-3;  // seconds per part of one layer
   std::printf(
       "\n# schedules on fixed-cost layers: %lld lanes, %lld micro-batches, "
-      "%lld TimedLayers (forward, input and weight parts %.0f ms each)\n",
+      "%lld x (GELU + TimedLayer: forward, input and weight parts %.0f ms "
+      "each); live: simulated peak live micro-batches per lane; lane_KiB: "
+      "measured, the most one lane allocated above what it held before the "
+      "step\n",
       (long long)lanes,
       (long long)m,
       (long long)layers,
       unit * 1e3);
   std::printf(
-      "%-12s %8s %8s %6s %8s %8s %8s %8s %8s %8s %8s %6s\n",
+      "%-12s %8s %8s %6s %8s %8s %8s %8s %8s %8s %8s %5s %8s %8s\n",
       "schedule",
       "step_ms",
       "sim_ms",
@@ -97,27 +134,37 @@ nlohmann::json timed_table(int iters) {
       "nominal",
       "bub/1f1b",
       "nom/1f1b",
-      "peak");
+      "live",
+      "lane_KiB",
+      "vs_1f1b");
   nlohmann::json rows = nlohmann::json::array();
   for (auto schedule : kSchedules) {
     const auto v = stages_per_lane_of(schedule);
     const auto stages = lanes * v;
+    // Each stage: a LaneTag of its lane (which copies the stage's input,
+    // as a device holds what it receives), then its layers, each a GELU
+    // and a TimedLayer.
+    const auto layers_per_stage = layers / stages;
     torch::nn::Sequential net;
-    for (int64_t k = 0; k < layers; ++k) {
-      net->push_back(
-          models::TimedLayer(16, models::TimedCosts{part, part, part}));
+    for (int64_t j = 0; j < stages; ++j) {
+      net->push_back(LaneTag(static_cast<int>(j % lanes) + 1, true));
+      for (int64_t k = 0; k < layers_per_stage; ++k) {
+        net->push_back(torch::nn::GELU());
+        net->push_back(
+            models::TimedLayer(features, models::TimedCosts{part, part, part}));
+      }
     }
     GPipe model(
         net,
-        GPipeOptions(std::vector<int64_t>(stages, layers / stages))
+        GPipeOptions(std::vector<int64_t>(stages, 2 * layers_per_stage + 1))
             .chunks(m)
             .checkpoint(Checkpoint::Never)
             .stages_per_lane(v)
             .threads_per_lane(1));
     // The input requires grad, so that every stage's backward has both
     // parts, each as costly as its forward.
-    auto x = torch::randn({m * 4, 16}).requires_grad_(true);
-    auto t = torch::randn({m * 4, 16});
+    auto x = torch::randn({m * 4, features}).requires_grad_(true);
+    auto t = torch::randn({m * 4, features});
     const auto seconds = time_median(
         [&] {
           model->zero_grad();
@@ -137,6 +184,12 @@ nlohmann::json timed_table(int iters) {
       traced.push_back(trace->summary());
     }
     model->set_trace(nullptr);
+    // One more step, for the memory: the most one lane allocated above
+    // what it held before the step.
+    const double lane_memory = lane_peak_bytes(counter, lanes, [&] {
+      model->zero_grad();
+      model->train_step(x, t, mse, schedule);
+    });
     std::sort(traced.begin(), traced.end(), [](auto& a, auto& b) {
       return a.bubble < b.bubble;
     });
@@ -176,17 +229,19 @@ nlohmann::json timed_table(int iters) {
          {"bubble_seconds", bubble},
          {"simulated_bubble_seconds", sim.bubble},
          {"nominal_bubble_seconds", nominal},
-         {"peak_live_micro_batches_per_lane", peak}});
+         {"simulated_peak_live_micro_batches_per_lane", peak},
+         {"lane_peak_kib", lane_memory / 1024.0}});
   }
   add_ratios_to_1f1b(
       rows,
       {{"bubble_seconds", "bubble_over_1f1b"},
-       {"nominal_bubble_seconds", "nominal_bubble_over_1f1b"}});
+       {"nominal_bubble_seconds", "nominal_bubble_over_1f1b"},
+       {"lane_peak_kib", "lane_memory_over_1f1b"}});
   for (auto& row : rows) {
     auto ms = [&](const char* key) { return row[key].get<double>() * 1e3; };
     std::printf(
         "%-12s %8.1f %8.1f %6.3f %8.1f %8.1f %8.1f %8.1f %8.1f %8.3f %8.3f "
-        "%6lld\n",
+        "%5lld %8.0f %8.3f\n",
         row["schedule"].get<std::string>().c_str(),
         ms("step_seconds"),
         ms("simulated_seconds"),
@@ -198,7 +253,10 @@ nlohmann::json timed_table(int iters) {
         ms("nominal_bubble_seconds"),
         row["bubble_over_1f1b"].get<double>(),
         row["nominal_bubble_over_1f1b"].get<double>(),
-        (long long)row["peak_live_micro_batches_per_lane"].get<int64_t>());
+        (long long)row["simulated_peak_live_micro_batches_per_lane"]
+            .get<int64_t>(),
+        row["lane_peak_kib"].get<double>(),
+        row["lane_memory_over_1f1b"].get<double>());
   }
   return rows;
 }
@@ -255,20 +313,9 @@ nlohmann::json real_table(int iters) {
       model->train_step(x, t, mse, schedule);
     };
     const double seconds = time_median(step, 1, iters);
-    counter.reset_tag_peaks();
-    std::vector<size_t> live(lanes);
-    for (int64_t k = 0; k < lanes; ++k) {
-      live[k] = counter.tag_peak(static_cast<int>(k) + 1);
-    }
     const double memory = peak_mib(step);
-    double lane_memory = 0;
-    for (int64_t k = 0; k < lanes; ++k) {
-      lane_memory = std::max(
-          lane_memory,
-          static_cast<double>(
-              counter.tag_peak(static_cast<int>(k) + 1) - live[k]) /
-              (1024.0 * 1024.0));
-    }
+    const double lane_memory =
+        lane_peak_bytes(counter, lanes, step) / (1024.0 * 1024.0);
     rows.push_back(
         {{"schedule", to_string(schedule)},
          {"stages_per_lane", v},
