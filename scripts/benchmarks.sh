@@ -220,17 +220,25 @@ EOF
 All four schedules through \`train_step\` on 4 lanes and 8 micro-batches:
 on layers that sleep a fixed time (so that cores and noise do not matter)
 against \`gpipe::simulate\` of the same plan, and on 16 x Linear(1024) with
-4 lanes sharing the 2 cores. On the fixed-cost layers the bubble is
-measured from a trace of each step (\`Trace::summary\`: the mean idle time
-per lane between the step's first and last cell), so that a sleep running
-long counts as work; \`nominal_bubble_seconds\` is the step's time less the
-layers' set costs, which counts that overshoot and the step's set-up as
-bubble too. The ideal ratios to 1F1B's bubble are 0.5 (interleaved, v = 2)
-and 1/3 (zero-bubble, input and weight parts alike). On the real layers,
-\`peak_mib\` is the whole step's (all lanes together) and
-\`lane_peak_mib\` the most one lane allocated above what it held before
-the step (its activations and transients; parameters and gradients, the
-same under every schedule, left out).
+4 lanes sharing the 2 cores. On the fixed-cost layers (each a GELU and a
+\`TimedLayer\` that sleeps 10 ms in forward, input part and weight part)
+the bubble is measured from a trace of each step (\`Trace::summary\`: the
+mean idle time per lane between the step's first and last cell), so that a
+sleep running long counts as work; \`nominal_bubble_seconds\` is the
+step's time less the layers' set costs, which counts that overshoot and
+the step's set-up as bubble too. The ideal ratios to 1F1B's bubble are 0.5
+(interleaved, v = 2) and 1/3 (zero-bubble, input and weight parts alike).
+\`simulated_peak_live_micro_batches_per_lane\` is counted on the plan;
+\`lane_peak_kib\` is measured: the most one lane (one device) allocated
+during a step above what it held before it. The GELU gives those layers
+the memory that zero-bubble's claim assumes, as in a transformer layer: a
+weight part keeps less than the input part (the GELU's input is the input
+part's alone). On the real layers a weight part keeps more (each Linear's
+input and output gradient, against its input alone), so zero-bubble's lanes
+hold more than 1F1B's first. There \`peak_mib\` is the whole step's (all
+lanes together) and \`lane_peak_mib\` the most one lane allocated above
+what it held before the step (its activations and transients; parameters
+and gradients, the same under every schedule, left out).
 
 EOF
   table schedules
