@@ -250,10 +250,17 @@ std::vector<torch::Tensor> backward_input(
           node, node->add_post_hook(std::make_unique<ReleaseAfterRun>(node)));
     }
   }
-  // Also when the input part throws: no hook outlives it.
+  // The hooks come off once the engine has returned. When it throws, a
+  // device thread may still be finishing a node of the failed run and
+  // reading its hooks: they stay then (those nodes never run again, and
+  // the cell is dropped); the saved tensors go either way
+  // (release_variables takes the node's lock).
+  bool ran = false;
   auto unhook = c10::make_scope_exit([&] {
     for (const auto& [node, key] : hooks) {
-      node->del_post_hook(key);
+      if (ran) {
+        node->del_post_hook(key);
+      }
       node->release_variables();
     }
   });
@@ -272,6 +279,7 @@ std::vector<torch::Tensor> backward_input(
         /*create_graph=*/false,
         /*accumulate_grad=*/false,
         outputs);
+    ran = true;
     for (const auto k : c10::irange(leaf_edges.size())) {
       dx[leaf_index[k]] = captured[k];
     }
@@ -287,6 +295,8 @@ std::vector<torch::Tensor> backward_input(
       }
       fork.inputs = std::move(inputs);
     }
+  } else {
+    ran = true;
   }
   if (!work->roots.empty() || !work->forks.empty()) {
     weight = std::move(work);
