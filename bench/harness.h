@@ -189,6 +189,29 @@ struct LaneTagImpl : torch::nn::Module {
 };
 TORCH_MODULE(LaneTag);
 
+/// The same for the gradient coming back: an identity layer whose backward
+/// copies the gradient it receives on the thread that runs it. Placed last
+/// in a partition, it charges the gradient from the next lane to this
+/// partition's lane, which holds it (a weight part waiting with it keeps
+/// it there): otherwise it stays charged to the lane that computed it.
+struct CopyGradientImpl : torch::nn::Module {
+  struct Copy : torch::autograd::Function<Copy> {
+    static torch::Tensor forward(
+        torch::autograd::AutogradContext* /*ctx*/, torch::Tensor x) {
+      return x.view_as(x);
+    }
+    static torch::autograd::variable_list backward(
+        torch::autograd::AutogradContext* /*ctx*/,
+        torch::autograd::variable_list grads) {
+      return {grads[0].clone()};
+    }
+  };
+  torch::Tensor forward(torch::Tensor x) {
+    return Copy::apply(x);
+  }
+};
+TORCH_MODULE(CopyGradient);
+
 /// Peak bytes allocated above the baseline while `step` runs.
 inline double peak_mib(const std::function<void()>& step) {
   auto& counter = CountingAllocator::install();

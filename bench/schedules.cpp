@@ -12,9 +12,11 @@
 // the layers' set costs, is printed beside it. The memory is measured: the
 // most one lane (one device) allocated above what it held before the step.
 // The GELU gives the layers the memory that zero-bubble's claim rests on
-// (Qi et al.: a weight part needs less than the input part, as in a
-// transformer layer): its forward keeps its input for the input part only;
-// the weight part keeps the TimedLayer's input and its output gradient.
+// (Qi et al.: a micro-batch waiting for its weight part holds no more than
+// one waiting for its backward, as in a transformer layer): per layer the
+// forward keeps the GELU's input (for the input part only) and the
+// TimedLayer's input, the waiting weight part the TimedLayer's input and
+// output gradient; per stage the forward also keeps the stage's output.
 // Then on real layers (16 x Linear(1024)+ReLU, 4 lanes of one thread sharing
 // the cores), where a weight part keeps more than the forward did (a
 // Linear's input and its output gradient, against its input alone): step
@@ -76,9 +78,9 @@ void add_ratios_to_1f1b(
   }
 }
 
-// Runs `step` once and returns the most that one lane (allocation tags
-// 1 .. lanes) allocated above what it held before the step, in bytes.
-double lane_peak_bytes(
+// Runs `step` once and returns what each lane (allocation tags 1 ..
+// lanes) allocated at most above what it held before the step, in bytes.
+std::vector<double> lane_peak_bytes(
     CountingAllocator& counter,
     int64_t lanes,
     const std::function<void()>& step) {
@@ -88,14 +90,23 @@ double lane_peak_bytes(
     live[k] = counter.tag_peak(static_cast<int>(k) + 1);
   }
   step();
-  double most = 0;
+  std::vector<double> peaks(lanes);
   for (int64_t k = 0; k < lanes; ++k) {
-    most = std::max(
-        most,
-        static_cast<double>(
-            counter.tag_peak(static_cast<int>(k) + 1) - live[k]));
+    peaks[k] = static_cast<double>(
+        counter.tag_peak(static_cast<int>(k) + 1) - live[k]);
   }
-  return most;
+  return peaks;
+}
+
+// In KiB (the table's unit) or MiB, and their most.
+std::vector<double> scaled(std::vector<double> bytes, double unit) {
+  for (auto& b : bytes) {
+    b /= unit;
+  }
+  return bytes;
+}
+double most(const std::vector<double>& values) {
+  return *std::max_element(values.begin(), values.end());
 }
 
 nlohmann::json timed_table(int iters) {
@@ -142,8 +153,9 @@ nlohmann::json timed_table(int iters) {
     const auto v = stages_per_lane_of(schedule);
     const auto stages = lanes * v;
     // Each stage: a LaneTag of its lane (which copies the stage's input,
-    // as a device holds what it receives), then its layers, each a GELU
-    // and a TimedLayer.
+    // as a device holds what it receives), its layers, each a GELU and a
+    // TimedLayer, and a CopyGradient (which copies the gradient coming
+    // back, for the same reason).
     const auto layers_per_stage = layers / stages;
     torch::nn::Sequential net;
     for (int64_t j = 0; j < stages; ++j) {
@@ -153,10 +165,11 @@ nlohmann::json timed_table(int iters) {
         net->push_back(
             models::TimedLayer(features, models::TimedCosts{part, part, part}));
       }
+      net->push_back(CopyGradient());
     }
     GPipe model(
         net,
-        GPipeOptions(std::vector<int64_t>(stages, 2 * layers_per_stage + 1))
+        GPipeOptions(std::vector<int64_t>(stages, 2 * layers_per_stage + 2))
             .chunks(m)
             .checkpoint(Checkpoint::Never)
             .stages_per_lane(v)
@@ -186,10 +199,15 @@ nlohmann::json timed_table(int iters) {
     model->set_trace(nullptr);
     // One more step, for the memory: the most one lane allocated above
     // what it held before the step.
-    const double lane_memory = lane_peak_bytes(counter, lanes, [&] {
-      model->zero_grad();
-      model->train_step(x, t, mse, schedule);
-    });
+    const auto lane_kib = scaled(
+        lane_peak_bytes(
+            counter,
+            lanes,
+            [&] {
+              model->zero_grad();
+              model->train_step(x, t, mse, schedule);
+            }),
+        1024.0);
     std::sort(traced.begin(), traced.end(), [](auto& a, auto& b) {
       return a.bubble < b.bubble;
     });
@@ -230,7 +248,8 @@ nlohmann::json timed_table(int iters) {
          {"simulated_bubble_seconds", sim.bubble},
          {"nominal_bubble_seconds", nominal},
          {"simulated_peak_live_micro_batches_per_lane", peak},
-         {"lane_peak_kib", lane_memory / 1024.0}});
+         {"lane_peak_kib", most(lane_kib)},
+         {"lane_peaks_kib", lane_kib}});
   }
   add_ratios_to_1f1b(
       rows,
@@ -293,17 +312,19 @@ nlohmann::json real_table(int iters) {
     // Each stage starts with a LaneTag of its lane (stage j runs on lane
     // j % lanes), so that each lane's allocations count apart; it copies
     // the stage's input, so that what a stage keeps of its input counts on
-    // its own lane.
+    // its own lane. It ends with a CopyGradient, so that the gradient
+    // coming back counts on the lane that holds it too.
     torch::nn::Sequential tagged;
     for (int64_t j = 0; j < stages; ++j) {
       tagged->push_back(LaneTag(static_cast<int>(j % lanes) + 1, true));
       for (int64_t k = 0; k < per_stage; ++k) {
         tagged->push_back(*(net->begin() + j * per_stage + k));
       }
+      tagged->push_back(CopyGradient());
     }
     GPipe model(
         tagged,
-        GPipeOptions(std::vector<int64_t>(stages, per_stage + 1))
+        GPipeOptions(std::vector<int64_t>(stages, per_stage + 2))
             .chunks(m)
             .checkpoint(Checkpoint::Never)
             .stages_per_lane(v)
@@ -314,14 +335,15 @@ nlohmann::json real_table(int iters) {
     };
     const double seconds = time_median(step, 1, iters);
     const double memory = peak_mib(step);
-    const double lane_memory =
-        lane_peak_bytes(counter, lanes, step) / (1024.0 * 1024.0);
+    const auto lane_mib =
+        scaled(lane_peak_bytes(counter, lanes, step), 1024.0 * 1024.0);
     rows.push_back(
         {{"schedule", to_string(schedule)},
          {"stages_per_lane", v},
          {"step_seconds", seconds},
          {"peak_mib", memory},
-         {"lane_peak_mib", lane_memory}});
+         {"lane_peak_mib", most(lane_mib)},
+         {"lane_peaks_mib", lane_mib}});
   }
   add_ratios_to_1f1b(
       rows,

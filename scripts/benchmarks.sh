@@ -230,12 +230,16 @@ the step's set-up as bubble too. The ideal ratios to 1F1B's bubble are 0.5
 (interleaved, v = 2) and 1/3 (zero-bubble, input and weight parts alike).
 \`simulated_peak_live_micro_batches_per_lane\` is counted on the plan;
 \`lane_peak_kib\` is measured: the most one lane (one device) allocated
-during a step above what it held before it. The GELU gives those layers
-the memory that zero-bubble's claim assumes, as in a transformer layer: a
-weight part keeps less than the input part (the GELU's input is the input
-part's alone). On the real layers a weight part keeps more (each Linear's
-input and output gradient, against its input alone), so zero-bubble's lanes
-hold more than 1F1B's first. There \`peak_mib\` is the whole step's (all
+during a step above what it held before it (each stage copies its input
+and the gradient coming back, so that the lane that holds them counts
+them). The GELU gives those layers the memory that zero-bubble's claim
+assumes (a micro-batch waiting for its weight part holds no more than one
+waiting for its backward, as in a transformer layer): per layer the forward
+keeps the GELU's input and the \`TimedLayer\`'s, a waiting weight part the
+\`TimedLayer\`'s input and output gradient. On the real layers a waiting
+weight part holds more (each Linear's input and output gradient, against
+its input alone), so zero-bubble's later lanes hold more than 1F1B's
+first. There \`peak_mib\` is the whole step's (all
 lanes together) and \`lane_peak_mib\` the most one lane allocated above
 what it held before the step (its activations and transients; parameters
 and gradients, the same under every schedule, left out).
