@@ -239,18 +239,24 @@ TEST_F(SchedulesTrainTest, InputPartFreesWhatOnlyItNeedsAsItGoes) {
   // runs; what only the input part needs (here Keep's tensor) must go as
   // soon as the input part is past it, as a whole backward frees it, not
   // when the input part ends: otherwise zero-bubble holds more than 1F1B.
+  // With recomputation too: the input part then runs on the recomputed
+  // graph.
   for (auto schedule : {Schedule::OneFOneB, Schedule::ZeroBubble}) {
-    SCOPED_TRACE(to_string(schedule));
-    LookThenKeep probe;
-    torch::nn::Sequential net(
-        torch::nn::Linear(3, 3), probe, torch::nn::Linear(3, 3));
-    GPipe model(net, GPipeOptions({1, 2}).chunks(1));
-    model->train_step(
-        torch::randn({2, 3}),
-        torch::randn({2, 3}),
-        [](auto y, auto t) { return torch::mse_loss(y, t); },
-        schedule);
-    EXPECT_EQ(probe->freed, std::vector<bool>{true});
+    for (auto mode : {Checkpoint::Never, Checkpoint::Always}) {
+      SCOPED_TRACE(to_string(schedule) + ", " + to_string(mode));
+      LookThenKeep probe;
+      torch::nn::Sequential net(
+          torch::nn::Linear(3, 3), probe, torch::nn::Linear(3, 3));
+      GPipe model(net, GPipeOptions({1, 2}).chunks(1).checkpoint(mode));
+      model->train_step(
+          torch::randn({2, 3}),
+          torch::randn({2, 3}),
+          [](auto y, auto t) { return torch::mse_loss(y, t); },
+          schedule);
+      // Under recomputation Look's backward runs once, after the recomputed
+      // forward's Keep.
+      EXPECT_EQ(probe->freed, std::vector<bool>{true});
+    }
   }
 }
 
