@@ -255,10 +255,10 @@ std::vector<torch::Tensor> backward_input(
   // reading its hooks: they stay then (those nodes never run again, and
   // the cell is dropped); the saved tensors go either way
   // (release_variables takes the node's lock).
-  bool ran = false;
+  bool returned = true;  // false only while the engine runs
   auto unhook = c10::make_scope_exit([&] {
     for (const auto& [node, key] : hooks) {
-      if (ran) {
+      if (returned) {
         node->del_post_hook(key);
       }
       node->release_variables();
@@ -272,6 +272,7 @@ std::vector<torch::Tensor> backward_input(
         outputs.push_back(fork.inputs.back());
       }
     }
+    returned = false;
     auto captured = engine().execute(
         input_roots,
         input_grads,
@@ -279,7 +280,7 @@ std::vector<torch::Tensor> backward_input(
         /*create_graph=*/false,
         /*accumulate_grad=*/false,
         outputs);
-    ran = true;
+    returned = true;
     for (const auto k : c10::irange(leaf_edges.size())) {
       dx[leaf_index[k]] = captured[k];
     }
@@ -295,8 +296,6 @@ std::vector<torch::Tensor> backward_input(
       }
       fork.inputs = std::move(inputs);
     }
-  } else {
-    ran = true;
   }
   if (!work->roots.empty() || !work->forks.empty()) {
     weight = std::move(work);
