@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/benchmarks.md and its pictures (docs/img/) from one run
 # of gpipe-bench: every number on that page comes from this script's run.
-# It builds first (scripts/setup.sh). About 30 minutes on the 2-core
-# development machine once built, most of it the accuracy table (39
-# trainings).
+# It builds first (scripts/setup.sh). Most of the run is the accuracy
+# table (39 trainings); the page gives each section's seconds.
 #
 #   ./scripts/benchmarks.sh                 # the whole page
 #   ACCURACY_EPOCHS=1 ./scripts/benchmarks.sh   # a shorter accuracy table
@@ -315,7 +314,7 @@ EOF
 ## Random numbers (\`--only random\`, ${seconds[random]} s)
 
 The per-cell cost of giving each cell its own random stream (Note [Random
-streams of concurrent cells] in \`src/random.cpp\`).
+streams of concurrent cells] in \`src/random.h\`).
 
 EOF
   table random

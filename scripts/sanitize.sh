@@ -38,8 +38,9 @@ asan_options=(
 export ASAN_OPTIONS=${ASAN_OPTIONS:-$(IFS=:; echo "${asan_options[*]}")}
 # Stack traces with UBSan's reports (they abort the test either way).
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-# The long run (tests/long_run_test.cpp), seven times slower here, is shortened;
-# its memory check is skipped under ASan and LeakSanitizer checks instead.
+# The long run (tests/long_run_test.cpp), much slower under ASan, is
+# shortened; its memory check is skipped under ASan and LeakSanitizer checks
+# instead.
 export GPIPE_LONG_RUN_STEPS=${GPIPE_LONG_RUN_STEPS:-600}
 
 # The options are set before building too: gtest_discover_tests runs each

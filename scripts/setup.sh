@@ -7,7 +7,7 @@ packages=(
   build-essential cmake
   clang-format          # clang-format 14, for scripts/format.sh
   libtorch-dev          # LibTorch 1.13.1 (CPU)
-  libopenblas0-openmp   # without it LibTorch uses the reference BLAS (30x slower)
+  libopenblas0-openmp   # without it LibTorch uses the far slower reference BLAS
   libgloo-dev           # c10d's Gloo headers
   libgtest-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev
