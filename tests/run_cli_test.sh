@@ -298,6 +298,17 @@ bad --master-port -n 2 --master-port abc -- true
 bad --master-port -n 2 --master-port 0x10 -- true
 bad --master-port -n 2 --master-port -- true
 bad --master-addr -n 2 --master-addr '' -- true
+# An address that does not resolve is refused before any rank starts
+# (rather than every rank's c10d client retrying it until its timeout).
+rm -f "$tmp/started"
+bad --master-addr -n 2 --master-addr not.a.host -- \
+  sh -c 'touch "$0/started"' "$tmp"
+if ! grep -qF "'not.a.host'" "$tmp/err"; then
+  fail "--master-addr not.a.host: the error does not name the address: $(cat "$tmp/err")"
+elif [[ -e $tmp/started ]]; then
+  fail "--master-addr not.a.host: a rank was started"
+fi
+bad --master-addr -n 2 --master-addr 127.0.0.1:29500 -- true
 bad --grace -n 2 --grace -1 -- true
 bad --grace -n 2 --grace soon -- true
 bad --grace -n 2 --grace 1e300 -- true

@@ -2,7 +2,12 @@
 
 #include "run_args.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -58,6 +63,29 @@ double parse_seconds(const std::string& flag, const std::string& text) {
       text,
       "'");
   return value;
+}
+
+// --master-addr is resolved once, here, as the ranks' TCPStore clients will
+// resolve it (any address family, TCP). Otherwise a typo starts every rank,
+// and each one's c10d client retries the name with a warning a second until
+// its rendezvous times out.
+void check_master_addr(const std::string& addr) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int error = ::getaddrinfo(addr.c_str(), nullptr, &hints, &found);
+  const int system_error = errno;
+  if (found != nullptr) {
+    ::freeaddrinfo(found);
+  }
+  usage_check(
+      error == 0,
+      "--master-addr expects a host name or address that resolves, but '",
+      addr,
+      "' does not (",
+      error == EAI_SYSTEM ? std::strerror(system_error) : ::gai_strerror(error),
+      ")");
 }
 
 // CLI11's help, with our usage line rather than "gpipe-run [OPTIONS]" (the
@@ -121,7 +149,8 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
   app.add_option(
          "--master-addr",
          args.master_addr,
-         "MASTER_ADDR for every rank. Default: 127.0.0.1")
+         "MASTER_ADDR for every rank; it must resolve on this machine "
+         "(checked before any rank starts). Default: 127.0.0.1")
       ->type_name("ADDR");
   app.add_option(
          "--master-port",
@@ -195,6 +224,8 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
       "missing the program after '--'; the usage is ",
       kUsage);
   args.command.assign(argv + split + 1, argv + argc);
+  // Last: the only check that may wait (on DNS).
+  check_master_addr(args.master_addr);
   return true;
 }
 
