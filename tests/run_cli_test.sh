@@ -252,6 +252,129 @@ else
   ok "a missing program: exit status 127"
 fi
 
+# --- Every rank's last lines, then the verdict ----------------------------
+
+# Lines written after a rank itself has exited still come out, before
+# gpipe-run's last line. Rank 1 fails while its log filter (a process
+# substitution, which bash does not wait for) still holds its last line;
+# rank 0 is a wrapper whose program, on SIGTERM, prints once the wrapper has
+# died; rank 2 is stopped outright.
+rm -f "$tmp/ready"
+limit=15 run -n 3 "${grace[@]}" -- bash -c '
+  case $RANK in
+    1)
+      while [ ! -e "$0/ready" ]; do sleep 0.05; done
+      exec 2> >(while IFS= read -r line; do sleep 1; echo "log: $line" >&2; done)
+      echo "rank 1 last words" >&2
+      exit 3 ;;
+    0)
+      sh -c "trap \"sleep 1; echo rank 0 stopped cleanly >&2; exit 143\" TERM
+        touch \"\$0/ready\"
+        while :; do sleep 0.1; done" "$0"
+      echo "rank 0 wrapper: not reached" >&2 ;;
+    *) exec sleep 60 ;;
+  esac' "$tmp"
+verdict='rank 1 failed first (exited with code 3); stopped rank(s) 0, 2'
+if [[ $status -ne 3 ]] || ((elapsed > 6)); then
+  fail "last lines: exit status $status after ${elapsed}s, expected 3: $(cat "$tmp/err")"
+elif ! grep -qxF '[1] log: rank 1 last words' "$tmp/err"; then
+  fail "last lines: the failing rank's last line, written after it exited, is lost: $(cat "$tmp/err")"
+elif ! grep -qxF '[0] rank 0 stopped cleanly' "$tmp/err"; then
+  fail "last lines: the stopped rank's last line, written after its wrapper died, is lost: $(cat "$tmp/err")"
+elif [[ $(tail -n 1 "$tmp/err") != "gpipe-run: $verdict" ]]; then
+  fail "last lines: the last line is not the verdict '$verdict': $(cat "$tmp/err")"
+elif grep -qF 'not reached' "$tmp/err"; then
+  fail "last lines: rank 0's wrapper outlived SIGTERM: $(cat "$tmp/err")"
+else
+  ok "every rank's last line, then the verdict: $(tail -n 1 "$tmp/err")"
+fi
+
+# With no stop under way, a rank that exits 0 is read to its end too.
+run -n 1 -- bash -c 'exec > >(sleep 0.5; cat); echo "through the filter"'
+if [[ $status -ne 0 ]] || ! grep -qxF '[0] through the filter' "$tmp/out"; then
+  fail "a rank's filter after it exited 0: exit status $status: $(cat "$tmp/out" "$tmp/err")"
+else
+  ok "a rank's filter after it exited 0 is read to its end"
+fi
+
+# What a failed rank leaves running holding its output gets SIGKILL after
+# --grace, rather than keeping gpipe-run for ever.
+rm -f "$tmp/sleeper"
+limit=10 run -n 2 --grace 1 -- sh -c '
+  if [ "$RANK" = 1 ]; then
+    sleep 60 &
+    echo $! >"$0/sleeper"
+    exit 3
+  fi
+  exec sleep 60' "$tmp"
+sleeper=$(cat "$tmp/sleeper" 2>/dev/null)
+if [[ $status -ne 3 ]] || ((elapsed > 5)); then
+  fail "a failed rank's leftover: exit status $status after ${elapsed}s: $(cat "$tmp/err")"
+elif [[ -z $sleeper ]] || ! gone "$sleeper"; then
+  fail "a failed rank's leftover ('$sleeper') is still running"
+  [[ -n $sleeper ]] && kill "$sleeper"
+elif ! grep -qF 'sending SIGKILL to rank(s) 1' "$tmp/err"; then
+  fail "a failed rank's leftover: no line saying SIGKILL was sent: $(cat "$tmp/err")"
+else
+  ok "a failed rank's leftover holding its output is killed after --grace"
+fi
+
+# A process outside the rank's group holding its output does not keep
+# gpipe-run once the group is gone.
+rm -f "$tmp/sleeper"
+limit=10 run -n 1 -- sh -c 'setsid sh -c "echo \$\$ >$0/sleeper; exec sleep 5" &
+  while [ ! -s "$0/sleeper" ]; do sleep 0.05; done
+  echo "rank 0 done"' "$tmp"
+sleeper=$(cat "$tmp/sleeper" 2>/dev/null)
+[[ -n $sleeper ]] && kill "$sleeper" 2>/dev/null
+if [[ $status -ne 0 ]] || ((elapsed > 3)) ||
+  ! grep -qxF '[0] rank 0 done' "$tmp/out"; then
+  fail "output held outside the rank's group: exit status $status after ${elapsed}s: $(cat "$tmp/out" "$tmp/err")"
+else
+  ok "output held outside the rank's group does not keep gpipe-run"
+fi
+
+# The rank that exited first is named, not the lowest: rank 1 exits 3, then
+# rank 0 exits 4, while gpipe-run is blocked writing to a stdout that
+# nobody reads yet (so it finds both ended at once).
+rm -f "$tmp/printed" "$tmp/exited1" "$tmp/release"
+{
+  timeout -k 2 15 "$bin" -n 2 -- sh -c '
+    if [ "$RANK" = 0 ]; then
+      pad=$(printf "%0100d" 0)
+      i=0
+      while [ $i -lt 1000 ]; do echo "$pad"; i=$((i + 1)); done
+      touch "$0/printed"
+      while [ ! -e "$0/exited1" ]; do sleep 0.05; done
+      sleep 1
+      echo "rank 0 fails second" >&2
+      touch "$0/release"
+      exit 4
+    fi
+    while [ ! -e "$0/printed" ]; do sleep 0.05; done
+    echo "rank 1 fails first" >&2
+    touch "$0/exited1"
+    exit 3' "$tmp" 2>"$tmp/err"
+  echo $? >"$tmp/status"
+} | {
+  while [ ! -e "$tmp/release" ]; do sleep 0.05; done
+  sleep 1
+  cat >"$tmp/out"
+}
+status=$(cat "$tmp/status")
+verdict='rank 1 failed first (exited with code 3); rank 0 exited with code 4 too'
+if [[ $status -ne 3 ]] || ! grep -qF 'rank 1 exited with code 3' "$tmp/err"; then
+  fail "first to exit: exit status $status, expected rank 1's 3: $(cat "$tmp/err")"
+elif [[ $(tail -n 1 "$tmp/err") != "gpipe-run: $verdict" ]] ||
+  ! grep -qxF '[0] rank 0 fails second' "$tmp/err" ||
+  ! grep -qxF '[1] rank 1 fails first' "$tmp/err"; then
+  fail "first to exit: expected both ranks' lines, then '$verdict': $(cat "$tmp/err")"
+elif [[ $(wc -l <"$tmp/out") -ne 1000 ]]; then
+  fail "first to exit: $(wc -l <"$tmp/out") of rank 0's 1000 lines on stdout"
+else
+  ok "the rank that exited first is named: $(tail -n 1 "$tmp/err")"
+fi
+
 # --- Bad command lines -----------------------------------------------------
 
 # bad WORD ARGS...: ARGS must exit 2, with nothing on stdout and one line on

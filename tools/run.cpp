@@ -38,9 +38,14 @@ using namespace gpipe_run;
 using Clock = std::chrono::steady_clock;
 
 // Reads that drain a rank's pipe once it has exited: 16 reads of 64 KiB
-// cover a pipe of Linux's largest default size (1 MiB), and keep a
-// grandchild that holds the pipe and writes on from keeping us here.
+// cover a pipe of Linux's largest default size (1 MiB), and keep a process
+// that holds the pipe and writes on from keeping us here (the loop reads the
+// rest).
 constexpr int kDrainReads = 16;
+// How often the loop checks whether the processes that a rank left behind
+// are gone, while one holds the rank's output open (see Note [Stopping the
+// ranks]).
+constexpr int kLeftoverCheckMs = 100;
 // The exit status of a rank whose program cannot be executed, as in sh.
 constexpr int kCannotExecute = 127;
 
@@ -49,12 +54,27 @@ constexpr int kCannotExecute = 127;
 // handler is installed.
 int signal_pipe_write = -1;
 
-void on_signal(int signo) {
+// What the handler writes to the self-pipe for each signal: its number and,
+// for SIGCHLD, the process that ended. SIGCHLD comes as a child ends, so the
+// order of these records is the order in which the ranks ended, which
+// waitpid does not tell (it reports zombies in the order they were forked).
+// A write of 8 bytes is atomic (less than PIPE_BUF): the loop reads whole
+// records.
+struct SignalRecord {
+  int32_t signo = 0;
+  int32_t pid = 0;
+};
+
+void on_signal(int signo, siginfo_t* info, void* /*context*/) {
   const int saved = errno;
-  const auto byte = static_cast<unsigned char>(signo);
-  // Non-blocking: when the pipe is full, the bytes already in it wake the
-  // loop all the same.
-  [[maybe_unused]] const auto ignored = ::write(signal_pipe_write, &byte, 1);
+  SignalRecord record;
+  record.signo = signo;
+  record.pid = signo == SIGCHLD && info != nullptr ? info->si_pid : 0;
+  // Non-blocking: when the pipe is full, the records already in it wake the
+  // loop all the same (the record is lost; reap() then falls back to rank
+  // order).
+  [[maybe_unused]] const auto ignored =
+      ::write(signal_pipe_write, &record, sizeof(record));
   errno = saved;
 }
 
@@ -145,15 +165,30 @@ sigset_t handled_set() {
 // Note [Stopping the ranks]
 // The first rank to fail (exit code other than 0, or a signal) is reported
 // on one line and decides gpipe-run's exit status; so does a SIGINT, SIGTERM
-// or SIGHUP sent to gpipe-run. Either way every rank still running gets
-// SIGTERM, sent to its process group so that what it started hears it too,
-// then SIGKILL once --grace seconds have passed (or at once on a second
-// SIGINT). Ranks that die of that SIGTERM are the stop, not failures, and are
-// not reported. Ranks that have exited are not signalled: with no process
-// left in their group, the number could name someone else's group by then.
-// gpipe-run returns once every rank is reaped, having printed what they
-// wrote; it does not wait for the end of their pipes, which a grandchild
-// left running could hold open for ever.
+// or SIGHUP sent to gpipe-run. First by the time the ranks ended, as their
+// SIGCHLDs came (see SignalRecord), not by rank number: when rank 1 fails
+// and rank 0 fails because of it, both may have ended by the time gpipe-run
+// looks. Either way every rank still running gets SIGTERM, sent to its
+// process group so that what it started hears it too, then SIGKILL once
+// --grace seconds have passed (or at once on a second SIGINT). Ranks that die
+// of that SIGTERM are the stop, not failures.
+//
+// Every rank's output is read to its end: gpipe-run returns once every rank
+// is reaped and, for each, its pipes are at their end or no process is left
+// in its group (what the pipes still hold is then printed; a process outside
+// the group could hold them open for ever). So the lines written after a
+// rank itself ended still come out: those of a log filter it left running
+// (`exec > >(tee log)`), or of a program that a wrapper script started and
+// that prints on SIGTERM after the script has died. What a rank that has
+// ended left in its group gets no SIGTERM (it may be the failing rank's own
+// filter, still writing its last lines), but SIGKILL with the survivors at
+// the deadline; with no stop under way it is waited for, as a shell waits
+// for every writer of a pipe. Then the verdict, the last line: the rank that
+// failed first, the ranks stopped, the ranks that failed on their own.
+//
+// A group is signalled only while a process is left in it (checked just
+// before, with signal 0): the number of an empty group could name someone
+// else's by then.
 class Launcher {
  public:
   explicit Launcher(const Args& args) : args_(args) {}
@@ -172,26 +207,18 @@ class Launcher {
     install_handlers();
     start_ranks(port);
     loop();
-    for (auto& rank : ranks_) {
-      for (auto& stream : rank.streams) {
-        read_stream(rank, stream, kDrainReads);
-        if (stream.fd >= 0) {
-          print_lines(rank, stream, nullptr, 0, /*flush=*/true);
-          ::close(stream.fd);
-        }
-      }
-    }
+    report_verdict();
     return exit_status();
   }
 
  private:
   void install_handlers() {
     struct sigaction action {};
-    action.sa_handler = on_signal;
+    action.sa_sigaction = on_signal;
     sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART;
     for (const int signo : kHandledSignals) {
-      action.sa_flags = SA_RESTART | (signo == SIGCHLD ? SA_NOCLDSTOP : 0);
+      action.sa_flags =
+          SA_SIGINFO | SA_RESTART | (signo == SIGCHLD ? SA_NOCLDSTOP : 0);
       ::sigaction(signo, &action, nullptr);
     }
     ::signal(SIGPIPE, SIG_IGN);
@@ -269,11 +296,13 @@ class Launcher {
     return false;
   }
 
+  // Until every rank is reaped and its output read to its end (Note
+  // [Stopping the ranks]).
   void loop() {
     std::vector<pollfd> fds;
     std::vector<Stream*> owners;
     std::vector<const Rank*> owner_ranks;
-    while (any_running()) {
+    while (any_running() || any_output_left()) {
       fds.assign(1, pollfd{signal_read_, POLLIN, 0});
       owners.assign(1, nullptr);
       owner_ranks.assign(1, nullptr);
@@ -286,26 +315,20 @@ class Launcher {
           }
         }
       }
-      int timeout_ms = -1;
-      if (stopping_ && !killed_) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            deadline_ - Clock::now());
-        // Rounded up, so that the loop does not spin on a deadline less than
-        // a millisecond away.
-        timeout_ms = static_cast<int>(std::max<int64_t>(0, left.count() + 1));
-      }
-      if (::poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) {
+      if (::poll(fds.data(), fds.size(), poll_timeout_ms()) < 0 &&
+          errno != EINTR) {
         fail_system("poll failed");
-      }
-      if (fds[0].revents != 0) {
-        read_signals();
       }
       for (size_t i = 1; i < fds.size(); ++i) {
         if (fds[i].revents != 0) {
           read_stream(*owner_ranks[i], *owners[i], /*reads=*/1);
         }
       }
+      // Whatever poll said: SIGCHLDs that came while the output was
+      // printed (a slow stdout) must be in exit_order_ for reap().
+      read_signals();
       reap();
+      close_abandoned_output();
       if (stopping_ && !killed_ && Clock::now() >= deadline_) {
         kill_survivors(
             "still running " + format_seconds(args_.grace_seconds) +
@@ -314,53 +337,111 @@ class Launcher {
     }
   }
 
+  int poll_timeout_ms() const {
+    int timeout_ms = -1;
+    if (stopping_ && !killed_) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline_ - Clock::now());
+      // Rounded up, so that the loop does not spin on a deadline less than
+      // a millisecond away.
+      timeout_ms = static_cast<int>(std::max<int64_t>(0, left.count() + 1));
+    }
+    // No signal says when what a rank left behind is gone.
+    if (any_output_left()) {
+      timeout_ms = timeout_ms < 0 ? kLeftoverCheckMs
+                                  : std::min(timeout_ms, kLeftoverCheckMs);
+    }
+    return timeout_ms;
+  }
+
   void read_signals() {
-    unsigned char bytes[64];
-    ssize_t n = 0;
-    while ((n = ::read(signal_read_, bytes, sizeof(bytes))) > 0) {
-      for (ssize_t i = 0; i < n; ++i) {
-        const int signo = bytes[i];
-        if (signo == SIGCHLD) {
-          continue;  // reap() runs on every turn of the loop
-        }
-        if (!stopping_) {
-          signal_ = signo;
-          report(
-              "got " + signal_name(signo) + "; sending SIGTERM to every rank");
-          stop();
-        } else if (!killed_ && signo == SIGINT) {
-          kill_survivors("got SIGINT again");
-        }
+    SignalRecord record;
+    while (::read(signal_read_, &record, sizeof(record)) ==
+           static_cast<ssize_t>(sizeof(record))) {
+      const int signo = record.signo;
+      if (signo == SIGCHLD) {
+        exit_order_.push_back(record.pid);  // reap() runs on every turn
+        continue;
+      }
+      if (!stopping_) {
+        signal_ = signo;
+        report("got " + signal_name(signo) + "; sending SIGTERM to every rank");
+        stop();
+      } else if (!killed_ && signo == SIGINT) {
+        kill_survivors("got SIGINT again");
       }
     }
   }
 
-  // Collects every rank that has ended; the first to have failed before the
-  // stop is reported. Its pipes are read first, so that its last lines come
-  // before the report.
+  // Collects every rank that has ended, in the order in which they ended
+  // (as far as the SIGCHLDs tell), before looking at any: the first to have
+  // failed before the stop is reported, after its last lines, and ranks
+  // that ended with it are not counted as stopped.
   void reap() {
-    for (auto& rank : ranks_) {
-      if (!rank.running) {
-        continue;
-      }
+    std::vector<Rank*> ended;
+    for (Rank* rank : in_exit_order()) {
       int status = 0;
-      const pid_t done = ::waitpid(rank.pid, &status, WNOHANG);
-      if (done != rank.pid) {
-        continue;
+      if (rank->running &&
+          ::waitpid(rank->pid, &status, WNOHANG) == rank->pid) {
+        rank->running = false;
+        rank->status = status;
+        ended.push_back(rank);
       }
-      rank.running = false;
-      for (auto& stream : rank.streams) {
-        read_stream(rank, stream, kDrainReads);
+    }
+    exit_order_.clear();
+    for (Rank* rank : ended) {
+      for (auto& stream : rank->streams) {
+        read_stream(*rank, stream, kDrainReads);
       }
-      const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
-      if (failed && !stopping_) {
-        failed_rank_ = rank.rank;
-        failed_status_ = status;
+      if (failed(rank->status) && !stopping_) {
+        failed_rank_ = rank->rank;
+        failed_status_ = rank->status;
         report(
-            "rank " + std::to_string(rank.rank) + " " +
-            describe_status(status) +
+            "rank " + std::to_string(rank->rank) + " " +
+            describe_status(rank->status) +
             (any_running() ? "; sending SIGTERM to the other ranks" : ""));
         stop();
+      }
+    }
+  }
+
+  // The ranks whose SIGCHLD has come, in that order, then the others by
+  // rank.
+  std::vector<Rank*> in_exit_order() {
+    std::vector<Rank*> order;
+    order.reserve(ranks_.size());
+    std::vector<bool> taken(ranks_.size(), false);
+    for (const pid_t pid : exit_order_) {
+      for (size_t r = 0; r < ranks_.size(); ++r) {
+        if (!taken[r] && ranks_[r].pid == pid) {
+          taken[r] = true;
+          order.push_back(&ranks_[r]);
+        }
+      }
+    }
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      if (!taken[r]) {
+        order.push_back(&ranks_[r]);
+      }
+    }
+    return order;
+  }
+
+  // Closes the output of the ranks that have ended and left no process in
+  // their group, once what it holds is printed: whoever holds it open now
+  // is no part of the rank.
+  void close_abandoned_output() {
+    for (auto& rank : ranks_) {
+      if (!output_left(rank) || group_alive(rank)) {
+        continue;
+      }
+      for (auto& stream : rank.streams) {
+        read_stream(rank, stream, kDrainReads);
+        if (stream.fd >= 0) {
+          print_lines(rank, stream, nullptr, 0, /*flush=*/true);
+          ::close(stream.fd);
+          stream.fd = -1;
+        }
       }
     }
   }
@@ -374,30 +455,92 @@ class Launcher {
     deadline_ =
         Clock::now() + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double>(args_.grace_seconds));
-    signal_running(SIGTERM);
+    for (auto& rank : ranks_) {
+      rank.stopped = rank.running;
+    }
+    signal_ranks(SIGTERM, /*leftovers=*/false);
   }
 
+  // SIGKILL to the ranks still running and to what the others left in
+  // their groups holding their output.
   void kill_survivors(const std::string& why) {
     killed_ = true;
     std::string ranks;
     for (const auto& rank : ranks_) {
-      if (rank.running) {
+      if (rank.running || (output_left(rank) && group_alive(rank))) {
         ranks += (ranks.empty() ? "" : ", ") + std::to_string(rank.rank);
       }
     }
     if (!ranks.empty()) {
       report(why + "; sending SIGKILL to rank(s) " + ranks);
-      signal_running(SIGKILL);
+      signal_ranks(SIGKILL, /*leftovers=*/true);
     }
   }
 
-  void signal_running(int signo) {
+  // `signo` to the group of every running rank and, with `leftovers`, of
+  // every rank that has ended but left a process holding its output.
+  void signal_ranks(int signo, bool leftovers) {
     for (const auto& rank : ranks_) {
-      // A rank not reaped yet still leads its group, even as a zombie.
-      if (rank.running && ::kill(-rank.pid, signo) != 0) {
-        ::kill(rank.pid, signo);
+      if (rank.running) {
+        // A rank not reaped yet still leads its group, even as a zombie.
+        if (::kill(-rank.pid, signo) != 0) {
+          ::kill(rank.pid, signo);
+        }
+      } else if (leftovers && output_left(rank) && group_alive(rank)) {
+        ::kill(-rank.pid, signo);
       }
     }
+  }
+
+  // The last line, once every rank's output is out: the rank that failed
+  // first (or the signal), those that failed on their own after it, and
+  // those the stop ended.
+  void report_verdict() const {
+    if (!stopping_ || launch_failed_) {
+      return;
+    }
+    std::string verdict = "got " + signal_name(signal_);
+    if (failed_rank_ >= 0) {
+      verdict = "rank " + std::to_string(failed_rank_) + " failed" +
+                (ranks_.size() > 1 ? " first" : "") + " (" +
+                describe_status(failed_status_) + ")";
+    }
+    std::string stopped;
+    for (const auto& rank : ranks_) {
+      if (rank.pid <= 0 || rank.rank == failed_rank_) {
+        continue;
+      }
+      if (rank.stopped) {
+        stopped += (stopped.empty() ? "" : ", ") + std::to_string(rank.rank);
+      } else if (failed(rank.status)) {
+        verdict += "; rank " + std::to_string(rank.rank) + " " +
+                   describe_status(rank.status) + " too";
+      }
+    }
+    if (!stopped.empty()) {
+      verdict += "; stopped rank(s) " + stopped;
+    }
+    report(verdict);
+  }
+
+  static bool failed(int status) {
+    return !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+  }
+
+  // Whether a process is left in the group that `rank` leads (a zombie
+  // leader counts).
+  static bool group_alive(const Rank& rank) {
+    return rank.pid > 0 && (::kill(-rank.pid, 0) == 0 || errno == EPERM);
+  }
+
+  // Whether `rank` has ended but its output is not at its end yet.
+  static bool output_left(const Rank& rank) {
+    return !rank.running && rank.pid > 0 &&
+           (rank.streams[0].fd >= 0 || rank.streams[1].fd >= 0);
+  }
+
+  bool any_output_left() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), output_left);
   }
 
   bool any_running() const {
@@ -433,6 +576,8 @@ class Launcher {
   bool killed_ = false;
   Clock::time_point deadline_;
   bool launch_failed_ = false;
+  // The processes whose SIGCHLD has come since the last reap(), in order.
+  std::vector<pid_t> exit_order_;
   int64_t failed_rank_ = -1;
   int failed_status_ = 0;
   // The signal that gpipe-run got, if that is what stopped the ranks.

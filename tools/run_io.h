@@ -33,6 +33,11 @@ struct Rank {
   // reaches whatever it started too.
   pid_t pid = -1;
   bool running = false;
+  // waitpid's status, once it has ended (running is false).
+  int status = 0;
+  // Whether the stop sent it SIGTERM while it ran: one of the ranks that
+  // gpipe-run stopped, rather than one that ended on its own.
+  bool stopped = false;
   Stream streams[2];
   // "[rank] ", before each of its lines.
   std::string prefix;
