@@ -3,10 +3,15 @@
 
 #include <c10/util/Exception.h>
 #include <gpipe/dist.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <sys/types.h>
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -56,6 +61,55 @@ int64_t env_int(
   return v;
 }
 
+// Note [Resolving MASTER_ADDR first]
+// LibTorch 1.13's TCPStore client retries a host name that does not resolve
+// once a second until its timeout, with a warning each time ("The IPv6
+// network addresses of (HOST, PORT) cannot be retrieved"): a typo in
+// MASTER_ADDR would read as a warning a second per rank for two minutes,
+// then a timeout. The name is resolved here first, as c10d resolves it (any
+// family, TCP), and refused at once when it cannot be; only a temporary
+// failure (EAI_AGAIN: no answer from the resolver) is retried, quietly,
+// until the timeout. A name that resolves never makes c10d warn: a refused
+// connection (rank 0 not listening yet) is retried silently.
+void check_master_addr(const char* addr, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  while (true) {
+    addrinfo* found = nullptr;
+    const int error = ::getaddrinfo(addr, nullptr, &hints, &found);
+    const int system_error = errno;
+    if (found != nullptr) {
+      ::freeaddrinfo(found);
+    }
+    if (error == 0) {
+      return;
+    }
+    TORCH_CHECK_VALUE(
+        error == EAI_AGAIN,
+        "gpipe::dist::init_from_env expects MASTER_ADDR to be a host name or "
+        "address that resolves, but '",
+        addr,
+        "' does not (",
+        error == EAI_SYSTEM ? std::strerror(system_error)
+                            : ::gai_strerror(error),
+        "); set MASTER_ADDR (gpipe-run --master-addr) to rank 0's host");
+    const auto retry = std::chrono::seconds(1);
+    TORCH_CHECK(
+        std::chrono::steady_clock::now() + retry < deadline,
+        "gpipe::dist::init_from_env could not resolve MASTER_ADDR '",
+        addr,
+        "' within ",
+        timeout.count() / 1000.0,
+        " s (",
+        ::gai_strerror(error),
+        "); check this host's resolver, or set MASTER_ADDR to rank 0's "
+        "address");
+    std::this_thread::sleep_for(retry);
+  }
+}
+
 }  // namespace
 
 std::chrono::milliseconds default_timeout() {
@@ -98,6 +152,8 @@ World init_from_env(std::chrono::milliseconds timeout) {
   const auto rank = env_int("RANK", 0, size - 1);
   const auto local_size = env_int("LOCAL_WORLD_SIZE", 1, size, size);
   const auto local_rank = env_int("LOCAL_RANK", 0, local_size - 1, rank);
+  // See Note [Resolving MASTER_ADDR first].
+  check_master_addr(addr, timeout);
   const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
   const bool agent_store = agent != nullptr && (std::string(agent) == "True" ||
                                                 std::string(agent) == "1");

@@ -9,6 +9,7 @@
 #                                            # across ranks, dropout, BN
 #   dist_test.sh GPIPE_RUN WORKER failures   # another balance, a failing
 #                                            # loss, a killed rank
+#   dist_test.sh GPIPE_RUN WORKER rendezvous # init_from_env's errors
 #   dist_test.sh GPIPE_RUN GPIPE_TRAIN train [DATA_DIR]
 #                                            # gpipe-train on 2 ranks equals
 #                                            # one process (77: no data set)
@@ -201,6 +202,27 @@ case $mode in
       fail "the stalled rank exited ${codes[1]}: $(tail -2 "$tmp/rank1")"
     else
       echo "ok: a stalled rank: $(grep error "$tmp/rank0" | head -c 200)"
+    fi
+    ;;
+  rendezvous)
+    # A MASTER_ADDR that does not resolve (here, where gpipe-run would
+    # refuse it, set by hand as torchrun would pass it): refused at once,
+    # naming it, rather than retried by c10d with a warning a second until
+    # the timeout (20 s here).
+    start=$SECONDS
+    MASTER_ADDR=not.a.host MASTER_PORT=29500 RANK=1 WORLD_SIZE=2 \
+      GPIPE_DIST_TIMEOUT=20 timeout 60 "$prog" >"$tmp/out" 2>&1
+    status=$?
+    elapsed=$((SECONDS - start))
+    if [[ $status -ne 3 ]] ||
+      ! grep -q "error: .*MASTER_ADDR .*'not.a.host' does not" "$tmp/out"; then
+      fail "MASTER_ADDR=not.a.host: exit $status after ${elapsed} s: $(head -c 600 "$tmp/out")"
+    elif grep -q "cannot be retrieved" "$tmp/out"; then
+      fail "MASTER_ADDR=not.a.host: c10d warned $(grep -c "cannot be retrieved" "$tmp/out") times"
+    elif ((elapsed > 10)); then
+      fail "MASTER_ADDR=not.a.host: took ${elapsed} s to fail"
+    else
+      echo "ok: MASTER_ADDR=not.a.host fails at once: $(grep error "$tmp/out" | head -c 300)"
     fi
     ;;
   train)
