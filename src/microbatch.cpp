@@ -4,6 +4,8 @@
 #include <gpipe/verify.h>
 #include <torch/torch.h>
 
+#include "text.h"
+
 namespace gpipe {
 
 std::vector<Batch> scatter(const Batch& inputs, int64_t chunks) {
@@ -39,8 +41,11 @@ Batch gather(const std::vector<Batch>& micro_batches) {
           "gather: micro-batch ",
           i,
           " has ",
-          micro_batches[i].size(),
-          " tensors, but micro-batch 0 has ",
+          detail::count_of(
+              static_cast<int64_t>(micro_batches[i].size()),
+              "tensor",
+              "tensors"),
+          ", but micro-batch 0 has ",
           width);
       pieces.push_back(micro_batches[i][k]);
     }

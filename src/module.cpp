@@ -13,6 +13,7 @@
 #include "device.h"
 #include "engine/partitions.h"
 #include "engine/pipeline.h"
+#include "text.h"
 
 namespace gpipe {
 
@@ -149,10 +150,10 @@ torch::Tensor GPipeImpl::forward(torch::Tensor input) {
       std::move(packets), {input}, pass_options(is_training(), options));
   TORCH_CHECK_TYPE(
       out.atomic && out.tensors.size() == 1,
-      "the last layer returned ",
-      out.tensors.size(),
-      " tensors (a std::vector<torch::Tensor>), so call the "
-      "forward(std::vector<torch::Tensor>) overload");
+      "the last layer returned a std::vector<torch::Tensor> of ",
+      detail::count_of(
+          static_cast<int64_t>(out.tensors.size()), "tensor", "tensors"),
+      ", so call the forward(std::vector<torch::Tensor>) overload");
   return out.tensors[0];
 }
 

@@ -60,7 +60,32 @@ TEST(PlanTest, SchedulesParseAndPrint) {
   }
   EXPECT_EQ(to_string(Schedule::Interleaved1F1B), "interleaved");
   EXPECT_EQ(to_string(Schedule::ZeroBubble), "zero_bubble");
-  EXPECT_THROW(schedule_from_string("zb"), std::invalid_argument);
+  EXPECT_THROW(schedule_from_string("zb"), c10::ValueError);
+}
+
+TEST(PlanTest, EveryErrorIsAC10Error) {
+  // Callers catch c10::Error for everything the library refuses.
+  EXPECT_THROW(schedule_from_string("pipedream"), c10::ValueError);
+  EXPECT_THROW(training_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
+  EXPECT_THROW(make_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
+  EXPECT_THROW(lane_order(Schedule::FillDrain, 2, 2, 2), c10::IndexError);
+}
+
+TEST(PlanTest, FromCsvSaysANumberIsOutOfRange) {
+  for (const char* text : {"0F1000000000", "1000000000F0", "0F99999999999"}) {
+    try {
+      Plan::from_csv(text);
+      ADD_FAILURE() << text << " was accepted";
+    } catch (const c10::ValueError& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("out of range"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("expected an action"), std::string::npos) << msg;
+    }
+  }
+  // The largest number accepted, and a malformed action still named so.
+  EXPECT_EQ(Plan::from_csv("0F999999999").micro_batches, 1000000000);
+  const auto msg = error_of([] { Plan::from_csv("0X1"); });
+  EXPECT_NE(msg.find("expected an action"), std::string::npos) << msg;
 }
 
 TEST(PlanTest, ZeroBubbleDefersWeightsByTheStage) {

@@ -198,5 +198,63 @@ TEST_F(TrainStepTest, BadArguments) {
   EXPECT_NO_THROW(never->train_step(x, t, ce, Schedule::OneFOneB));
 }
 
+TEST_F(TrainStepTest, MessagesReadWell) {
+  auto x = torch::randn({4, 5});
+  auto t = torch::randint(0, 4, {4}, torch::kLong);
+  auto ce = [](torch::Tensor y, torch::Tensor t) {
+    return torch::nn::functional::cross_entropy(y, t);
+  };
+  // A c10::Error from a layer gets its place in one pair of parentheses.
+  torch::nn::Sequential net(
+      torch::nn::Linear(5, 4),
+      testing::lambda([](torch::Tensor x) -> torch::Tensor {
+        TORCH_CHECK_VALUE(false, "layer refused");
+      }));
+  GPipe failing(net, GPipeOptions({1, 1}).chunks(2));
+  std::string msg;
+  try {
+    failing->forward(x);
+  } catch (const c10::ValueError& e) {
+    msg = e.what_without_backtrace();
+  }
+  EXPECT_NE(msg.find("layer refused (in gpipe partition 1"), std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find("(("), std::string::npos) << msg;
+  // Counts agree with their nouns.
+  GPipe one_lane(
+      model_of(false), GPipeOptions({2, 2, 4}).chunks(1).stages_per_lane(3));
+  msg.clear();
+  try {
+    one_lane->train_step(x, t, ce, make_plan(Schedule::FillDrain, 1, 1, 2));
+  } catch (const c10::ValueError& e) {
+    msg = e.what_without_backtrace();
+  }
+  EXPECT_NE(
+      msg.find("the plan has 2 stages on 1 lane, but the pipeline has 3 "
+               "partitions on 1 lane"),
+      std::string::npos)
+      << msg;
+  msg.clear();
+  try {
+    GPipe(model_of(false), GPipeOptions({4, 4}).devices({torch::kCPU}));
+  } catch (const c10::IndexError& e) {
+    msg = e.what_without_backtrace();
+  }
+  EXPECT_NE(
+      msg.find("at least 2 devices (one per partition), but got 1"),
+      std::string::npos)
+      << msg;
+  msg.clear();
+  try {
+    Plan plan = make_plan(Schedule::FillDrain, 1, 1);
+    plan.lanes[0].push_back(Cell{1, 0, Phase::Forward});
+    plan.validate();
+  } catch (const c10::ValueError& e) {
+    msg = e.what_without_backtrace();
+  }
+  EXPECT_NE(msg.find("outside 1 micro-batch and 1 stage"), std::string::npos)
+      << msg;
+}
+
 }  // namespace
 }  // namespace gpipe

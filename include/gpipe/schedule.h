@@ -118,7 +118,7 @@ enum class Schedule {
 
 /// "fill_drain" / "1f1b" / "interleaved" / "zero_bubble".
 std::string to_string(Schedule schedule);
-/// Parses those names; throws std::invalid_argument otherwise.
+/// Parses those names; throws c10::ValueError otherwise.
 Schedule schedule_from_string(const std::string& name);
 
 /// The compute cells (forwards and backwards, no losses) partition

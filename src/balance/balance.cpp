@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "balance/sandbox.h"
+#include "text.h"
 
 namespace gpipe {
 
@@ -25,10 +26,10 @@ void check_partitions(int64_t partitions, const torch::nn::Sequential& module) {
   TORCH_CHECK_VALUE(
       partitions <= layers,
       "partitions must not exceed the number of layers: expected at most ",
-      layers,
-      " partitions for a module of ",
-      layers,
-      " layers, but got ",
+      detail::count_of(layers, "partition", "partitions"),
+      " for a module of ",
+      detail::count_of(layers, "layer", "layers"),
+      ", but got ",
       partitions);
 }
 

@@ -32,6 +32,7 @@
 #include "engine/partitions.h"
 #include "engine/pipeline.h"
 #include "random.h"
+#include "text.h"
 
 namespace gpipe::dist {
 
@@ -78,8 +79,8 @@ PipelineStageImpl::PipelineStageImpl(
         " x ",
         v,
         " = ",
-        size * v,
-        " partitions, but it has ",
+        gpipe::detail::count_of(size * v, "partition", "partitions"),
+        ", but it has ",
         n);
     TORCH_CHECK_VALUE(
         options.chunks() <= detail::kMaxMicroBatches,

@@ -30,7 +30,7 @@ namespace gpipe::detail {
 // starts its threads: after them, each rank had 3 or 4 arenas, and in one
 // run out of two a rank's U-Net steps took 8,000 to 30,000 fresh pages
 // each. A program that starts threads of its own first can set it from the
-// start with the GLIBC_TUNABLES that the README gives. It applies to the
+// start with the GLIBC_TUNABLES that docs/guide.md gives. It applies to the
 // whole process and only to memory freed from then on; peak memory is not
 // given back to the system until the process ends. The user's own settings win:
 // with GPIPE_MALLOC=system, MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
@@ -139,7 +139,8 @@ std::exception_ptr with_context(
   try {
     std::rethrow_exception(error);
   } catch (c10::Error& e) {
-    e.add_context("(in gpipe " + where + ")");
+    // c10::Error puts a lone context in parentheses itself.
+    e.add_context("in gpipe " + where);
     return std::current_exception();
   } catch (const std::exception& e) {
     try {

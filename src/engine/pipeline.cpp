@@ -9,6 +9,7 @@
 #include "engine/in_process_transport.h"
 #include "random.h"
 #include "schedule/plan_builders.h"
+#include "text.h"
 
 namespace gpipe::detail {
 
@@ -67,19 +68,18 @@ void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
       plan.stages == size() &&
           static_cast<int64_t>(plan.lanes.size()) == lanes(),
       "train_step: the plan has ",
-      plan.stages,
-      " stages on ",
-      plan.lanes.size(),
-      " lanes, but the pipeline has ",
-      size(),
-      " partitions on ",
-      lanes(),
-      " lanes");
+      count_of(plan.stages, "stage", "stages"),
+      " on ",
+      count_of(static_cast<int64_t>(plan.lanes.size()), "lane", "lanes"),
+      ", but the pipeline has ",
+      count_of(size(), "partition", "partitions"),
+      " on ",
+      count_of(lanes(), "lane", "lanes"));
   TORCH_CHECK_VALUE(
       plan.micro_batches == m,
       "train_step: the plan is for ",
-      plan.micro_batches,
-      " micro-batches, but the mini-batch was cut into ",
+      count_of(plan.micro_batches, "micro-batch", "micro-batches"),
+      ", but the mini-batch was cut into ",
       m,
       " (chunks, or fewer when the batch has fewer rows)");
   plan.validate();

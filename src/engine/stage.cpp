@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "engine/split_backward.h"
+#include "text.h"
 
 namespace gpipe::detail {
 
@@ -288,8 +289,15 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
         y.atomic && y.tensors.size() == 1,
         "train_step expects the last layer to return one tensor, but it "
         "returned ",
-        y.tensors.size(),
-        " tensors");
+        y.atomic
+            ? count_of(
+                  static_cast<int64_t>(y.tensors.size()), "tensor", "tensors")
+            : c10::str(
+                  "a std::vector of ",
+                  count_of(
+                      static_cast<int64_t>(y.tensors.size()),
+                      "tensor",
+                      "tensors")));
   }
   for (const auto& t : outgoing) {
     out.skips.push_back(sendable(t, requires(t)));

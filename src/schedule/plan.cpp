@@ -9,22 +9,22 @@
 #include <ostream>
 #include <set>
 #include <sstream>
-#include <stdexcept>
 #include <tuple>
 
 #include "schedule/plan_builders.h"
+#include "text.h"
 
 namespace gpipe {
 
 namespace detail {
 
 void check_sizes(int64_t m, int64_t n) {
-  if (m < 0 || n < 0) {
-    throw std::invalid_argument(
-        "schedule: micro_batches and partitions must be non-negative, but "
-        "got " +
-        std::to_string(m) + " and " + std::to_string(n));
-  }
+  TORCH_CHECK_VALUE(
+      m >= 0 && n >= 0,
+      "schedule: micro_batches and partitions must be non-negative, but got ",
+      m,
+      " and ",
+      n);
 }
 
 Plan plan_of_steps(const Steps& steps, int64_t m, int64_t n) {
@@ -326,10 +326,9 @@ void Plan::validate() const {
           " runs ",
           to_string(c),
           ", outside ",
-          micro_batches,
-          " micro-batches and ",
-          stages,
-          " stages");
+          detail::count_of(micro_batches, "micro-batch", "micro-batches"),
+          " and ",
+          detail::count_of(stages, "stage", "stages"));
       TORCH_CHECK_VALUE(
           seen.insert(key_of(c)).second,
           "plan: ",

@@ -12,7 +12,7 @@
 
 namespace gpipe::detail {
 
-/// Throws std::invalid_argument for negative sizes (callers validate user
+/// Throws c10::ValueError for negative sizes (callers validate user
 /// input first; this guards the pure functions themselves).
 void check_sizes(int64_t micro_batches, int64_t stages);
 

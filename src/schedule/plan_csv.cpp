@@ -37,28 +37,46 @@ std::string trim(const std::string& s) {
   return s.substr(begin, s.find_last_not_of(" \t\r") - begin + 1);
 }
 
-// "12F3" -> (12, "F", 3), "0SEND_F3" -> (0, "SEND_F", 3); false when
-// malformed.
-bool parse_action(
+// The largest stage or micro-batch number an action may carry: nine digits,
+// so that any sum of two stays far inside int64_t.
+constexpr int64_t kMaxNumber = 999999999;
+
+enum class Parsed { Ok, Malformed, OutOfRange };
+
+// "12F3" -> (12, "F", 3), "0SEND_F3" -> (0, "SEND_F", 3). A number of more
+// digits than kMaxNumber has is out of range (`too_large` names it), which
+// is told apart from a malformed action.
+Parsed parse_action(
     const std::string& text,
     int64_t& stage,
     std::string& kind,
-    int64_t& micro) {
+    int64_t& micro,
+    std::string& too_large) {
   size_t k = 0;
+  bool out_of_range = false;
   auto number = [&](int64_t& value) {
     const size_t begin = k;
     while (k < text.size() &&
            std::isdigit(static_cast<unsigned char>(text[k]))) {
       ++k;
     }
-    if (k == begin || k - begin > 9) {
+    if (k == begin) {
       return false;
     }
-    value = std::stoll(text.substr(begin, k - begin));
+    const auto digits = text.substr(begin, k - begin);
+    const auto first = digits.find_first_not_of('0');
+    if (first != std::string::npos && digits.size() - first > 9) {
+      out_of_range = true;
+      if (too_large.empty()) {
+        too_large = digits;
+      }
+      return true;
+    }
+    value = std::stoll(digits);
     return true;
   };
   if (!number(stage)) {
-    return false;
+    return Parsed::Malformed;
   }
   const size_t begin = k;
   while (
@@ -67,7 +85,10 @@ bool parse_action(
     ++k;
   }
   kind = text.substr(begin, k - begin);
-  return number(micro) && k == text.size();
+  if (!number(micro) || k != text.size()) {
+    return Parsed::Malformed;
+  }
+  return out_of_range ? Parsed::OutOfRange : Parsed::Ok;
 }
 
 bool phase_of(const std::string& kind, Phase& phase) {
@@ -117,8 +138,22 @@ Plan Plan::from_csv(const std::string& text) {
       int64_t micro = 0;
       std::string kind;
       Phase phase = Phase::Forward;
+      std::string too_large;
+      const auto parsed = parse_action(field, stage, kind, micro, too_large);
       TORCH_CHECK_VALUE(
-          parse_action(field, stage, kind, micro) && phase_of(kind, phase),
+          parsed != Parsed::OutOfRange || !phase_of(kind, phase),
+          "plan CSV: row ",
+          row,
+          ", column ",
+          column,
+          ": the number ",
+          too_large,
+          " in '",
+          field,
+          "' is out of range: stages and micro-batches go up to ",
+          kMaxNumber);
+      TORCH_CHECK_VALUE(
+          parsed == Parsed::Ok && phase_of(kind, phase),
           "plan CSV: row ",
           row,
           ", column ",

@@ -1,11 +1,11 @@
 // The functions of gpipe/schedule.h over cells and schedules: names,
 // spelling, each schedule's lane order and in-flight counts.
 
+#include <c10/util/Exception.h>
 #include <gpipe/plan.h>
 #include <gpipe/schedule.h>
 
 #include <algorithm>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -84,20 +84,19 @@ Schedule schedule_from_string(const std::string& name) {
       return s;
     }
   }
-  throw std::invalid_argument(
+  TORCH_CHECK_VALUE(
+      false,
       "schedule must be 'fill_drain', '1f1b', 'interleaved' or "
-      "'zero_bubble', but got '" +
-      name + "'");
+      "'zero_bubble', but got '",
+      name,
+      "'");
 }
 
 std::vector<Cell> lane_order(
     Schedule schedule, int64_t m, int64_t n, int64_t j) {
   detail::check_sizes(m, n);
-  if (j < 0 || j >= n) {
-    throw std::invalid_argument(
-        "schedule: partition " + std::to_string(j) + " is not in [0, " +
-        std::to_string(n) + ")");
-  }
+  TORCH_CHECK_INDEX(
+      j >= 0 && j < n, "schedule: partition ", j, " is not in [0, ", n, ")");
   switch (schedule) {
     case Schedule::FillDrain:
       return detail::fill_drain_lane(m, n, j);
@@ -107,7 +106,8 @@ std::vector<Cell> lane_order(
     case Schedule::ZeroBubble:
       return detail::zero_bubble_lane(m, n, j);
   }
-  throw std::invalid_argument("schedule: unknown schedule");
+  TORCH_CHECK_VALUE(
+      false, "schedule: unknown schedule ", static_cast<int>(schedule));
 }
 
 int64_t max_in_flight(const std::vector<Cell>& cells) {
