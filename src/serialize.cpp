@@ -7,6 +7,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <set>
@@ -40,12 +41,51 @@ Layers layers_of(const GPipe& model) {
   return layers;
 }
 
+constexpr const char* kExpected =
+    "expected an archive written by torch::save of a gpipe::GPipe or of a "
+    "torch::nn::Sequential (or by gpipe::save_as_sequential)";
+
+// `path` read into `archive`; LibTorch's own errors name neither the file
+// nor what it should have held.
+void read_archive(InputArchive& archive, const std::string& path) {
+  std::error_code error;
+  TORCH_CHECK_VALUE(
+      std::filesystem::is_regular_file(path, error),
+      "cannot read '",
+      path,
+      "': ",
+      std::filesystem::exists(path, error) ? "it is not a regular file"
+                                           : "there is no such file",
+      "; ",
+      kExpected);
+  TORCH_CHECK_VALUE(
+      std::filesystem::file_size(path, error) > 0 && !error,
+      "cannot read '",
+      path,
+      "': the file is empty; ",
+      kExpected);
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    std::string reason = e.what_without_backtrace();
+    reason = reason.substr(0, reason.find('\n'));
+    TORCH_CHECK_VALUE(
+        false,
+        "cannot read '",
+        path,
+        "' (",
+        reason,
+        "): it is truncated or not such an archive; ",
+        kExpected);
+  }
+}
+
 // The archive of each layer, by layer name, from an archive of a GPipe
 // (`partitions.<j>.<layer>`) or of a plain Sequential (`<layer>`).
 std::map<std::string, InputArchive> archived_layers(
     const std::string& path, const Layers& layers) {
   InputArchive archive;
-  archive.load_from(path);
+  read_archive(archive, path);
   std::set<std::string> names;
   for (const auto& layer : layers) {
     names.insert(layer.first);

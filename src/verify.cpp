@@ -1,8 +1,12 @@
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 #include <gpipe/verify.h>
+#include <torch/cuda.h>
 
 #include <unordered_map>
+
+#include "text.h"
 
 namespace gpipe {
 
@@ -48,10 +52,36 @@ void verify_devices(
   TORCH_CHECK_INDEX(
       static_cast<int64_t>(devices.size()) >= num_partitions,
       "too few devices to hold the partitions: expected at least ",
-      num_partitions,
-      " devices (one per partition), but got ",
+      detail::count_of(num_partitions, "device", "devices"),
+      " (one per partition), but got ",
       devices.size(),
       "; a device may be repeated, e.g. {torch::kCPU, torch::kCPU}");
+  // Before anything is placed: LibTorch's own error for a CUDA device it
+  // cannot reach is a dispatcher dump that names neither the option nor the
+  // way out.
+  for (const auto k : c10::irange(devices.size())) {
+    const auto& device = devices[k];
+    if (!device.is_cuda()) {
+      continue;
+    }
+    TORCH_CHECK_VALUE(
+        at::hasCUDA(),
+        "this LibTorch has no CUDA: devices[",
+        k,
+        "] is ",
+        device,
+        ", but LibTorch was built for the CPU only; use torch::kCPU, or "
+        "build against a CUDA LibTorch");
+    const auto count = static_cast<int64_t>(torch::cuda::device_count());
+    TORCH_CHECK_INDEX(
+        !device.has_index() || device.index() < count,
+        "devices[",
+        k,
+        "] is ",
+        device,
+        ", but this machine has ",
+        detail::count_of(count, "CUDA device", "CUDA devices"));
+  }
 }
 
 void verify_module(const torch::nn::Sequential& module) {

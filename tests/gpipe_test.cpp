@@ -122,6 +122,30 @@ TEST_F(GPipeTest, TooFewDevicesAreRefused) {
   EXPECT_TRUE(contains(message_of(make), "got 1")) << message_of(make);
 }
 
+TEST_F(GPipeTest, AnUnreachableCudaDeviceIsRefusedFirst) {
+  // Before anything is placed, with one line that says why, rather than
+  // LibTorch's dispatcher dump from the first copy.
+  auto net = two_linears();
+  const auto count = static_cast<int64_t>(torch::cuda::device_count());
+  const torch::Device beyond(
+      torch::kCUDA, static_cast<c10::DeviceIndex>(count));
+  auto make = [&] {
+    GPipe(net, GPipeOptions({1, 1}).devices({torch::kCPU, beyond}));
+  };
+  const auto msg = message_of(make);
+  if (at::hasCUDA()) {
+    EXPECT_THROW(make(), c10::IndexError);
+    EXPECT_TRUE(contains(msg, "devices[1] is cuda:")) << msg;
+  } else {
+    EXPECT_THROW(make(), c10::ValueError);
+    EXPECT_TRUE(
+        contains(msg, "this LibTorch has no CUDA: devices[1] is cuda:0"))
+        << msg;
+  }
+  // Nothing moved: the Sequential still runs on the CPU.
+  EXPECT_EQ(net->parameters()[0].device(), torch::Device(torch::kCPU));
+}
+
 TEST_F(GPipeTest, ExtraDevicesAreDropped) {
   torch::nn::Sequential net{
       torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};
@@ -399,6 +423,45 @@ TEST_F(GPipeTest, AutogradGradThroughTheOutputIsRefused) {
   auto y = model->forward(x);
   auto msg = message_of([&] { torch::autograd::grad({y.sum()}, {x}); });
   EXPECT_TRUE(contains(msg, "torch::autograd::grad")) << msg;
+  // Over the parameters, which the output's graph reaches only through the
+  // pipeline: refused the same way, also with allow_unused (not an undefined
+  // gradient) and for backward(inputs=...) (not a silent no-op).
+  const auto params = model->parameters();
+  auto loss = model->forward(x).sum();
+  msg = message_of([&] {
+    torch::autograd::grad({loss}, params, {}, /*retain_graph=*/true);
+  });
+  EXPECT_TRUE(contains(msg, "torch::autograd::grad")) << msg;
+  EXPECT_FALSE(contains(msg, "not have been used in the graph")) << msg;
+  msg = message_of([&] {
+    torch::autograd::grad(
+        {loss},
+        params,
+        {},
+        /*retain_graph=*/true,
+        /*create_graph=*/false,
+        /*allow_unused=*/true);
+  });
+  EXPECT_TRUE(contains(msg, "torch::autograd::grad")) << msg;
+  msg = message_of([&] {
+    torch::autograd::backward({loss}, {}, /*retain_graph=*/true, false, params);
+  });
+  EXPECT_TRUE(contains(msg, "backward(inputs=...)")) << msg;
+  // The model is still usable: a plain backward fills every .grad as the
+  // plain model's does.
+  auto plain = two_linears();
+  for (size_t k = 0; k < params.size(); ++k) {
+    torch::NoGradGuard no_grad;
+    plain->parameters()[k].copy_(params[k]);
+  }
+  auto fresh = model->forward(x.detach());
+  fresh.sum().backward();
+  plain->forward(x.detach()).sum().backward();
+  for (size_t k = 0; k < params.size(); ++k) {
+    EXPECT_TRUE(
+        torch::allclose(params[k].grad(), plain->parameters()[k].grad()))
+        << k;
+  }
 }
 
 TEST_F(GPipeTest, SecondBackwardNeedsRetainGraph) {

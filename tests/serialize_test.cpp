@@ -7,8 +7,11 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
+#include <utility>
 
 #include "common.h"
 
@@ -177,6 +180,55 @@ TEST_F(SerializeTest, AnotherModelIsRefusedAndLeftUnchanged) {
   message = error_of(with_bias);
   EXPECT_NE(message.find("no tensor '5.bias'"), std::string::npos) << message;
   EXPECT_THROW(load_into_sequential(net, path("missing.pt")), c10::Error);
+}
+
+TEST_F(SerializeTest, AnUnreadableFileIsNamedWithWhatWasExpected) {
+  auto net = make_net();
+  const auto saved = path("whole.pt");
+  torch::save(net, saved);
+  std::string bytes;
+  {
+    std::ifstream in(saved, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto empty = path("empty.pt");
+  std::ofstream(empty).close();
+  const auto truncated = path("truncated.pt");
+  std::ofstream(truncated, std::ios::binary)
+      << bytes.substr(0, bytes.size() / 2);
+  const auto text = path("text.pt");
+  std::ofstream(text) << "not an archive\n";
+  const auto missing = path("missing.pt");
+  const std::pair<std::string, std::string> cases[] = {
+      {missing, "there is no such file"},
+      {empty, "the file is empty"},
+      {truncated, "it is truncated or not such an archive"},
+      {text, "it is truncated or not such an archive"},
+      {::testing::TempDir(), "it is not a regular file"}};
+  for (const auto& [file, why] : cases) {
+    for (const bool into_gpipe : {false, true}) {
+      std::string msg = "no error";
+      auto before = net->parameters()[0].clone();
+      try {
+        if (into_gpipe) {
+          GPipe model(make_net(), GPipeOptions({3, 3}));
+          load_into_gpipe(model, file);
+        } else {
+          load_into_sequential(net, file);
+        }
+      } catch (const c10::ValueError& e) {
+        msg = e.what_without_backtrace();
+      }
+      EXPECT_NE(msg.find("cannot read '" + file + "'"), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find(why), std::string::npos) << msg;
+      EXPECT_NE(
+          msg.find("expected an archive written by torch::save"),
+          std::string::npos)
+          << msg;
+      EXPECT_TRUE(torch::equal(net->parameters()[0], before));
+    }
+  }
 }
 
 }  // namespace

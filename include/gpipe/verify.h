@@ -19,7 +19,8 @@ void verify_balance(const std::vector<int64_t>& balance, int64_t num_layers);
 /// `chunks` is at least 1.
 void verify_chunks(int64_t chunks);
 
-/// There is a device for every partition.
+/// There is a device for every partition, and every CUDA device among them
+/// exists (a LibTorch built without CUDA has none).
 void verify_devices(
     const std::vector<torch::Device>& devices, int64_t num_partitions);
 

@@ -8,6 +8,7 @@
 
 #include "engine/pipeline.h"
 #include "engine/runner.h"
+#include "engine/stage.h"
 
 namespace gpipe::detail {
 
@@ -53,8 +54,9 @@ class PipelineBackward : public torch::autograd::Node {
         exec_info == nullptr || exec_info->empty(),
         "gpipe::GPipe supports only backward() over all leaves: the pipelined "
         "backward accumulates every parameter's .grad, so "
-        "torch::autograd::grad "
-        "and backward(inputs=...) through a GPipe output are not supported");
+        "torch::autograd::grad (with or without allow_unused) and "
+        "backward(inputs=...) through a GPipe output are not supported; call "
+        "backward() and read each parameter's .grad");
     // The engine runs a node with grad mode on exactly when the backward
     // builds a graph of its own.
     TORCH_CHECK(
@@ -110,6 +112,8 @@ class PipelineBackward : public torch::autograd::Node {
               ? join_input_grad(dx, k, input_rows_, input.shape, input.options)
               : torch::Tensor());
     }
+    // Nothing for the parameters' edges (see connect_outputs).
+    dxs.resize(num_outputs());
     return dxs;
   }
 
@@ -197,6 +201,21 @@ Packet connect_outputs(
   if (next_slot == 0) {
     return gathered;
   }
+  // Edges to the parameters too, though their gradients reach .grad through
+  // the cells' own graphs (this node gives them none): so that
+  // torch::autograd::grad and backward(inputs=...) over parameters find
+  // this node on their path and run it, and it refuses them. Without the
+  // edges they would stop before it, with LibTorch's "appears to not have
+  // been used in the graph" or, under allow_unused, a silently undefined
+  // gradient.
+  auto edges = torch::autograd::collect_next_edges(original_inputs);
+  for (const auto j : c10::irange(pipeline->size())) {
+    for (const auto& p : pipeline->stage(j).module()->parameters()) {
+      if (p.requires_grad()) {
+        edges.push_back(torch::autograd::impl::gradient_edge(p));
+      }
+    }
+  }
   auto node = std::shared_ptr<PipelineBackward>(
       new PipelineBackward(
           std::move(pipeline),
@@ -205,7 +224,7 @@ Packet connect_outputs(
           original_inputs,
           std::move(input_rows)),
       torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(original_inputs));
+  node->set_next_edges(std::move(edges));
   for (const auto k : c10::irange(width)) {
     if (requires[k] && is_differentiable(gathered.tensors[k])) {
       torch::autograd::set_history(gathered.tensors[k], node);
