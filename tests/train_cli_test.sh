@@ -143,16 +143,34 @@ if [[ $mode == bad ]]; then
   bad --plan "${d[@]}" --plan "$tmp/deadlock.csv"
   printf '0F0,1F0,1B0,0B0\n' >"$tmp/one-lane.csv"
   bad --plan "${d[@]}" --plan "$tmp/one-lane.csv"
+  # A plan of 2 micro-batches against --chunks given otherwise (it used to
+  # train nothing and exit 0): both numbers named.
+  printf '0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n' >"$tmp/two.csv"
+  bad "--chunks is 4" "${d[@]}" --plan "$tmp/two.csv" --chunks 4
+  bad "for 2 micro-batches, but --chunks is 8" "${d[@]}" --plan "$tmp/two.csv" --chunks 8
+  bad "more than --batch-size 1" "${d[@]}" --plan "$tmp/two.csv" --batch-size 1
+  printf '0F1000000000,0B0\n' >"$tmp/huge.csv"
+  bad "out of range" "${d[@]}" --plan "$tmp/huge.csv"
 
   bad --lr-schedule "${d[@]}" --lr-schedule linear
   bad --devices "${d[@]}" --devices gpu:0,cpu
   bad --devices "${d[@]}" --devices cpu
   bad --devices "${d[@]}" --devices cpu,cpu,
+  # A CUDA device this LibTorch cannot reach: one line before anything is
+  # built, not the dispatcher's dump (99 is past any machine's count).
+  bad --devices "${d[@]}" --devices cuda:98,cuda:99
 
   # Saving and loading weights.
   bad --save "${d[@]}" --save "$tmp/no-such-folder/m.pt"
   bad --save "${d[@]}" --save "$tmp"
   bad --load "${d[@]}" --load "$tmp/no-such-model.pt"
+  # Files that are not archives: named, with what was expected, before the
+  # data is read (the fake data set would fail first otherwise).
+  : >"$tmp/empty.pt"
+  bad "--load '$tmp/empty.pt': cannot read '$tmp/empty.pt': the file is empty; expected an archive" \
+    "${d[@]}" --load "$tmp/empty.pt"
+  printf 'PK\003\004 not really a zip' >"$tmp/corrupt.pt"
+  bad "it is truncated or not such an archive" "${d[@]}" --load "$tmp/corrupt.pt"
   bad --resume "${d[@]}" --resume
   bad --resume "${d[@]}" --resume --save "$tmp/m.pt" --load "$tmp/m.pt"
 
@@ -167,18 +185,25 @@ if [[ $mode == bad ]]; then
   bad --stages-per-lane "${d[@]}" --stages-per-lane 0
   bad --save "${d[@]}" --schedule 1f1b --save "$tmp/m.pt"
   bad --devices "${d[@]}" --schedule 1f1b --devices cpu,cpu
+  bad "for 2 micro-batches, but --chunks is 8" "${d[@]}" --plan "$tmp/two.csv" --chunks 8
   export WORLD_SIZE=two
   bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0
   bad WORLD_SIZE "${d[@]}"
   unset WORLD_SIZE
 
-  # --help still prints the flags and exits 0.
+  # --help still prints the flags and exits 0, each option with its
+  # default.
   run --help
   if [[ $status -ne 0 ]] || ! grep -qF -- --threads-per-lane "$tmp/out"; then
     fail "gpipe-train --help exited $status; stdout: $(head -c 500 "$tmp/out")"
+  elif ! grep -qE -- '--chunks INT=4 ' "$tmp/out" ||
+    ! grep -qE -- '--lr FLOAT=0\.05 ' "$tmp/out" ||
+    ! grep -qE -- '--checkpoint TEXT:\{[a-z_,]+\}=except_last$' "$tmp/out" ||
+    ! grep -qE -- '--data-dir TEXT=/usr/share/datasets/fashion-mnist$' "$tmp/out"; then
+    fail "gpipe-train --help does not show the defaults: $(grep -E -- '--(chunks|lr|checkpoint|data-dir) ' "$tmp/out")"
   else
-    echo "ok: --help"
+    echo "ok: --help, with defaults: $(grep -E -- '--chunks ' "$tmp/out")"
   fi
 elif [[ $mode == run ]]; then
   if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
@@ -194,8 +219,12 @@ elif [[ $mode == run ]]; then
     fail "a valid run printed no JSON summary of 4 steps: $(cat "$tmp/out")"
   elif [[ ! -s $tmp/t.json || ! -s $tmp/t.svg ]]; then
     fail "a valid run wrote no trace: $(cat "$tmp/out")"
-  elif ! grep -q '^balance_by_time chose \[[0-9]*, [0-9]*\] from per-layer ms' "$tmp/out"; then
-    fail "a run without --balance did not say which balance it chose: $(head -3 "$tmp/out")"
+  elif ! grep -q '^balance_by_time chose \[[0-9]*, [0-9]*\] from per-layer ms' "$tmp/err"; then
+    fail "a run without --balance did not say which balance it chose: $(head -3 "$tmp/err")"
+  elif grep -qv '^{.*}$' "$tmp/out"; then
+    fail "--json left other lines than JSON on stdout: $(grep -v '^{.*}$' "$tmp/out" | head -3)"
+  elif ! grep -q '^epoch 1 done: test accuracy' "$tmp/err"; then
+    fail "--json: the progress did not go to stderr: $(head -3 "$tmp/err")"
   else
     echo "ok: valid run: $(tail -n 1 "$tmp/out")"
   fi
@@ -220,6 +249,26 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --plan: $(tail -n 1 "$tmp/out")"
   fi
+  # A plan of 2 micro-batches without --chunks: --chunks is the plan's, said
+  # so, and every batch trains (it used to train none and exit 0).
+  {
+    echo "0F0,0F1,0B0,0B1"
+    echo "1F0,1B0,1F1,1B1"
+  } >"$tmp/two.csv"
+  run --data-dir "$data" --epochs 1 --limit 256 --json --plan "$tmp/two.csv"
+  if [[ $status -ne 0 ]] || ! grep -q '"chunks":2,.*"steps":4' "$tmp/out" ||
+    ! grep -qF -- "--chunks 2: the micro-batches of --plan $tmp/two.csv" "$tmp/err"; then
+    fail "--plan of 2 micro-batches without --chunks exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
+  else
+    echo "ok: --plan of 2 micro-batches: $(grep -o '"chunks":2' "$tmp/out")"
+  fi
+  # A run whose loss stops being finite ends with exit 1, naming the step.
+  run --data-dir "$data" --epochs 1 --limit 256 --balance 6,7 --lr 1e30
+  if [[ $status -ne 1 ]] || ! grep -qE 'gpipe-train: the loss is -?(nan|inf) at step [0-9]+ \(epoch 1\)' "$tmp/err"; then
+    fail "--lr 1e30 exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
+  else
+    echo "ok: --lr 1e30 -> $(cat "$tmp/err")"
+  fi
   # A learning-rate schedule and DeferredBatchNorm: the last step's rate
   # is cosine's, and the run trains.
   run --data-dir "$data" --epochs 1 --limit 256 --json --balance 6,7 \
@@ -234,7 +283,7 @@ elif [[ $mode == run ]]; then
   # --save after each epoch, and --load of it into another balance goes on
   # from those weights (a lower loss than from scratch on the same steps).
   run --data-dir "$data" --epochs 2 --limit 512 --json --save "$tmp/m.pt"
-  if [[ $status -ne 0 ]] || ! grep -q "saved the model to $tmp/m.pt" "$tmp/out" ||
+  if [[ $status -ne 0 ]] || ! grep -q "saved the model to $tmp/m.pt" "$tmp/err" ||
     [[ ! -s $tmp/m.pt ]]; then
     fail "--save exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
@@ -242,7 +291,7 @@ elif [[ $mode == run ]]; then
   fi
   run --data-dir "$data" --epochs 1 --limit 256 --json --balance 5,8 --load "$tmp/m.pt"
   loaded=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/out" | cut -d: -f2)
-  if [[ $status -ne 0 ]] || ! grep -q "loaded weights from $tmp/m.pt" "$tmp/out"; then
+  if [[ $status -ne 0 ]] || ! grep -q "loaded weights from $tmp/m.pt" "$tmp/err"; then
     fail "--load exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
     run --data-dir "$data" --epochs 1 --limit 256 --json --balance 5,8
@@ -253,13 +302,10 @@ elif [[ $mode == run ]]; then
       echo "ok: --load: accuracy $loaded against $fresh from scratch"
     fi
   fi
-  # A file of another model: exit 1 with the reason.
-  run --data-dir "$data" --epochs 1 --limit 256 --model resnet --load "$tmp/m.pt"
-  if [[ $status -ne 1 ]] || ! grep -qF "'$tmp/m.pt' has" "$tmp/err"; then
-    fail "--load of another model exited $status: $(cat "$tmp/err")"
-  else
-    echo "ok: --load of another model -> $(cat "$tmp/err")"
-  fi
+  # A file of another model: a bad --load, with the reason, before the
+  # balance is measured.
+  bad "--load '$tmp/m.pt': '$tmp/m.pt' has" --data-dir "$data" --epochs 1 \
+    --limit 256 --model resnet --load "$tmp/m.pt"
 
   # --resume: a run stopped after epoch 1 and resumed ends exactly as one
   # that never stopped (weights, optimizer, random state and step count).
@@ -268,12 +314,12 @@ elif [[ $mode == run ]]; then
   ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$tmp/out" | tr '\n' ' '; }
   straight=$(ending)
   run "${r[@]}" --epochs 1 --save "$tmp/r.pt" --resume
-  if [[ $status -ne 0 ]] || ! grep -q "nothing saved at $tmp/r.pt yet" "$tmp/out"; then
+  if [[ $status -ne 0 ]] || ! grep -q "nothing saved at $tmp/r.pt yet" "$tmp/err"; then
     fail "--resume with nothing saved exited $status: $(cat "$tmp/err") $(head -2 "$tmp/out")"
   fi
   run "${r[@]}" --epochs 2 --save "$tmp/r.pt" --resume
   resumed=$(ending)
-  if [[ $status -ne 0 ]] || ! grep -q "resumed from $tmp/r.pt after epoch 1 (step 8)" "$tmp/out" ||
+  if [[ $status -ne 0 ]] || ! grep -q "resumed from $tmp/r.pt after epoch 1 (step 8)" "$tmp/err" ||
     [[ -z $straight || $resumed != "$straight" ]]; then
     fail "--resume exited $status, ended with '$resumed', straight '$straight': $(cat "$tmp/err")"
   else

@@ -22,6 +22,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -46,7 +47,30 @@ int train(const Args& args) {
   const int64_t ranks = world ? world->size() : 1;
   const bool lead = rank == 0;
   const bool last = rank == ranks - 1;
+  std::FILE* out = text_out(args);
+  if (args.chunks_from_plan && lead) {
+    std::fprintf(
+        out,
+        "--chunks %lld: the micro-batches of --plan %s\n",
+        static_cast<long long>(args.chunks),
+        args.plan_path.c_str());
+  }
   torch::manual_seed(args.seed);
+  // The model first (reading the data draws no random numbers), so that a
+  // bad --load is told before the data is read or the balance measured.
+  const auto& spec = model_spec(args.model);
+  auto net = make_model(spec);
+  if (!args.load_path.empty()) {
+    // Into the plain model, before the balance is measured on it: a file
+    // that cannot be read, or holds another model, is a bad --load.
+    try {
+      gpipe::load_into_sequential(net, args.load_path);
+    } catch (const c10::Error& e) {
+      throw UsageError(c10::str(
+          "--load '", args.load_path, "': ", e.what_without_backtrace()));
+    }
+    std::fprintf(out, "loaded weights from %s\n", args.load_path.c_str());
+  }
   auto data = gpipe_data::read_fashion_mnist(args.data_dir);
   auto train_x = data.train_x;
   auto train_y = data.train_y;
@@ -70,8 +94,8 @@ int train(const Args& args) {
         "--trace-steps ",
         args.trace_steps,
         " needs more than ",
-        args.trace_steps,
-        " steps (the first one is not recorded), but --epochs ",
+        count_of(args.trace_steps, "step", "steps"),
+        " (the first one is not recorded), but --epochs ",
         epochs,
         " of ",
         n,
@@ -82,8 +106,6 @@ int train(const Args& args) {
         "; lower --trace-steps or raise --epochs or --limit"));
   }
 
-  const auto& spec = model_spec(args.model);
-  auto net = make_model(spec);
   const auto balance =
       args.balance_given
           ? args.balance
@@ -107,10 +129,6 @@ int train(const Args& args) {
   } else {
     model = gpipe::GPipe(net, lane_options);
     module = model.get();
-    if (!args.load_path.empty()) {
-      gpipe::load_into_gpipe(model, args.load_path);
-      std::cout << "loaded weights from " << args.load_path << std::endl;
-    }
   }
   torch::optim::SGD optimizer(
       module->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
@@ -121,7 +139,8 @@ int train(const Args& args) {
       args.resume ? resume_training(args, model, optimizer) : Resumed{};
   if (resumed.epochs_done >= epochs) {
     if (lead) {
-      std::printf(
+      std::fprintf(
+          out,
           "--resume: the saved run has done %lld epochs of --epochs %lld; "
           "nothing left to train\n",
           static_cast<long long>(resumed.epochs_done),
@@ -147,8 +166,8 @@ int train(const Args& args) {
         "--trace-steps ",
         args.trace_steps,
         " needs more than ",
-        args.trace_steps,
-        " steps (the first one is not recorded), but --resume leaves ",
+        count_of(args.trace_steps, "step", "steps"),
+        " (the first one is not recorded), but --resume leaves ",
         epochs - resumed.epochs_done,
         " of --epochs ",
         epochs,
@@ -157,18 +176,25 @@ int train(const Args& args) {
         " steps; lower --trace-steps or raise --epochs"));
   }
   if (args.resume && lead) {
-    std::cout << "resumed from " << args.save_path << " after epoch "
-              << resumed.epochs_done << " (step " << resumed.steps_done << ")"
-              << std::endl;
+    std::fprintf(
+        out,
+        "resumed from %s after epoch %lld (step %lld)\n",
+        args.save_path.c_str(),
+        static_cast<long long>(resumed.epochs_done),
+        static_cast<long long>(resumed.steps_done));
   }
   const auto out_device = world ? stage->device() : model->devices().back();
-  if (world) {
-    stage->pretty_print(std::cout);
-    std::cout << " ranks=" << ranks << " train=" << n
-              << " test=" << test_x.size(0) << std::endl;
-  } else {
-    std::cout << *model << " threads_per_lane=" << model->threads_per_lane()
-              << " train=" << n << " test=" << test_x.size(0) << std::endl;
+  {
+    std::ostringstream line;
+    if (world) {
+      stage->pretty_print(line);
+      line << " ranks=" << ranks;
+    } else {
+      line << *model << " threads_per_lane=" << model->threads_per_lane();
+    }
+    line << " train=" << n << " test=" << test_x.size(0);
+    std::fprintf(out, "%s\n", line.str().c_str());
+    std::fflush(out);
   }
   auto set_trace = [&](std::shared_ptr<gpipe::Trace> t) {
     if (world) {
@@ -258,7 +284,8 @@ int train(const Args& args) {
         if (!args.timeline_path.empty()) {
           trace->write_svg(args.timeline_path);
         }
-        std::printf(
+        std::fprintf(
+            out,
             "wrote %zu traced intervals of steps 2-%lld%s%s%s%s\n",
             trace->events().size(),
             static_cast<long long>(step),
@@ -270,16 +297,30 @@ int train(const Args& args) {
       }
       window_samples += idx.size(0);
       last_loss = loss.item<double>();
+      // As a trainer should: a loss that is no longer finite ends the run
+      // (every rank has the loss, so every rank stops here).
+      TORCH_CHECK(
+          std::isfinite(last_loss),
+          "the loss is ",
+          last_loss,
+          " at step ",
+          step,
+          " (epoch ",
+          epoch + 1,
+          "): training diverged; lower --lr (",
+          args.lr,
+          ") or check the data");
       if (lead && step % args.log_every == 0) {
         const double secs =
             std::chrono::duration<double>(Clock::now() - window_start).count();
-        std::printf(
+        std::fprintf(
+            out,
             "epoch %lld step %lld loss %.4f samples/s %.1f\n",
             static_cast<long long>(epoch + 1),
             static_cast<long long>(step),
             last_loss,
             window_samples / secs);
-        std::fflush(stdout);
+        std::fflush(out);
         window_start = Clock::now();
         window_samples = 0;
       }
@@ -313,28 +354,33 @@ int train(const Args& args) {
     if (!lead) {
       continue;
     }
-    std::printf(
-        "epoch %lld done: test accuracy %.4f, lr %.5f, elapsed %.1f s\n",
+    std::fprintf(
+        out,
+        "epoch %lld done: test accuracy %.4f, lr %.6g, elapsed %.1f s\n",
         static_cast<long long>(epoch + 1),
         accuracy,
         lr,
         total);
     if (!args.save_path.empty()) {
       save_training(args, model, optimizer, epoch + 1, step);
-      std::printf(
+      std::fprintf(
+          out,
           "saved the model to %s (training state: %s)\n",
           args.save_path.c_str(),
           state_path(args).c_str());
     }
     if (skipped_batches > 0) {
-      std::printf(
-          "left out %lld short batches: they cut into fewer micro-batches "
-          "than --plan has\n",
-          static_cast<long long>(skipped_batches));
+      std::fprintf(
+          out,
+          "left out %lld short %s: %s into fewer micro-batches than --plan "
+          "has\n",
+          static_cast<long long>(skipped_batches),
+          skipped_batches == 1 ? "batch" : "batches",
+          skipped_batches == 1 ? "it cuts" : "they cut");
       skipped_batches = 0;
     }
     if (epoch + 1 == epochs) {
-      std::printf("total time %.1f s\n", total);
+      std::fprintf(out, "total time %.1f s\n", total);
       if (args.json) {
         nlohmann::json summary = {
             {"model", args.model},
@@ -375,6 +421,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "Train a CNN, ResNet or U-Net on Fashion-MNIST with GPipe pipeline "
       "parallelism"};
+  // --help shows every option's default beside it.
+  app.option_defaults()->always_capture_default();
   Args args;
   add_options(app, args);
   add_save_options(app, args);

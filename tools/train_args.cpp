@@ -199,7 +199,11 @@ void add_options(CLI::App& app, Args& args) {
       ->check(int64);
   app.add_option("--seed", args.seed, "Random seed")
       ->check(decimal<uint64_t>());
-  app.add_flag("--json", args.json, "Print one final JSON summary line");
+  app.add_flag(
+      "--json",
+      args.json,
+      "Print a JSON summary line at the end; standard output then holds "
+      "only it, and every other line goes to standard error");
   app.add_option(
          "--schedule",
          args.schedule,
@@ -329,8 +333,8 @@ void verify_args(const CLI::App& app, Args& args) {
         "--balance '",
         args.balance_text,
         "' has ",
-        n,
-        " entries, but --partitions is ",
+        count_of(n, "entry", "entries"),
+        ", but --partitions is ",
         args.partitions,
         "; give one entry per partition or leave out --partitions");
     int64_t sum = 0;
@@ -365,8 +369,8 @@ void verify_args(const CLI::App& app, Args& args) {
         "--balance '",
         args.balance_text,
         "' has ",
-        n,
-        " entries, but the launcher started ",
+        count_of(n, "entry", "entries"),
+        ", but the launcher started ",
         args.world_size,
         " ranks (WORLD_SIZE) with ",
         args.stages_per_lane,

@@ -9,6 +9,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
@@ -40,6 +41,11 @@ void usage_check(bool condition, const Args&... args) {
   if (!condition) {
     throw UsageError(c10::str(args...));
   }
+}
+
+/// "1 lane", "3 lanes": `n` and the noun that agrees with it.
+inline std::string count_of(int64_t n, const char* one, const char* many) {
+  return c10::str(n, ' ', n == 1 ? one : many);
 }
 
 // The exit status of a bad command line, as for most Unix tools.
@@ -92,6 +98,8 @@ struct Args {
   // checked by verify_args.
   std::string plan_path;
   gpipe::Plan plan;
+  // --chunks was left out and taken from --plan's micro-batches.
+  bool chunks_from_plan = false;
   std::string trace_path;
   std::string timeline_path;
   int64_t trace_steps = 3;
@@ -121,6 +129,12 @@ struct Resumed {
   int64_t steps_done = 0;
 };
 
+/// Where the run's text goes: standard output, or with --json standard
+/// error, so that standard output holds only the JSON lines.
+inline std::FILE* text_out(const Args& args) {
+  return args.json ? stderr : stdout;
+}
+
 /// WORLD_SIZE from the environment (1 when unset); a malformed value is a
 /// UsageError.
 int64_t world_size_from_env();
@@ -130,8 +144,9 @@ void add_options(CLI::App& app, Args& args);
 /// Checks every flag (throws UsageError) and fills `args.balance`.
 void verify_args(const CLI::App& app, Args& args);
 /// --plan (train_plan.cpp): reads the file, checks it against
-/// args.partitions and args.stages_per_lane (throws UsageError), and sets
-/// args.plan and args.schedule "plan". Nothing without --plan.
+/// args.partitions, args.stages_per_lane and --chunks (which, left out,
+/// becomes the plan's micro-batches) (throws UsageError), and sets args.plan
+/// and args.schedule "plan". Nothing without --plan.
 void read_plan(const CLI::App& app, Args& args);
 /// --devices (train_devices.cpp): the flag, and its check, which fills
 /// args.devices (throws UsageError); after verify_args.

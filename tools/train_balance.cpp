@@ -111,8 +111,8 @@ std::vector<int64_t> choose_balance(
       text.precision(2);
       text << c * 1000.0;
     }
-    std::printf("%s\n", text.str().c_str());
-    std::fflush(stdout);
+    std::fprintf(text_out(args), "%s\n", text.str().c_str());
+    std::fflush(text_out(args));
   }
   return balance;
 }

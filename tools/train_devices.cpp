@@ -4,6 +4,7 @@
 // two partitions).
 
 #include <c10/util/Exception.h>
+#include <gpipe/verify.h>
 #include <torch/cuda.h>
 #include <torch/types.h>
 
@@ -63,10 +64,18 @@ void verify_devices_option(const CLI::App& app, Args& args) {
       "--devices '",
       text,
       "' names ",
-      args.devices.size(),
-      " devices, but the pipeline has ",
-      lanes,
-      " lanes (partitions / stages per lane); give one per lane");
+      count_of(static_cast<int64_t>(args.devices.size()), "device", "devices"),
+      ", but the pipeline has ",
+      count_of(lanes, "lane", "lanes"),
+      " (partitions / stages per lane); give one per lane");
+  // The library's own rule (a CUDA device this LibTorch cannot reach),
+  // before anything is built.
+  try {
+    gpipe::verify_devices(args.devices, lanes);
+  } catch (const c10::Error& e) {
+    throw UsageError(
+        c10::str("--devices '", text, "': ", e.what_without_backtrace()));
+  }
 }
 
 }  // namespace gpipe_train

@@ -35,18 +35,48 @@ void read_plan(const CLI::App& app, Args& args) {
         static_cast<int64_t>(args.plan.lanes.size()) == lanes &&
             args.plan.stages == args.partitions,
         "it has ",
-        args.plan.stages,
-        " stages on ",
-        args.plan.lanes.size(),
-        " rows (lanes), but the pipeline has ",
-        args.partitions,
-        " partitions on ",
-        lanes,
-        " lanes");
+        count_of(args.plan.stages, "stage", "stages"),
+        " on ",
+        count_of(
+            static_cast<int64_t>(args.plan.lanes.size()),
+            "row (lane)",
+            "rows (lanes)"),
+        ", but the pipeline has ",
+        count_of(args.partitions, "partition", "partitions"),
+        " on ",
+        count_of(lanes, "lane", "lanes"));
   } catch (const c10::Error& e) {
     usage_check(
         false, "--plan '", args.plan_path, "': ", e.what_without_backtrace());
   }
+  // Every mini-batch must cut into the plan's micro-batches, or no step
+  // would run: --chunks defaults to the plan's count, and a --chunks given
+  // must agree with it.
+  const auto m = args.plan.micro_batches;
+  if (m != args.chunks) {
+    usage_check(
+        app.count("--chunks") == 0,
+        "--plan '",
+        args.plan_path,
+        "' is for ",
+        count_of(m, "micro-batch", "micro-batches"),
+        ", but --chunks is ",
+        args.chunks,
+        "; give --chunks ",
+        m,
+        " or leave --chunks out");
+    args.chunks = m;
+    args.chunks_from_plan = true;
+  }
+  usage_check(
+      args.chunks <= args.batch_size,
+      "--plan '",
+      args.plan_path,
+      "' is for ",
+      count_of(m, "micro-batch", "micro-batches"),
+      ", more than --batch-size ",
+      args.batch_size,
+      "; every micro-batch needs at least one sample");
   args.schedule = "plan";
 }
 

@@ -172,8 +172,10 @@ Resumed resume_training(
     const Args& args, gpipe::GPipe& model, torch::optim::Optimizer& optimizer) {
   std::error_code error;
   if (!fs::exists(args.save_path, error)) {
-    std::cout << "--resume: nothing saved at " << args.save_path
-              << " yet; training from epoch 1" << std::endl;
+    std::fprintf(
+        text_out(args),
+        "--resume: nothing saved at %s yet; training from epoch 1\n",
+        args.save_path.c_str());
     return {};
   }
   const auto path = state_path(args);
