@@ -44,7 +44,7 @@ TEST_F(ConcurrencyTest, ForwardBackwardAndTrainStepFromTwoThreads) {
   constexpr int kSteps = 60;
   // Inputs are drawn before the threads start: drawing from LibTorch's
   // default generator on another thread while a pipeline runs is the
-  // user's race (see README, "Random numbers").
+  // user's race (see docs/guide.md, "Random layers").
   std::vector<torch::Tensor> xs;
   std::vector<torch::Tensor> ys;
   for (int s = 0; s < 4 * kSteps; ++s) {
