@@ -94,6 +94,7 @@ if [[ $mode == bad ]]; then
   bad --threads-per-lane "${d[@]}" --threads-per-lane -1
   bad --threads-per-lane "${d[@]}" --threads-per-lane 1025
   bad --limit "${d[@]}" --limit -1
+  bad --test-limit "${d[@]}" --test-limit -1
   bad --log-every "${d[@]}" --log-every -5
   bad --seed "${d[@]}" --seed -1
   bad --seed "${d[@]}" --seed 99999999999999999999
@@ -206,12 +207,14 @@ if [[ $mode == bad ]]; then
     echo "ok: --help, with defaults: $(grep -E -- '--chunks ' "$tmp/out")"
   fi
 elif [[ $mode == run ]]; then
+  # Every run evaluates on 1,000 test images (--test-limit): enough to
+  # tell trained weights from fresh ones, a tenth of the time.
   if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
     echo "skipped: no Fashion-MNIST in $data"
     exit 77
   fi
   # One epoch over 256 images: 4 steps of 64, steps 2-4 traced.
-  run --data-dir "$data" --epochs 1 --limit 256 --json \
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json \
     --trace "$tmp/t.json" --timeline "$tmp/t.svg"
   if [[ $status -ne 0 ]]; then
     fail "a valid run exited $status: $(cat "$tmp/err")"
@@ -231,7 +234,7 @@ elif [[ $mode == run ]]; then
   # The new schedules, and a plan written by hand (4 micro-batches on 2
   # lanes, zero-bubble style), run.
   for schedule in interleaved zero_bubble; do
-    run --data-dir "$data" --epochs 1 --limit 256 --json --partitions 4 \
+    run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --partitions 4 \
       --schedule "$schedule"
     if [[ $status -ne 0 ]] || ! grep -q '"steps":4' "$tmp/out"; then
       fail "--schedule $schedule exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
@@ -243,7 +246,7 @@ elif [[ $mode == run ]]; then
     echo "0F0,0F1,0B0,0W0,0F2,0B1,0W1,0F3,0B2,0W2,0B3,0W3"
     echo "1F0,1B0,1F1,1B1,1W0,1F2,1B2,1W1,1F3,1B3,1W2,1W3"
   } >"$tmp/zb.csv"
-  run --data-dir "$data" --epochs 1 --limit 256 --json --plan "$tmp/zb.csv"
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --plan "$tmp/zb.csv"
   if [[ $status -ne 0 ]] || ! grep -q '"schedule":"plan"' "$tmp/out"; then
     fail "--plan exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
@@ -255,7 +258,7 @@ elif [[ $mode == run ]]; then
     echo "0F0,0F1,0B0,0B1"
     echo "1F0,1B0,1F1,1B1"
   } >"$tmp/two.csv"
-  run --data-dir "$data" --epochs 1 --limit 256 --json --plan "$tmp/two.csv"
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --plan "$tmp/two.csv"
   if [[ $status -ne 0 ]] || ! grep -q '"chunks":2,.*"steps":4' "$tmp/out" ||
     ! grep -qF -- "--chunks 2: the micro-batches of --plan $tmp/two.csv" "$tmp/err"; then
     fail "--plan of 2 micro-batches without --chunks exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
@@ -263,7 +266,7 @@ elif [[ $mode == run ]]; then
     echo "ok: --plan of 2 micro-batches: $(grep -o '"chunks":2' "$tmp/out")"
   fi
   # A run whose loss stops being finite ends with exit 1, naming the step.
-  run --data-dir "$data" --epochs 1 --limit 256 --balance 6,7 --lr 1e30
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --balance 6,7 --lr 1e30
   if [[ $status -ne 1 ]] || ! grep -qE 'gpipe-train: the loss is -?(nan|inf) at step [0-9]+ \(epoch 1\)' "$tmp/err"; then
     fail "--lr 1e30 exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
   else
@@ -271,7 +274,7 @@ elif [[ $mode == run ]]; then
   fi
   # A learning-rate schedule and DeferredBatchNorm: the last step's rate
   # is cosine's, and the run trains.
-  run --data-dir "$data" --epochs 1 --limit 256 --json --balance 6,7 \
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --balance 6,7 \
     --lr-schedule cosine --deferred-batch-norm --devices cpu,cpu
   lr=$(grep -o '"final_lr":[0-9.e-]*' "$tmp/out" | cut -d: -f2)
   if [[ $status -ne 0 ]] || ! grep -q '"deferred_batch_norm":true' "$tmp/out" ||
@@ -282,19 +285,19 @@ elif [[ $mode == run ]]; then
   fi
   # --save after each epoch, and --load of it into another balance goes on
   # from those weights (a lower loss than from scratch on the same steps).
-  run --data-dir "$data" --epochs 2 --limit 512 --json --save "$tmp/m.pt"
+  run --data-dir "$data" --epochs 2 --limit 512 --test-limit 1000 --json --save "$tmp/m.pt"
   if [[ $status -ne 0 ]] || ! grep -q "saved the model to $tmp/m.pt" "$tmp/err" ||
     [[ ! -s $tmp/m.pt ]]; then
     fail "--save exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
     echo "ok: --save"
   fi
-  run --data-dir "$data" --epochs 1 --limit 256 --json --balance 5,8 --load "$tmp/m.pt"
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --balance 5,8 --load "$tmp/m.pt"
   loaded=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/out" | cut -d: -f2)
   if [[ $status -ne 0 ]] || ! grep -q "loaded weights from $tmp/m.pt" "$tmp/err"; then
     fail "--load exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
-    run --data-dir "$data" --epochs 1 --limit 256 --json --balance 5,8
+    run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --balance 5,8
     fresh=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/out" | cut -d: -f2)
     if ! awk -v a="$loaded" -v b="$fresh" 'BEGIN { exit !(a > b) }'; then
       fail "--load did not start from the saved weights: accuracy $loaded, from scratch $fresh"
@@ -305,11 +308,11 @@ elif [[ $mode == run ]]; then
   # A file of another model: a bad --load, with the reason, before the
   # balance is measured.
   bad "--load '$tmp/m.pt': '$tmp/m.pt' has" --data-dir "$data" --epochs 1 \
-    --limit 256 --model resnet --load "$tmp/m.pt"
+    --limit 256 --test-limit 1000 --model resnet --load "$tmp/m.pt"
 
   # --resume: a run stopped after epoch 1 and resumed ends exactly as one
   # that never stopped (weights, optimizer, random state and step count).
-  r=(--data-dir "$data" --limit 512 --json --balance 6,7 --schedule 1f1b)
+  r=(--data-dir "$data" --limit 512 --test-limit 1000 --json --balance 6,7 --schedule 1f1b)
   run "${r[@]}" --epochs 2 --save "$tmp/straight.pt"
   ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$tmp/out" | tr '\n' ' '; }
   straight=$(ending)
@@ -362,7 +365,7 @@ elif [[ $mode == run ]]; then
   fi
 
   # Too few steps to trace is known only once the data is read: still 2.
-  bad --trace-steps --data-dir "$data" --epochs 1 --limit 256 \
+  bad --trace-steps --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 \
     --trace "$tmp/t.json" --trace-steps 4
 else
   echo "usage: $0 GPIPE_TRAIN bad|run [DATA_DIR]"

@@ -80,6 +80,10 @@ int train(const Args& args) {
     train_x = train_x.narrow(0, 0, args.limit);
     train_y = train_y.narrow(0, 0, args.limit);
   }
+  if (args.test_limit > 0 && args.test_limit < test_x.size(0)) {
+    test_x = test_x.narrow(0, 0, args.test_limit);
+    test_y = test_y.narrow(0, 0, args.test_limit);
+  }
   const int64_t n = train_x.size(0);
   const int64_t batch_size = args.batch_size;
   const int64_t epochs = args.epochs;
@@ -399,6 +403,7 @@ int train(const Args& args) {
             {"batch_size", batch_size},
             {"steps", step},
             {"train_samples", n},
+            {"test_samples", test_x.size(0)},
             {"final_loss", last_loss},
             {"test_accuracy", accuracy},
             {"train_seconds", train_seconds},

@@ -193,6 +193,11 @@ void add_options(CLI::App& app, Args& args) {
          "--limit", args.limit, "Use only the first N training images (0: all)")
       ->check(int64);
   app.add_option(
+         "--test-limit",
+         args.test_limit,
+         "Evaluate on only the first N test images (0: all)")
+      ->check(int64);
+  app.add_option(
          "--log-every",
          args.log_every,
          "Print progress every N steps (at least 1)")
@@ -274,6 +279,10 @@ void verify_args(const CLI::App& app, Args& args) {
       args.limit >= 0,
       "--limit must be 0 (all images) or positive, but got ",
       args.limit);
+  usage_check(
+      args.test_limit >= 0,
+      "--test-limit must be 0 (all images) or positive, but got ",
+      args.test_limit);
   usage_check(
       args.log_every >= 1,
       "--log-every must be at least 1, but got ",

@@ -87,6 +87,8 @@ struct Args {
   bool deferred_batch_norm = false;
   int64_t threads_per_lane = 0;
   int64_t limit = 0;
+  // --test-limit: evaluate on the first N test images only (0: all).
+  int64_t test_limit = 0;
   int64_t log_every = 100;
   uint64_t seed = 0;
   bool json = false;

@@ -233,7 +233,7 @@ case $mode in
     # 1F1B with a partition per rank; interleaved with two per rank (one
     # process: 4 partitions on 2 lanes).
     for schedule in 1f1b interleaved; do
-    args=(--data-dir "$data" --limit 640 --epochs 1 --batch-size 64
+    args=(--data-dir "$data" --limit 640 --test-limit 1000 --epochs 1 --batch-size 64
       --chunks 4 --schedule $schedule --json --log-every 5)
     # (A balance given: the default one is measured, on each run anew.)
     single_args=(--balance 6,7)
