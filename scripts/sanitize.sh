@@ -6,7 +6,7 @@
 # CMakeLists.txt). Needs the packages scripts/setup.sh installs.
 #
 #   scripts/sanitize.sh               the whole suite
-#   scripts/sanitize.sh -E Models     extra arguments go to ctest
+#   scripts/sanitize.sh -E models     extra arguments go to ctest
 #
 # JOBS sets the build parallelism (default: every core); ctest runs a test
 # per core.
