@@ -37,12 +37,26 @@ namespace {
 
 using namespace gpipe_train;
 
-int train(const Args& args) {
-  // Under a launcher: one partition per rank; rank 0 prints.
-  std::optional<gpipe::dist::World> world;
-  if (args.world_size > 1) {
-    world = gpipe::dist::init_from_env();
+// The exit status of the run's error `error` (a UsageError: 2, else 1),
+// printed on one line.
+int report(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const UsageError& e) {
+    std::cerr << "gpipe-train: " << one_line(e.what()) << std::endl;
+    return kUsageExit;
+  } catch (const c10::Error& e) {
+    std::cerr << "gpipe-train: " << one_line(e.what_without_backtrace())
+              << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "gpipe-train: " << one_line(e.what()) << std::endl;
+  } catch (...) {
+    std::cerr << "gpipe-train: an exception of an unknown type" << std::endl;
   }
+  return 1;
+}
+
+int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
   const int64_t rank = world ? world->rank() : 0;
   const int64_t ranks = world ? world->size() : 1;
   const bool lead = rank == 0;
@@ -418,6 +432,22 @@ int train(const Args& args) {
   return 0;
 }
 
+int train(const Args& args) {
+  // Under a launcher: one partition per rank; rank 0 prints.
+  std::optional<gpipe::dist::World> world;
+  if (args.world_size > 1) {
+    world = gpipe::dist::init_from_env();
+  }
+  try {
+    return train_with(args, world);
+  } catch (...) {
+    // Said before the stage and the process group are torn down: the other
+    // ranks learn of the failure and exit, and the launcher may stop this
+    // rank before a teardown that waits on them ends.
+    return report(std::current_exception());
+  }
+}
+
 }  // namespace
 
 // Exit status: 0 after training (or --help), 2 for a bad command line (one
@@ -456,13 +486,7 @@ int main(int argc, char** argv) {
   }
   try {
     return train(args);
-  } catch (const UsageError& e) {
-    return usage_error(e.what());
-  } catch (const c10::Error& e) {
-    std::cerr << "gpipe-train: " << one_line(e.what_without_backtrace())
-              << std::endl;
-  } catch (const std::exception& e) {
-    std::cerr << "gpipe-train: " << one_line(e.what()) << std::endl;
+  } catch (...) {
+    return report(std::current_exception());
   }
-  return 1;
 }
