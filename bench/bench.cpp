@@ -107,7 +107,10 @@ int main(int argc, char** argv) {
   app.add_option("--width", width, "Features of each Linear");
   app.add_option("--batch", batch, "Mini-batch size");
   app.add_option(
-      "--iters", iters, "Timed iterations per configuration (median)");
+      "--iters",
+      iters,
+      "Timed iterations per configuration (median); cell-cost: runs of 101 "
+      "pairs");
   app.add_option(
       "--chunks", chunk_list, "Chunk counts for the 2-partition rows");
   app.add_option("--json", json_path, "Where to write the JSON results");
@@ -116,7 +119,8 @@ int main(int argc, char** argv) {
   app.add_option(
          "--only",
          only,
-         "Run only these sections: speed, overhead, memory, schedules, "
+         "Run only these sections: speed, overhead, cell-cost, memory, "
+         "schedules, "
          "inference, conv, trace, random, microbatch (the default: all of "
          "those); "
          "unet-speed, unet-memory, accuracy (minutes each: run only when "
@@ -128,6 +132,7 @@ int main(int argc, char** argv) {
            "accuracy",
            "speed",
            "overhead",
+           "cell-cost",
            "memory",
            "schedules",
            "inference",
@@ -395,6 +400,9 @@ int main(int argc, char** argv) {
 
   if (want("overhead")) {
     out["overhead"] = gpipe::bench::overhead_section();
+  }
+  if (want("cell-cost")) {
+    out["cell_cost"] = gpipe::bench::cell_cost_section(iters);
   }
 
   // Memory: wide activations, 32 layers, chunks 8, per checkpoint mode.

@@ -36,33 +36,46 @@ inline double time_median(
   return times[times.size() / 2];
 }
 
-/// Median seconds of `a` and of `b`, timed in alternation (a, b, a, b, ...)
-/// so that a noisy neighbour slows both alike; for small differences.
+/// Seconds of each call of each of `steps`, round by round: every round
+/// calls the steps once each, in order, so that a noisy neighbour slows
+/// them alike; for small differences. `warmup` rounds first, untimed.
+/// Returns [step][round].
+inline std::vector<std::vector<double>> time_rounds(
+    const std::vector<std::function<void()>>& steps, int warmup, int rounds) {
+  for (int k = 0; k < warmup; ++k) {
+    for (const auto& step : steps) {
+      step();
+    }
+  }
+  std::vector<std::vector<double>> times(steps.size());
+  for (int k = 0; k < rounds; ++k) {
+    for (size_t s = 0; s < steps.size(); ++s) {
+      const auto start = std::chrono::steady_clock::now();
+      steps[s]();
+      times[s].push_back(std::chrono::duration<double>(
+                             std::chrono::steady_clock::now() - start)
+                             .count());
+    }
+  }
+  return times;
+}
+
+/// The value at fraction `q` (0 to 1) of `values` in order, at the nearest
+/// index: for q = 0.5 the median (of an even count, the upper middle one).
+inline double quantile(std::vector<double> values, double q) {
+  std::sort(values.begin(), values.end());
+  return values[static_cast<size_t>(q * double(values.size() - 1) + 0.5)];
+}
+
+/// Median seconds of `a` and of `b`, timed in alternation (a, b, a, b,
+/// ...) as time_rounds does.
 inline std::pair<double, double> time_paired(
     const std::function<void()>& a,
     const std::function<void()>& b,
     int warmup,
     int iterations) {
-  for (int k = 0; k < warmup; ++k) {
-    a();
-    b();
-  }
-  auto seconds = [](const std::function<void()>& fn) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    return std::chrono::duration<double>(
-               std::chrono::steady_clock::now() - start)
-        .count();
-  };
-  std::vector<double> ta;
-  std::vector<double> tb;
-  for (int k = 0; k < iterations; ++k) {
-    ta.push_back(seconds(a));
-    tb.push_back(seconds(b));
-  }
-  std::sort(ta.begin(), ta.end());
-  std::sort(tb.begin(), tb.end());
-  return {ta[ta.size() / 2], tb[tb.size() / 2]};
+  const auto times = time_rounds({a, b}, warmup, iterations);
+  return {quantile(times[0], 0.5), quantile(times[1], 0.5)};
 }
 
 /// Prints what the numbers depend on: device, BLAS, threads.

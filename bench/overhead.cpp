@@ -1,16 +1,88 @@
-// gpipe-bench --only overhead: what the engine costs per cell, on layers
-// so small that their own work hardly shows.
+// gpipe-bench --only overhead and --only cell-cost: what the engine costs
+// per cell, on layers so small that their own work hardly shows.
 
 #include <gpipe/gpipe.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "harness.h"
 #include "sections.h"
 
 namespace gpipe::bench {
+
+namespace {
+
+// The plain model's training step over the micro-batches: one after the
+// other (the work a one-partition GPipe step does, without the engine), or
+// with `fill_drain` in GPipe's order: every forward with its graph kept,
+// then every backward, the last micro-batch first.
+std::function<void()> plain_training_step(
+    torch::nn::Sequential net,
+    std::vector<torch::Tensor> xs,
+    bool fill_drain = false) {
+  return [net, xs, fill_drain]() mutable {
+    net->zero_grad();
+    std::vector<torch::Tensor> losses;
+    for (const auto& x : xs) {
+      auto loss = net->forward(x).pow(2).mean();
+      if (fill_drain) {
+        losses.push_back(std::move(loss));
+      } else {
+        loss.backward();
+      }
+    }
+    // Each graph goes as soon as its backward is done, as a cell's does.
+    for (auto it = losses.rbegin(); it != losses.rend(); ++it) {
+      it->backward();
+      *it = torch::Tensor();
+    }
+  };
+}
+
+// GPipe's training step on the whole batch (the loss as the plain steps
+// take it, on the gathered output).
+std::function<void()> gpipe_training_step(gpipe::GPipe model, torch::Tensor x) {
+  return [model, x]() mutable {
+    model->zero_grad();
+    model->forward(x).pow(2).mean().backward();
+  };
+}
+
+// Per-pair differences (`times[1]` - `times[0]`, from time_rounds) over
+// `cells`, in microseconds: the median and quartiles, with each step's
+// median time.
+nlohmann::json cost_per_cell(
+    const std::vector<std::vector<double>>& times, double cells) {
+  std::vector<double> per_cell;
+  for (size_t k = 0; k < times[0].size(); ++k) {
+    per_cell.push_back((times[1][k] - times[0][k]) / cells * 1e6);
+  }
+  return {
+      {"plain_ms", quantile(times[0], 0.5) * 1e3},
+      {"gpipe_ms", quantile(times[1], 0.5) * 1e3},
+      {"us_per_cell", quantile(per_cell, 0.5)},
+      {"p25_us_per_cell", quantile(per_cell, 0.25)},
+      {"p75_us_per_cell", quantile(per_cell, 0.75)}};
+}
+
+void print_cost_row(const std::string& run, const nlohmann::json& row) {
+  std::printf(
+      "%-20s %10.3f %10.3f %12.2f %10.2f %10.2f\n",
+      run.c_str(),
+      row["plain_ms"].get<double>(),
+      row["gpipe_ms"].get<double>(),
+      row["us_per_cell"].get<double>(),
+      row["p25_us_per_cell"].get<double>(),
+      row["p75_us_per_cell"].get<double>());
+}
+
+}  // namespace
 
 // Scheduling overhead: 32 tiny layers, chunks 32, against the plain model
 // running the same micro-batches one after the other.
@@ -20,13 +92,7 @@ nlohmann::json overhead_section() {
   auto tiny = mlp(16, 64);
   const int64_t chunks = 32;
   auto xt = torch::randn({chunks * 4, 64});
-  auto pieces = xt.chunk(chunks);
-  auto plain_step = [&] {
-    tiny->zero_grad();
-    for (const auto& p : pieces) {
-      tiny->forward(p).pow(2).mean().backward();
-    }
-  };
+  auto plain_step = plain_training_step(tiny, xt.chunk(chunks));
   json overhead = json::array();
   std::printf(
       "\n# per-cell overhead: 16 x (Linear(64,64)+ReLU) = 32 layers, chunks "
@@ -46,12 +112,8 @@ nlohmann::json overhead_section() {
             .chunks(chunks)
             .checkpoint(Checkpoint::Never)
             .threads_per_lane(1));
-    auto step = [&model, &xt] {
-      model->zero_grad();
-      model->forward(xt).pow(2).mean().backward();
-    };
-    const auto [t_plain, t] =
-        gpipe::bench::time_paired(plain_step, step, 5, 101);
+    const auto [t_plain, t] = gpipe::bench::time_paired(
+        plain_step, gpipe_training_step(model, xt), 5, 101);
     const int64_t cells = 2 * chunks * n;
     // One lane does all the plain model's work plus the engine's: the
     // difference per cell is the overhead. With two lanes the work is
@@ -72,6 +134,89 @@ nlohmann::json overhead_section() {
          {"overhead_us_per_cell", per_cell}});
   }
   return overhead;
+}
+
+// The engine's cost per cell as issue 28 measures it: per pair of steps
+// (plain, then GPipe) the difference over the 2 x chunks cells, its median
+// over 101 pairs; `runs` runs and their median. Then once against the plain
+// model in fill-drain order (every forward, then every backward in
+// reverse), which keeps every micro-batch's activations and graph alive as
+// GPipe does: what is left is the engine's own cost, without the memory
+// traffic of the schedule (docs/benchmark-history.md).
+nlohmann::json cell_cost_section(int runs) {
+  using nlohmann::json;
+  constexpr int64_t kLayers = 32;
+  constexpr int64_t kChunks = 32;
+  constexpr int64_t kRows = 64;
+  constexpr int64_t kWidth = 64;
+  constexpr int kPairs = 101;
+  at::set_num_threads(1);
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int64_t k = 0; k < kLayers; ++k) {
+    net->push_back(torch::nn::Linear(kWidth, kWidth));
+  }
+  const auto x = torch::randn({kChunks * kRows, kWidth});
+  const auto xs = x.chunk(kChunks);
+  gpipe::GPipe model(
+      net,
+      gpipe::GPipeOptions({kLayers})
+          .chunks(kChunks)
+          .checkpoint(Checkpoint::Never)
+          .threads_per_lane(1));
+  const auto gpipe_step = gpipe_training_step(model, x);
+  const double cells = 2.0 * kChunks;
+  std::printf(
+      "\n# cost per cell: 32 x Linear(64,64) in 1 partition, 32 micro-batches "
+      "of 64 rows, checkpoint never, 1 thread; per run the median over %d "
+      "pairs (plain, GPipe) of the difference over %g cells\n",
+      kPairs,
+      cells);
+  std::printf(
+      "%-20s %10s %10s %12s %10s %10s\n",
+      "config",
+      "plain_ms",
+      "gpipe_ms",
+      "us_per_cell",
+      "p25_us",
+      "p75_us");
+  json rows = json::array();
+  std::vector<double> medians;
+  for (int run = 1; run <= runs; ++run) {
+    auto row = cost_per_cell(
+        time_rounds({plain_training_step(net, xs), gpipe_step}, 5, kPairs),
+        cells);
+    row["config"] = "run " + std::to_string(run);
+    print_cost_row(row["config"], row);
+    medians.push_back(row["us_per_cell"]);
+    rows.push_back(std::move(row));
+  }
+  auto reference = cost_per_cell(
+      time_rounds(
+          {plain_training_step(net, xs, /*fill_drain=*/true), gpipe_step},
+          5,
+          kPairs),
+      cells);
+  reference["config"] = "vs plain fill-drain";
+  print_cost_row(reference["config"], reference);
+  rows.push_back(reference);
+  const double median = quantile(medians, 0.5);
+  const double low = *std::min_element(medians.begin(), medians.end());
+  const double high = *std::max_element(medians.begin(), medians.end());
+  std::printf(
+      "# median of %d runs: %.2f us per cell (runs from %.2f to %.2f); "
+      "against the plain model in fill-drain order: %.2f\n",
+      runs,
+      median,
+      low,
+      high,
+      reference["us_per_cell"].get<double>());
+  return {
+      {"runs", rows},
+      {"median_us_per_cell", median},
+      {"min_us_per_cell", low},
+      {"max_us_per_cell", high},
+      {"us_per_cell_vs_fill_drain", reference["us_per_cell"]}};
 }
 
 }  // namespace gpipe::bench

@@ -61,6 +61,13 @@ nlohmann::json dist_section(
 /// returns its rows.
 nlohmann::json overhead_section();
 
+/// The engine's cost per cell (issue 28): 32 x Linear(64,64) in one
+/// partition, 32 micro-batches of 64 rows, checkpoint never, one thread;
+/// plain and GPipe training steps in alternation, per pair the difference
+/// over the 64 cells (forward and backward), its median over 101 pairs.
+/// `runs` runs; prints a row per run and returns them with their median.
+nlohmann::json cell_cost_section(int runs);
+
 /// The speed model's training step (`blocks` x Linear(`width`), batch
 /// `batch`, one thread) as 1 to 32 micro-batches in turn, without the
 /// engine: its matrix products, the gradient accumulation and the rest;

@@ -52,6 +52,7 @@ section speed
 section schedules
 section memory
 section overhead
+section cell-cost
 section inference
 section conv
 section microbatch
@@ -263,6 +264,21 @@ cost per cell over the plain model running the same micro-batches.
 
 EOF
   table overhead
+  cat <<EOF
+
+## Cost per cell (\`--only cell-cost\`, ${seconds[cell-cost]} s)
+
+32 x Linear(64,64) in one partition, 32 micro-batches of 64 rows, forward
+and backward, checkpoint never, one thread: plain and GPipe steps in
+alternation, per pair the difference over the 64 cells, its median over 101
+pairs, five runs. The last row compares GPipe with the plain model run in
+fill-drain order (every forward, then every backward), which holds every
+micro-batch's activations as GPipe does: the rows above it include that
+memory traffic, the last one is the engine alone (see
+[benchmark-history](benchmark-history.md)).
+
+EOF
+  table cell-cost
   cat <<EOF
 
 ## Inference (\`--only inference\`, ${seconds[inference]} s)
