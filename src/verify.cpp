@@ -58,8 +58,8 @@ void verify_devices(
       "; a device may be repeated, e.g. {torch::kCPU, torch::kCPU}");
   // Before anything is placed: LibTorch's own error for a CUDA device it
   // cannot reach is a dispatcher dump that names neither the option nor the
-  // way out.
-  for (const auto k : c10::irange(devices.size())) {
+  // way out. Devices past the partitions' are dropped unused.
+  for (const auto k : c10::irange(num_partitions)) {
     const auto& device = devices[k];
     if (!device.is_cuda()) {
       continue;
