@@ -232,10 +232,10 @@ torch::Tensor GPipeImpl::run_train_step(
     target_pieces.push_back(targets[i][0]);
   }
   const auto m = static_cast<int64_t>(packets.size());
-  Plan made;
+  std::shared_ptr<const Plan> made;
   if (plan == nullptr) {
-    made = make_plan(*schedule, m, lanes(), options.stages_per_lane());
-    plan = &made;
+    made = pipeline_->training_plan(*schedule, m);
+    plan = made.get();
   }
   return pipeline_->train(
       std::move(packets),

@@ -359,6 +359,18 @@ TEST_F(SchedulesTrainTest, PlansThatDoNotFitAreRefused) {
       std::string::npos);
   // The model is still usable.
   EXPECT_NO_THROW(model->train_step(x, t, loss_of, Schedule::Interleaved1F1B));
+  // The plan checked last passes again; any other is checked again, also
+  // right after it.
+  const auto fits = make_plan(Schedule::OneFOneB, 2, 2, 2);
+  EXPECT_NO_THROW(model->train_step(x, t, loss_of, fits));
+  EXPECT_NE(error_of(swapped).find("on lane 0"), std::string::npos);
+  EXPECT_NO_THROW(model->train_step(x, t, loss_of, fits));
+  // A schedule's plan is made again when the micro-batches change (one row
+  // makes one micro-batch): the one kept for two would be refused.
+  EXPECT_NO_THROW(model->train_step(x, t, loss_of, Schedule::OneFOneB));
+  EXPECT_NO_THROW(model->train_step(
+      x.narrow(0, 0, 1), t.narrow(0, 0, 1), loss_of, Schedule::OneFOneB));
+  EXPECT_NO_THROW(model->train_step(x, t, loss_of, Schedule::OneFOneB));
 }
 
 TEST_F(SchedulesTrainTest, ForwardAndAutogradBackwardWithStagesPerLane) {

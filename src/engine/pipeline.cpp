@@ -117,6 +117,18 @@ void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
       " backward actions");
 }
 
+std::shared_ptr<const Plan> Pipeline::training_plan(
+    Schedule schedule, int64_t m) {
+  std::lock_guard<std::mutex> lock(plan_mutex_);
+  if (!planned_ || planned_schedule_ != schedule ||
+      planned_->micro_batches != m) {
+    planned_ = std::make_shared<const Plan>(
+        make_plan(schedule, m, lanes(), size() / lanes()));
+    planned_schedule_ = schedule;
+  }
+  return planned_;
+}
+
 Pipeline::~Pipeline() = default;
 
 std::unique_ptr<Transport> Pipeline::make_transport(int64_t m) const {
@@ -226,7 +238,13 @@ torch::Tensor Pipeline::train(
     const PassOptions& options) {
   auto held = begin_pass();
   const auto m = static_cast<int64_t>(inputs.size());
-  check_training_plan(plan, m);
+  // Checking a plan costs more than comparing it with the one checked last.
+  if (plan.micro_batches != m || plan.stages != checked_plan_.stages ||
+      plan.micro_batches != checked_plan_.micro_batches ||
+      plan.lanes != checked_plan_.lanes) {
+    check_training_plan(plan, m);
+    checked_plan_ = plan;
+  }
   auto pass = start_pass(m, original_inputs, options);
   TORCH_CHECK(
       pass->grad,

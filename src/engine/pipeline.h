@@ -79,6 +79,11 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   /// its lanes, `micro_batches` micro-batches, stage j on lane j % lanes)
   /// and is a whole training step that runs.
   void check_training_plan(const Plan& plan, int64_t micro_batches) const;
+  /// make_plan(schedule, micro_batches, lanes(), stages per lane), made
+  /// once and kept while the steps ask for the same schedule and
+  /// micro-batches (a training step's plan does not change between steps).
+  std::shared_ptr<const Plan> training_plan(
+      Schedule schedule, int64_t micro_batches);
 
   /// Holds this pipeline for one pass: passes from several threads run one
   /// after the other. Refused from inside a cell (a nested pipeline).
@@ -158,6 +163,12 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   bool backward_inline_ = false;
   TransportFactory transport_factory_;  // empty: in-process
   std::mutex pass_mutex_;
+  // The last plan train() checked (check_training_plan), for as many
+  // micro-batches as it has: an equal plan passes again without the check.
+  Plan checked_plan_;  // guarded by pass_mutex_
+  std::mutex plan_mutex_;
+  Schedule planned_schedule_ = Schedule::FillDrain;  // guarded by plan_mutex_
+  std::shared_ptr<const Plan> planned_;  // made for it; guarded by plan_mutex_
   mutable std::mutex trace_mutex_;
   std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_
 };
