@@ -210,10 +210,8 @@ Packet connect_outputs(
   // gradient.
   auto edges = torch::autograd::collect_next_edges(original_inputs);
   for (const auto j : c10::irange(pipeline->size())) {
-    for (const auto& p : pipeline->stage(j).module()->parameters()) {
-      if (p.requires_grad()) {
-        edges.push_back(torch::autograd::impl::gradient_edge(p));
-      }
+    for (const auto& p : pipeline->stage(j).trainable_parameters()) {
+      edges.push_back(torch::autograd::impl::gradient_edge(p));
     }
   }
   auto node = std::shared_ptr<PipelineBackward>(

@@ -156,9 +156,11 @@ Stage::Stage(
 }
 
 void Stage::refresh() {
-  trainable_ = false;
+  trainable_parameters_.clear();
   for (const auto& p : module_->parameters()) {
-    trainable_ = trainable_ || p.requires_grad();
+    if (p.requires_grad()) {
+      trainable_parameters_.push_back(p);
+    }
   }
 }
 
@@ -247,7 +249,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   // none (a frozen backbone) has nothing to back-propagate: it keeps
   // nothing, is never recomputed, and its outputs require no grad, as in
   // the plain model.
-  const bool graph = ctx.grad && (any_input_grad || trainable_);
+  const bool graph = ctx.grad && (any_input_grad || trainable());
   c.has_graph = graph;
   c.checkpointed = graph && ctx.checkpoint;
   c.seed = ctx.seed;

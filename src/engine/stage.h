@@ -111,11 +111,15 @@ class Stage {
     return skips_out_;
   }
 
-  /// Reads whether any parameter requires grad; called by the caller before
-  /// each pass (layers may be frozen or unfrozen between passes).
+  /// Reads which parameters require grad; called by the caller before each
+  /// pass (layers may be frozen or unfrozen between passes).
   void refresh();
   bool trainable() const {
-    return trainable_;
+    return !trainable_parameters_.empty();
+  }
+  /// The parameters that required grad at the last refresh().
+  const std::vector<torch::Tensor>& trainable_parameters() const {
+    return trainable_parameters_;
   }
 
   /// The forward of one cell. Returns its outputs, detached, each
@@ -173,7 +177,7 @@ class Stage {
   std::vector<SkipKey> skips_out_;
   std::set<SkipKey> skips_out_set_;
   std::vector<DeferredBatchNormImpl*> deferred_batch_norms_;
-  bool trainable_ = true;
+  std::vector<torch::Tensor> trainable_parameters_;  // by refresh()
 };
 
 /// True on a thread inside a cell (a layer's forward or backward, or the
