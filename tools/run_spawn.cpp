@@ -1,0 +1,99 @@
+// gpipe-run's start of a rank (see run_spawn.h).
+
+#include "run_spawn.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <iterator>
+#include <utility>
+
+#include "run_io.h"
+
+extern char** environ;
+
+namespace gpipe_run {
+
+// The environment of rank `rank`: gpipe-run's own, less any variables that
+// it sets, plus those.
+std::vector<std::string> rank_environment(
+    const Args& args, int port, int64_t rank) {
+  const std::pair<const char*, std::string> ours[] = {
+      {"MASTER_ADDR", args.master_addr},
+      {"MASTER_PORT", std::to_string(port)},
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(args.processes)},
+      {"LOCAL_RANK", std::to_string(rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(args.processes)}};
+  std::vector<std::string> env;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string text = *entry;
+    const std::string name = text.substr(0, text.find('='));
+    const bool replaced =
+        std::any_of(std::begin(ours), std::end(ours), [&](const auto& var) {
+          return name == var.first;
+        });
+    if (!replaced) {
+      env.push_back(text);
+    }
+  }
+  for (const auto& [name, value] : ours) {
+    env.push_back(std::string(name) + "=" + value);
+  }
+  return env;
+}
+
+sigset_t handled_set() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (const int signo : kHandledSignals) {
+    sigaddset(&set, signo);
+  }
+  return set;
+}
+
+// In the new process: its own process group, default signals, /dev/null as
+// input, the pipes as output, then the program. Runs between fork and exec,
+// which is safe for what it calls as gpipe-run is one thread.
+[[noreturn]] void exec_rank(
+    const std::vector<std::string>& command,
+    std::vector<char*>& env,
+    int null_fd,
+    const int out_fds[2]) {
+  ::setpgid(0, 0);
+  // Handlers would be reset by exec anyway, but a signal could come first
+  // (once unblocked below); an ignored signal and the mask survive exec.
+  for (const int signo : kHandledSignals) {
+    ::signal(signo, SIG_DFL);
+  }
+  ::signal(SIGPIPE, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+
+  // Descriptors 0 to 2 were open before any pipe (open_standard_fds), so
+  // every dup2 here makes a new descriptor, without close-on-exec; the
+  // originals close at exec.
+  if (::dup2(null_fd, STDIN_FILENO) < 0 ||
+      ::dup2(out_fds[0], STDOUT_FILENO) < 0 ||
+      ::dup2(out_fds[1], STDERR_FILENO) < 0) {
+    _exit(kCannotExecute);
+  }
+  std::vector<char*> argv;
+  for (const auto& arg : command) {
+    argv.push_back(const_cast<char*>(arg.c_str()));
+  }
+  argv.push_back(nullptr);
+  // execvp searches the PATH of `environ`: gpipe-run's own, which env keeps.
+  environ = env.data();
+  ::execvp(argv[0], argv.data());
+  const int error = errno;
+  const std::string message = "gpipe-run: cannot execute '" + command[0] +
+                              "': " + errno_text(error) + "\n";
+  write_all(STDERR_FILENO, message.data(), message.size());
+  _exit(kCannotExecute);
+}
+
+}  // namespace gpipe_run

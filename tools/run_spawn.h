@@ -1,0 +1,41 @@
+#pragma once
+
+// gpipe-run's start of a rank: its environment, and what the new process
+// does between fork and exec. Plain POSIX.
+
+#include <signal.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "run_args.h"
+
+namespace gpipe_run {
+
+// The exit status of a rank whose program cannot be executed, as in sh.
+constexpr int kCannotExecute = 127;
+
+// The signals that gpipe-run handles. A rank gets them back with their
+// default actions and unblocked (see exec_rank).
+constexpr int kHandledSignals[] = {SIGCHLD, SIGHUP, SIGINT, SIGTERM};
+
+/// The environment of rank `rank`: gpipe-run's own, less any variables that
+/// it sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+/// LOCAL_WORLD_SIZE), plus those.
+std::vector<std::string> rank_environment(
+    const Args& args, int port, int64_t rank);
+
+/// kHandledSignals as a set.
+sigset_t handled_set();
+
+/// In the new process: its own process group, default signals, /dev/null
+/// as input, `out_fds` (stdout, stderr) as output, then `command` with
+/// `env`. Exits kCannotExecute when the program cannot be run.
+[[noreturn]] void exec_rank(
+    const std::vector<std::string>& command,
+    std::vector<char*>& env,
+    int null_fd,
+    const int out_fds[2]);
+
+}  // namespace gpipe_run
