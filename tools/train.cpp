@@ -462,10 +462,6 @@ int main(int argc, char** argv) {
   add_options(app, args);
   add_save_options(app, args);
   add_devices_option(app, args);
-  const auto usage_error = [](const std::string& message) {
-    std::cerr << "gpipe-train: " << one_line(message) << std::endl;
-    return kUsageExit;
-  };
   try {
     app.parse(argc, argv);
     args.world_size = world_size_from_env();
@@ -480,9 +476,10 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
       return app.exit(e);
     }
-    return usage_error(c10::str(e.what(), " (see gpipe-train --help)"));
-  } catch (const UsageError& e) {
-    return usage_error(e.what());
+    return report(std::make_exception_ptr(
+        UsageError(c10::str(e.what(), " (see gpipe-train --help)"))));
+  } catch (const UsageError&) {
+    return report(std::current_exception());
   }
   try {
     return train(args);
