@@ -2,12 +2,15 @@
 # gpipe-run, checked from outside with `sh -c` programs as its ranks: the
 # environment each rank gets, the prefixed output, stopping every rank when
 # one fails or gpipe-run is signalled, and bad command lines (exit status 2,
-# one line on stderr).
+# one line on stderr). With DIST_WORKER (tests/dist/dist_worker.cpp), also
+# a job on two hosts played by two gpipe-runs on 127.0.0.1, and a host that
+# never comes.
 #
-#   run_cli_test.sh GPIPE_RUN
+#   run_cli_test.sh GPIPE_RUN [DIST_WORKER]
 set -uo pipefail
 
 bin=$1
+worker=${2:-}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 ulimit -c 0
@@ -377,6 +380,103 @@ else
   ok "the rank that exited first is named: $(tail -n 1 "$tmp/err")"
 fi
 
+# --- Several hosts ----------------------------------------------------------
+
+# Host 2 of 3, two ranks a host: global RANKs 4 and 5 of 6, LOCAL_RANKs 0
+# and 1; gpipe-run's messages name the global ranks.
+run --nnodes 3 --node-rank 2 -n 2 --master-addr 127.0.0.1 --master-port 12345 \
+  -- sh -c 'echo "env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR:$MASTER_PORT"'
+if [[ $status -ne 0 ]] ||
+  ! grep -qxF '[4] env 4 6 0 2 127.0.0.1:12345' "$tmp/out" ||
+  ! grep -qxF '[5] env 5 6 1 2 127.0.0.1:12345' "$tmp/out" ||
+  [[ $(wc -l <"$tmp/out") -ne 2 ]]; then
+  fail "--nnodes 3 --node-rank 2 -n 2: exit status $status, expected RANK 4 and 5 of 6: $(cat "$tmp/out" "$tmp/err")"
+else
+  ok "--nnodes 3 --node-rank 2 -n 2: RANK 4, 5 of WORLD_SIZE 6, LOCAL_RANK 0, 1 of 2"
+fi
+
+limit=8 run --nnodes 3 --node_rank 2 -n 2 --master-addr 127.0.0.1 \
+  --master-port 12345 --grace 30 -- sh -c '
+  if [ "$RANK" = 5 ]; then exit 3; fi
+  exec sleep 60'
+verdict='rank 5 failed first (exited with code 3); stopped rank(s) 4'
+if [[ $status -ne 3 ]] || ((elapsed > 4)) ||
+  ! grep -qxF 'gpipe-run: rank 5 exited with code 3; sending SIGTERM to the other ranks' "$tmp/err" ||
+  [[ $(tail -n 1 "$tmp/err") != "gpipe-run: $verdict" ]]; then
+  fail "global rank 5 failing on host 2: exit status $status after ${elapsed}s, expected 3 and '$verdict': $(cat "$tmp/err")"
+else
+  ok "--node_rank 2: the failing rank and the stopped one by global rank: $(tail -n 1 "$tmp/err")"
+fi
+
+# free_port: a port that gpipe-run finds free, for two gpipe-runs to share.
+free_port() {
+  "$bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' 2>/dev/null | sed -n 's/^\[0\] //p'
+}
+
+if [[ -z $worker ]]; then
+  echo "skipped: two hosts on 127.0.0.1 (no DIST_WORKER given)"
+else
+  # Two hosts played by two gpipe-runs on 127.0.0.1, two ranks each: the
+  # worker's four ranks check themselves against one-process GPipe.
+  port=$(free_port)
+  for k in 0 1; do
+    GPIPE_DIST_TIMEOUT=60 timeout -k 2 90 "$bin" --nnodes 2 --node-rank $k -n 2 \
+      --master-addr 127.0.0.1 --master-port "$port" -- "$worker" --steps 1 \
+      >"$tmp/node$k" 2>&1 &
+    pids[k]=$!
+  done
+  for k in 0 1; do
+    wait "${pids[k]}"
+    codes[k]=$?
+  done
+  good=1
+  for k in 0 1; do
+    for r in $((2 * k)) $((2 * k + 1)); do
+      if ! grep -qE "^\[$r\] rank $r: OK " "$tmp/node$k"; then
+        good=0
+      fi
+    done
+    if [[ ${codes[k]} -ne 0 ]] ||
+      grep -qE "^\[$((2 - 2 * k))\]|^\[$((3 - 2 * k))\]" "$tmp/node$k"; then
+      good=0
+    fi
+  done
+  if ((good)); then
+    ok "two hosts on 127.0.0.1, port $port: host 0 ran ranks 0, 1 and host 1 ranks 2, 3 of 4, all OK"
+  else
+    fail "two hosts on 127.0.0.1: host 0 exited ${codes[0]}, host 1 ${codes[1]}; expected 0, with ranks 0, 1 OK on host 0 and 2, 3 on host 1:"$'\n'"$(head -c 2000 "$tmp/node0")"$'\n'"---"$'\n'"$(head -c 2000 "$tmp/node1")"
+  fi
+
+  # A host that never comes: the ranks of the one that does fail within
+  # their rendezvous timeout (5 s; about twice that for host 0, whose rank 0
+  # waits for the store's workers, then for the group), and gpipe-run says
+  # which failed first. Host 0 alone and host 1 alone, at the same time.
+  start=$SECONDS
+  for k in 0 1; do
+    ports[k]=$(free_port)
+    GPIPE_DIST_TIMEOUT=5 timeout -k 2 40 "$bin" --nnodes 2 --node-rank $k -n 2 \
+      --master-addr 127.0.0.1 --master-port "${ports[k]}" -- "$worker" --steps 1 \
+      >"$tmp/alone$k" 2>&1 &
+    pids[k]=$!
+  done
+  for k in 0 1; do
+    wait "${pids[k]}"
+    codes[k]=$?
+  done
+  elapsed=$((SECONDS - start))
+  for k in 0 1; do
+    ranks="$((2 * k))|$((2 * k + 1))"
+    if [[ ${codes[k]} -eq 0 || ${codes[k]} -eq 124 || ${codes[k]} -eq 137 ]] ||
+      ((elapsed > 25)) ||
+      ! grep -qE "^\[($ranks)\] rank ($ranks) error: .*within 5 s" "$tmp/alone$k" ||
+      ! tail -n 1 "$tmp/alone$k" | grep -qE "^gpipe-run: rank ($ranks) failed first \(exited with code [0-9]+\)"; then
+      fail "host $k of 2 alone: exit status ${codes[k]} after ${elapsed}s, expected a rank's error within 5 s and a verdict naming it: $(tail -c 2000 "$tmp/alone$k")"
+    else
+      ok "host $k of 2 alone fails in ${elapsed}s (status ${codes[k]}): $(grep -m 1 -E "^\[($ranks)\] rank ($ranks) error" "$tmp/alone$k" | head -c 200); $(tail -n 1 "$tmp/alone$k")"
+    fi
+  done
+fi
+
 # --- Bad command lines -----------------------------------------------------
 
 # bad WORD ARGS...: ARGS must exit 2, with nothing on stdout and one line on
@@ -438,9 +538,41 @@ bad --grace -n 2 --grace -1 -- true
 bad --grace -n 2 --grace soon -- true
 bad --grace -n 2 --grace 1e300 -- true
 
+# bad_host FLAG VALUE ARGS...: as bad, with a program that would leave a
+# file behind: the line also names VALUE, and no rank is started.
+bad_host() {
+  local flag=$1 value=$2
+  shift 2
+  rm -f "$tmp/started"
+  run "$@" -- sh -c 'touch "$0/started"' "$tmp"
+  if [[ $status -ne 2 || $(wc -l <"$tmp/err") -ne 1 || -s $tmp/out ]]; then
+    fail "gpipe-run $* exited $status, expected 2 and one line on stderr: $(head -c 500 "$tmp/out" "$tmp/err")"
+  elif ! grep -qF -- "$flag" "$tmp/err" || ! grep -qF -- "$value" "$tmp/err"; then
+    fail "gpipe-run $*: stderr does not say '$flag' and '$value': $(cat "$tmp/err")"
+  elif [[ -e $tmp/started ]]; then
+    fail "gpipe-run $*: a rank was started"
+  else
+    ok "$* -> $(cat "$tmp/err")"
+  fi
+}
+
+bad_host --node-rank "'2'" -n 2 --nnodes 2 --node-rank 2 \
+  --master-addr 127.0.0.1 --master-port 12345
+bad_host --node-rank "'1'" -n 2 --node-rank 1
+bad_host --node-rank "'-1'" -n 2 --nnodes 2 --node_rank -1 \
+  --master-addr 127.0.0.1 --master-port 12345
+bad_host --nnodes "'0'" -n 2 --nnodes 0
+bad_host --nnodes "'two'" -n 2 --nnodes two
+bad_host --master-port "--nnodes 2" -n 2 --nnodes 2 --node-rank 1 \
+  --master-addr 127.0.0.1
+bad_host --master-addr "--nnodes 2" -n 2 --nnodes 2 --master-port 12345
+
 run --help
 if [[ $status -ne 0 ]] || ! grep -qF -- --master-port "$tmp/out"; then
   fail "gpipe-run --help exited $status; stdout: $(head -c 500 "$tmp/out")"
+elif ! grep -qE -- '--nnodes .*Default: 1$' "$tmp/out" ||
+  ! grep -qE -- '--node-rank.*Default: 0$' "$tmp/out"; then
+  fail "gpipe-run --help does not show --nnodes and --node-rank with their defaults: $(cat "$tmp/out")"
 else
   ok "--help"
 fi

@@ -2,6 +2,8 @@
 // of one job, with the environment that torchrun gives (MASTER_ADDR,
 // MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); prints their
 // output lines prefixed with their rank; and stops them all when one fails.
+// On host K of a job on several hosts (--nnodes, --node-rank K), the ranks
+// are K*N to K*N+N-1, and every message names them so.
 //
 //   gpipe-run -n 2 -- ./my_program --its-flags
 //
@@ -149,8 +151,8 @@ class Launcher {
       fail_system("cannot open /dev/null");
     }
     ranks_.resize(static_cast<size_t>(args_.processes));
-    for (int64_t r = 0; r < args_.processes; ++r) {
-      if (!start_rank(ranks_[r], r, port, null_fd)) {
+    for (int64_t local = 0; local < args_.processes; ++local) {
+      if (!start_rank(ranks_[local], local, port, null_fd)) {
         break;
       }
     }
@@ -158,10 +160,13 @@ class Launcher {
     ::sigprocmask(SIG_SETMASK, &previous, nullptr);
   }
 
-  bool start_rank(Rank& rank, int64_t r, int port, int null_fd) {
+  // Starts this host's rank `local`; `rank.rank`, which every message
+  // names, is its global rank.
+  bool start_rank(Rank& rank, int64_t local, int port, int null_fd) {
+    const int64_t r = global_rank(args_, local);
     rank.rank = r;
     rank.prefix = "[" + std::to_string(r) + "] ";
-    auto env_text = rank_environment(args_, port, r);
+    auto env_text = rank_environment(args_, port, local);
     std::vector<char*> env;
     for (auto& entry : env_text) {
       env.push_back(entry.data());

@@ -26,7 +26,7 @@ int64_t parse_integer(
     const std::string& text,
     int64_t low,
     int64_t high,
-    const char* what) {
+    const std::string& what) {
   int64_t value = 0;
   const char* end = text.data() + text.size();
   const auto [rest, error] = std::from_chars(text.data(), end, value);
@@ -114,7 +114,16 @@ constexpr const char* kFooter =
     "Exit status: 0 when every rank exits 0; the first failing rank's exit\n"
     "code, or 128 + its signal; 128 + the signal gpipe-run got; 127 when\n"
     "PROGRAM cannot be executed; 2 for a bad command line; 1 when gpipe-run\n"
-    "itself fails.";
+    "itself fails.\n"
+    "\n"
+    "Several hosts: run gpipe-run on each, with the same --nnodes, -n,\n"
+    "--master-addr (host 0's address, as the others reach it) and\n"
+    "--master-port, and --node-rank 0 to --nnodes - 1. Host K starts ranks\n"
+    "K*N to K*N+N-1 of --nnodes * N; rank 0, on host 0, hosts the\n"
+    "rendezvous. gpipe-run sees only its own host's ranks: when another\n"
+    "host fails or never comes, its ranks fail by themselves (their\n"
+    "rendezvous timeout, GPIPE_DIST_TIMEOUT for gpipe's programs) and it\n"
+    "stops the rest as above.";
 
 }  // namespace
 
@@ -133,7 +142,8 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
 
   CLI::App app{
       "Start N processes of PROGRAM on this machine, ranks 0 to N-1 of one "
-      "job, as torchrun does for PyTorch",
+      "job (or of one host's share of a job on several hosts), as torchrun "
+      "does for PyTorch",
       "gpipe-run"};
   app.formatter(std::make_shared<RunFormatter>());
   app.footer(kFooter);
@@ -141,25 +151,45 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
   // error can say whether a flag is unknown or the `--` is missing.
   app.allow_extras();
   std::string processes_text;
+  std::string nnodes_text;
+  std::string node_rank_text;
   std::string port_text;
   std::string grace_text;
   app.add_option(
          "-n",
          processes_text,
-         "Processes to start, 1 to " + std::to_string(kMaxProcesses) +
-             " (RANK 0 to N-1). Required")
+         "Processes to start on this machine, 1 to " +
+             std::to_string(kMaxProcesses) +
+             " (LOCAL_RANK 0 to N-1; RANK K*N to K*N+N-1 with --node-rank "
+             "K). Required")
       ->type_name("N");
+  app.add_option(
+         "--nnodes",
+         nnodes_text,
+         "Hosts in the job, 1 to " + std::to_string(kMaxNodes) +
+             ", each running gpipe-run with the same -n (WORLD_SIZE = "
+             "NNODES * N). More than 1 needs --master-addr and --master-port. "
+             "Default: 1")
+      ->type_name("NNODES");
+  // Also torchrun's spelling, so that its command lines carry over.
+  app.add_option(
+         "--node-rank,--node_rank",
+         node_rank_text,
+         "This host's index in the job, 0 to NNODES-1; host 0 runs rank 0, "
+         "which hosts the rendezvous. Default: 0")
+      ->type_name("K");
   app.add_option(
          "--master-addr",
          args.master_addr,
-         "MASTER_ADDR for every rank; it must resolve on this machine "
-         "(checked before any rank starts). Default: 127.0.0.1")
+         "MASTER_ADDR for every rank: host 0's address; it must resolve on "
+         "this machine (checked before any rank starts). Default: 127.0.0.1 "
+         "(given explicitly with --nnodes > 1)")
       ->type_name("ADDR");
   app.add_option(
          "--master-port",
          port_text,
          "MASTER_PORT for every rank, 1 to 65535. Default: a free port on "
-         "127.0.0.1, found at start")
+         "127.0.0.1, found at start (given explicitly with --nnodes > 1)")
       ->type_name("PORT");
   app.add_option(
          "--grace",
@@ -194,6 +224,19 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
       kUsage);
   args.processes = parse_integer(
       "-n", processes_text, 1, kMaxProcesses, "the number of processes");
+  if (app.count("--nnodes") > 0) {
+    args.nnodes = parse_integer(
+        "--nnodes", nnodes_text, 1, kMaxNodes, "the number of hosts");
+  }
+  if (app.count("--node-rank") > 0) {
+    args.node_rank = parse_integer(
+        "--node-rank",
+        node_rank_text,
+        0,
+        args.nnodes - 1,
+        "this host's index among --nnodes " + std::to_string(args.nnodes) +
+            " hosts");
+  }
   usage_check(
       !args.master_addr.empty(),
       "--master-addr needs an address, such as 127.0.0.1");
@@ -204,6 +247,21 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
   if (app.count("--grace") > 0) {
     args.grace_seconds = parse_seconds("--grace", grace_text);
   }
+  // Every host's ranks must meet at one address and port, which the hosts
+  // cannot agree on by themselves: a free port found here is free only
+  // here, and 127.0.0.1 names each host itself.
+  usage_check(
+      args.nnodes == 1 || app.count("--master-port") > 0,
+      "--nnodes ",
+      args.nnodes,
+      " needs --master-port: every host must give its ranks the same port, "
+      "and a free port found on one host is unknown to the others");
+  usage_check(
+      args.nnodes == 1 || app.count("--master-addr") > 0,
+      "--nnodes ",
+      args.nnodes,
+      " needs --master-addr: host 0's address, the same on every host (the "
+      "default, 127.0.0.1, reaches only this host)");
 
   if (!extras.empty()) {
     usage_check(

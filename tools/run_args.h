@@ -36,15 +36,26 @@ constexpr int kUsageExit = 2;
 // machine is a typo.
 constexpr int64_t kMaxProcesses = 256;
 
+// The most hosts --nnodes may name: with kMaxProcesses on each, WORLD_SIZE
+// stays within the 2^20 ranks that gpipe::dist::init_from_env accepts.
+constexpr int64_t kMaxNodes = 4096;
+
 // How long ranks get between SIGTERM and SIGKILL unless --grace says, and
 // the most it may say (an hour; far more would overflow the clock).
 constexpr double kDefaultGraceSeconds = 5.0;
 constexpr double kMaxGraceSeconds = 3600.0;
 
 struct Args {
+  // The ranks on this host (-n): LOCAL_WORLD_SIZE.
   int64_t processes = 0;
+  // The hosts of the job (--nnodes), each starting `processes` ranks, and
+  // this host's index among them (--node-rank): its ranks are
+  // node_rank * processes to node_rank * processes + processes - 1 of
+  // nnodes * processes.
+  int64_t nnodes = 1;
+  int64_t node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  // 0: pick a free port at run time.
+  // 0: pick a free port at run time (only with nnodes 1).
   int master_port = 0;
   double grace_seconds = kDefaultGraceSeconds;
   // The program and its arguments: everything after the first `--`.
@@ -57,5 +68,15 @@ constexpr const char* kUsage = "gpipe-run -n N [OPTIONS] -- PROGRAM [ARGS...]";
 /// Reads argv into Args; throws UsageError for a bad command line. Returns
 /// false, having printed the help on stdout, for --help.
 bool parse_args(int argc, const char* const* argv, Args& args);
+
+/// The global rank (RANK) of this host's rank `local` (LOCAL_RANK).
+inline int64_t global_rank(const Args& args, int64_t local) {
+  return args.node_rank * args.processes + local;
+}
+
+/// WORLD_SIZE: the ranks on every host together.
+inline int64_t world_size(const Args& args) {
+  return args.nnodes * args.processes;
+}
 
 }  // namespace gpipe_run

@@ -28,6 +28,8 @@ struct Stream {
 };
 
 struct Rank {
+  // Its RANK in the job (with --node-rank, not its index on this host):
+  // what its prefix and gpipe-run's messages name.
   int64_t rank = 0;
   // Also its process group: each rank leads one of its own, so that SIGTERM
   // reaches whatever it started too.

@@ -16,16 +16,16 @@ extern char** environ;
 
 namespace gpipe_run {
 
-// The environment of rank `rank`: gpipe-run's own, less any variables that
-// it sets, plus those.
+// The environment of this host's rank `local_rank`: gpipe-run's own, less
+// any variables that it sets, plus those.
 std::vector<std::string> rank_environment(
-    const Args& args, int port, int64_t rank) {
+    const Args& args, int port, int64_t local_rank) {
   const std::pair<const char*, std::string> ours[] = {
       {"MASTER_ADDR", args.master_addr},
       {"MASTER_PORT", std::to_string(port)},
-      {"RANK", std::to_string(rank)},
-      {"WORLD_SIZE", std::to_string(args.processes)},
-      {"LOCAL_RANK", std::to_string(rank)},
+      {"RANK", std::to_string(global_rank(args, local_rank))},
+      {"WORLD_SIZE", std::to_string(world_size(args))},
+      {"LOCAL_RANK", std::to_string(local_rank)},
       {"LOCAL_WORLD_SIZE", std::to_string(args.processes)}};
   std::vector<std::string> env;
   for (char** entry = environ; *entry != nullptr; ++entry) {

@@ -20,11 +20,11 @@ constexpr int kCannotExecute = 127;
 // default actions and unblocked (see exec_rank).
 constexpr int kHandledSignals[] = {SIGCHLD, SIGHUP, SIGINT, SIGTERM};
 
-/// The environment of rank `rank`: gpipe-run's own, less any variables that
-/// it sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-/// LOCAL_WORLD_SIZE), plus those.
+/// The environment of this host's rank `local_rank`: gpipe-run's own, less
+/// any variables that it sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+/// LOCAL_RANK, LOCAL_WORLD_SIZE), plus those.
 std::vector<std::string> rank_environment(
-    const Args& args, int port, int64_t rank);
+    const Args& args, int port, int64_t local_rank);
 
 /// kHandledSignals as a set.
 sigset_t handled_set();
