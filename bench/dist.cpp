@@ -32,7 +32,7 @@ double median(std::vector<double> v) {
 }
 
 void barrier(const gpipe::dist::World& world) {
-  world.group()->barrier()->wait();
+  world.barrier();
 }
 
 }  // namespace

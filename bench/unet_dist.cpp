@@ -15,7 +15,6 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <vector>
 
 #include "harness.h"
@@ -34,7 +33,7 @@ torch::Tensor mse(torch::Tensor out, torch::Tensor target) {
 }
 
 void barrier(const gpipe::dist::World& world) {
-  world.group()->barrier()->wait();
+  world.barrier();
 }
 
 // Rank 0's balance on every rank: balance_by_time measures, so ranks that
@@ -49,8 +48,7 @@ std::vector<int64_t> shared_balance(
     const auto mine = balance_by_time(partitions, net, sample, 0.3);
     b = torch::tensor(mine, torch::kLong);
   }
-  std::vector<torch::Tensor> tensors{b};
-  world.group()->broadcast(tensors)->wait();
+  world.broadcast(b, 0);
   return {b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + partitions};
 }
 

@@ -26,7 +26,6 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <type_traits>
 #include <vector>
 
@@ -59,8 +58,21 @@ int report(std::exception_ptr error) {
 int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
   const int64_t rank = world ? world->rank() : 0;
   const int64_t ranks = world ? world->size() : 1;
+  // Replicas of a pipeline of --pipeline-size ranks: a replica's stages
+  // are neighbours (rank = replica * pipeline_size + stage rank).
+  const int64_t pipeline_size = world ? args.pipeline_size : 1;
+  const int64_t replicas = ranks / pipeline_size;
+  const int64_t replica = rank / pipeline_size;
   const bool lead = rank == 0;
-  const bool last = rank == ranks - 1;
+  const bool first = rank % pipeline_size == 0;
+  const bool last = rank % pipeline_size == pipeline_size - 1;
+  // Replica d's rows of a batch of `rows`: [rows * d / D, rows * (d + 1) /
+  // D).
+  auto shard = [&](const torch::Tensor& t) {
+    const auto rows = t.size(0);
+    const auto begin = rows * replica / replicas;
+    return t.narrow(0, begin, rows * (replica + 1) / replicas - begin);
+  };
   std::FILE* out = text_out(args);
   if (args.chunks_from_plan && lead) {
     std::fprintf(
@@ -142,7 +154,8 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
   gpipe::dist::PipelineStage stage{nullptr};
   torch::nn::Module* module = nullptr;
   if (world) {
-    stage = gpipe::dist::PipelineStage(net, options, *world);
+    stage = gpipe::dist::PipelineStage(
+        net, options, gpipe::dist::Mesh(*world, pipeline_size));
     module = stage.get();
   } else {
     model = gpipe::GPipe(net, lane_options);
@@ -207,6 +220,9 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
     if (world) {
       stage->pretty_print(line);
       line << " ranks=" << ranks;
+      if (replicas > 1) {
+        line << " (" << replicas << " replicas of " << pipeline_size << ")";
+      }
     } else {
       line << *model << " threads_per_lane=" << model->threads_per_lane();
     }
@@ -244,32 +260,37 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
     int64_t window_samples = 0;
     for (int64_t begin = 0; begin < n; begin += batch_size) {
       auto idx = order.narrow(0, begin, std::min(batch_size, n - begin));
-      auto x = train_x.index_select(0, idx);
-      auto y = train_y.index_select(0, idx).to(out_device);
+      // Each replica its own shard (all of it without replicas).
+      auto x = shard(train_x.index_select(0, idx));
+      auto y = shard(train_y.index_select(0, idx)).to(out_device);
       if (trace && step - resumed.steps_done == 1) {
         trace->clear();
         set_trace(trace);
       }
       optimizer.zero_grad();
       torch::Tensor loss;
-      if (args.schedule == "plan" &&
-          gpipe::scatter({x}, args.chunks).size() !=
-              static_cast<size_t>(plan.micro_batches)) {
+      // The smallest shard decides, alike on every replica.
+      const auto fewest = idx.size(0) / replicas;
+      if (fewest == 0 ||
+          (args.schedule == "plan" &&
+           gpipe::scatter({x.narrow(0, 0, fewest)}, args.chunks).size() !=
+               static_cast<size_t>(plan.micro_batches))) {
         // A short last batch cuts into fewer micro-batches than the plan
-        // has; it is left out rather than run by another plan (on every
-        // rank alike: each reads the same batches).
+        // has (or leaves a replica nothing); it is left out rather than run
+        // by another plan (on every rank alike: each reads the same
+        // batches).
         ++skipped_batches;
         continue;
       }
       if (world && args.schedule == "plan") {
         loss = stage->train_step(
-            lead ? x : torch::Tensor(),
+            first ? x : torch::Tensor(),
             last ? y : torch::Tensor(),
             loss_fn,
             plan);
       } else if (world) {
         loss = stage->train_step(
-            lead ? x : torch::Tensor(),
+            first ? x : torch::Tensor(),
             last ? y : torch::Tensor(),
             loss_fn,
             gpipe::schedule_from_string(args.schedule));
@@ -292,6 +313,9 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
         if (world) {
           // One timeline with a row per rank, on rank 0.
           trace = gpipe::dist::gather_trace(stage);
+          if (!lead) {
+            trace.reset();  // another replica's: rank 0 writes its own
+          }
         }
         set_trace(nullptr);
       }
@@ -348,23 +372,26 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
     module->eval();
     torch::NoGradGuard no_grad;
     int64_t correct = 0;
-    for (int64_t begin = 0; begin < test_x.size(0); begin += 500) {
-      const auto len = std::min<int64_t>(500, test_x.size(0) - begin);
-      auto x = test_x.narrow(0, begin, len);
-      auto out = world ? stage->forward(lead ? x : torch::Tensor())
+    // Each replica tests its own shard of the test set.
+    const auto my_test_x = shard(test_x);
+    const auto my_test_y = shard(test_y);
+    for (int64_t begin = 0; begin < my_test_x.size(0); begin += 500) {
+      const auto len = std::min<int64_t>(500, my_test_x.size(0) - begin);
+      auto x = my_test_x.narrow(0, begin, len);
+      auto out = world ? stage->forward(first ? x : torch::Tensor())
                        : model->forward(x);
       if (last) {
         correct += out.argmax(1)
-                       .eq(test_y.narrow(0, begin, len).to(out.device()))
+                       .eq(my_test_y.narrow(0, begin, len).to(out.device()))
                        .sum()
                        .item<int64_t>();
       }
     }
     if (world) {
-      // The last rank has the outputs; rank 0 prints.
-      std::vector<at::Tensor> count{torch::tensor({correct}, torch::kLong)};
-      world->group()->allreduce(count)->wait();
-      correct = count[0].item<int64_t>();
+      // Each replica's last rank has its outputs; rank 0 prints.
+      auto count = torch::tensor({correct}, torch::kLong);
+      world->all_reduce(count);
+      correct = count.item<int64_t>();
     }
     const double accuracy = double(correct) / test_x.size(0);
     const double total =
@@ -413,6 +440,8 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
             {"threads_per_lane",
              world ? int64_t{0} : model->threads_per_lane()},
             {"ranks", ranks},
+            {"pipeline_size", pipeline_size},
+            {"replicas", replicas},
             {"epochs", epochs},
             {"batch_size", batch_size},
             {"steps", step},

@@ -225,6 +225,13 @@ void add_options(CLI::App& app, Args& args) {
          "number of at least 4)")
       ->check(int64);
   app.add_option(
+         "--pipeline-size",
+         args.pipeline_size,
+         "Under a launcher: ranks per pipeline, dividing the ranks; the "
+         "others are replicas of it, each training on its own shard of every "
+         "batch, gradients averaged (0: one pipeline over all ranks)")
+      ->check(int64);
+  app.add_option(
       "--plan",
       args.plan_path,
       "Run each step by this plan (CSV: one row per lane, actions such as "
@@ -298,12 +305,33 @@ void verify_args(const CLI::App& app, Args& args) {
   // Across ranks: partition j on rank j % ranks, stages_per_lane partitions
   // per rank (2 for the interleaved schedule unless told otherwise).
   int64_t ranks_partitions = 0;
+  usage_check(
+      args.pipeline_size >= 0,
+      "--pipeline-size must be 0 (all ranks) or positive, but got ",
+      args.pipeline_size);
+  usage_check(
+      args.world_size > 1 || args.pipeline_size <= 1,
+      "--pipeline-size ",
+      args.pipeline_size,
+      " needs a launcher with as many ranks or a multiple (gpipe-run -n N or "
+      "torchrun), but this is one process");
+  if (args.pipeline_size == 0) {
+    args.pipeline_size = args.world_size;
+  }
+  usage_check(
+      args.world_size % args.pipeline_size == 0,
+      "--pipeline-size ",
+      args.pipeline_size,
+      " must divide the ",
+      args.world_size,
+      " ranks the launcher started (WORLD_SIZE)");
+  const int64_t pipeline_ranks = args.pipeline_size;
   if (args.world_size > 1) {
     // The autograd schedule needs the whole pipeline in one process.
     if (!per_lane && args.schedule == "interleaved") {
       args.stages_per_lane = 2;
     }
-    ranks_partitions = args.world_size * args.stages_per_lane;
+    ranks_partitions = pipeline_ranks * args.stages_per_lane;
     if (app.count("--partitions") == 0 && app.count("--balance") == 0) {
       args.partitions = ranks_partitions;
     }
@@ -311,9 +339,11 @@ void verify_args(const CLI::App& app, Args& args) {
         app.count("--partitions") == 0 || args.partitions == ranks_partitions,
         "--partitions is ",
         args.partitions,
-        ", but the launcher started ",
+        ", but the pipeline has ",
+        pipeline_ranks,
+        " ranks (--pipeline-size, of the ",
         args.world_size,
-        " ranks (WORLD_SIZE) with ",
+        " the launcher started) with ",
         args.stages_per_lane,
         " partition(s) each: give ",
         ranks_partitions,
@@ -379,9 +409,11 @@ void verify_args(const CLI::App& app, Args& args) {
         args.balance_text,
         "' has ",
         count_of(n, "entry", "entries"),
-        ", but the launcher started ",
+        ", but the pipeline has ",
+        pipeline_ranks,
+        " ranks (--pipeline-size, of the ",
         args.world_size,
-        " ranks (WORLD_SIZE) with ",
+        " the launcher started) with ",
         args.stages_per_lane,
         " partition(s) each; give ",
         ranks_partitions,

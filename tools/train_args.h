@@ -111,6 +111,10 @@ struct Args {
   // else 1. With more than one, rank r runs partitions r, r + ranks, ...
   // (stages_per_lane of them).
   int64_t world_size = 1;
+  // --pipeline-size: ranks per pipeline under a launcher (0: all of them);
+  // the world_size / pipeline_size replicas each train on their own shard
+  // of every batch. Set to the pipeline's ranks by verify_args.
+  int64_t pipeline_size = 0;
   // --balance was given; else train() replaces `balance` (the even split)
   // by choose_balance's.
   bool balance_given = false;

@@ -11,7 +11,6 @@
 #include <charconv>
 #include <cstdio>
 #include <sstream>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "train_args.h"
 
@@ -97,9 +96,9 @@ std::vector<int64_t> choose_balance(
     balance = gpipe::balance_cost(costs, partitions);
   }
   if (world != nullptr) {
-    std::vector<at::Tensor> shared{torch::tensor(balance, torch::kLong)};
-    world->group()->broadcast(shared)->wait();
-    const auto* b = shared[0].data_ptr<int64_t>();
+    auto shared = torch::tensor(balance, torch::kLong);
+    world->broadcast(shared, 0);
+    const auto* b = shared.data_ptr<int64_t>();
     balance.assign(b, b + partitions);
   }
   if (!costs.empty()) {

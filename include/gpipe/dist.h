@@ -64,12 +64,32 @@ class World {
   int64_t local_size() const;
   /// How long a rank waits for another before it gives up.
   std::chrono::milliseconds timeout() const;
-  /// The c10d group (Gloo) the stages talk over; usable for collectives of
-  /// one's own between passes (point-to-point: tags from 2^30 up; gpipe's
-  /// own use those below).
+  /// The c10d group (Gloo) the stages talk over (null in a World of one
+  /// rank); usable for collectives of one's own between passes (point-to-point:
+  /// tags from 2^30 up; gpipe's own use those below).
   const c10::intrusive_ptr<c10d::ProcessGroupGloo>& group() const;
   /// The rendezvous store.
   const c10::intrusive_ptr<c10d::Store>& store() const;
+
+  /// Collective over this World: a World of the ranks that passed the same
+  /// `color`, ranked by `key` (ties by rank here), as c10d::new_group and
+  /// MLX's group split. Every rank of this World calls it, in the same order
+  /// as its other splits; each new World has a c10d group, a store prefix
+  /// and a failure channel of its own. local_rank() and local_size() are
+  /// this World's (they describe the host). A negative color is a
+  /// c10::ValueError.
+  World split(int64_t color, int64_t key) const;
+
+  /// Collectives of one's own between passes, over this World's group; each
+  /// waits at most timeout() and throws a c10::Error naming the operation
+  /// and this rank. `tensor` is dense and contiguous, the same shape and
+  /// dtype on every rank.
+  /// Sums `tensor` over the ranks, in place.
+  void all_reduce(torch::Tensor& tensor) const;
+  /// Copies rank `root`'s `tensor` into every rank's, in place.
+  void broadcast(torch::Tensor& tensor, int64_t root) const;
+  /// Returns when every rank has called it.
+  void barrier() const;
 
   /// The shared connection (for gpipe's own use).
   const std::shared_ptr<detail::Connection>& connection() const {
@@ -85,14 +105,61 @@ class World {
 /// LOCAL_WORLD_SIZE when set). Rank 0 hosts the TCPStore unless torchrun's
 /// agent hosts it (TORCHELASTIC_USE_AGENT_STORE=True). Waits at most
 /// `timeout` for the others; a missing or malformed variable is a
-/// c10::ValueError naming it.
+/// c10::ValueError naming it. Like init_from_store, it sets SIGPIPE to be
+/// ignored unless the program has a handler of its own, so that a write to
+/// a rank that died fails with an error naming it instead of ending this
+/// process without a word.
 World init_from_env(std::chrono::milliseconds timeout);
 /// As above, with the timeout from GPIPE_DIST_TIMEOUT (seconds; default
 /// 120).
 World init_from_env();
 
+/// Joins a job whose ranks meet in `store` (any c10d store: a TCPStore of
+/// one's own, or a HashStore shared by threads of one process), as rank
+/// `rank` of `size`. The ranks talk over GLOO_SOCKET_IFNAME when it is set,
+/// else over loopback when MASTER_ADDR is unset or local, else over this
+/// host's interface. local_rank() is `rank` and local_size() is `size`.
+World init_from_store(
+    c10::intrusive_ptr<c10d::Store> store,
+    int64_t rank,
+    int64_t size,
+    std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
 /// The timeout GPIPE_DIST_TIMEOUT asks for (seconds; default 120).
 std::chrono::milliseconds default_timeout();
+
+/// Pipeline x data parallelism over one World: `data_size()` replicas of a
+/// pipeline of `pipeline_size` stages. A replica's stages are neighbours:
+/// global rank = data_rank * pipeline_size + pipeline_rank. pipeline() is
+/// the World of this rank's replica (its stages), data() the World of the
+/// ranks that hold the same stage in every replica (where gradients are
+/// averaged). Collective: every rank of `world` builds it, in the same
+/// order as its other splits.
+class Mesh {
+ public:
+  /// `world.size()` must be a multiple of `pipeline_size` (else a
+  /// c10::ValueError naming both).
+  Mesh(World world, int64_t pipeline_size);
+
+  const World& world() const {
+    return world_;
+  }
+  const World& pipeline() const {
+    return pipeline_;
+  }
+  const World& data() const {
+    return data_;
+  }
+  int64_t pipeline_rank() const;
+  int64_t data_rank() const;
+  int64_t pipeline_size() const;
+  int64_t data_size() const;
+
+ private:
+  World world_;
+  World pipeline_;
+  World data_;
+};
 
 class PipelineStage;
 std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
@@ -111,10 +178,22 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 /// `forward` are collective. A pass that fails on one rank fails on every
 /// rank still in it, with the first rank's error; after such a failure the
 /// connection is closed and later passes are refused (restart the job).
+///
+/// With a Mesh, each of its `data_size()` replicas runs its own pipeline
+/// over `mesh.pipeline()` on its own shard of the batch, and train_step
+/// averages the gradients over the replicas (`mesh.data()`) before it
+/// returns: with a mean loss and equal shards, the step equals one pipeline
+/// on the whole batch. The replicas start from data rank 0's parameters and
+/// buffers (copied at construction); BatchNorm statistics stay per replica.
 class PipelineStageImpl : public torch::nn::Module {
  public:
+  /// One pipeline over all of `world`: Mesh(world, world.size()).
   PipelineStageImpl(
       torch::nn::Sequential module, GPipeOptions options, World world);
+  /// This rank's stage of its replica's pipeline (`mesh.pipeline()`);
+  /// balance has `mesh.pipeline_size() * stages_per_lane` partitions.
+  PipelineStageImpl(
+      torch::nn::Sequential module, GPipeOptions options, Mesh mesh);
   ~PipelineStageImpl() override;
 
   /// Inference through the pipeline: `input` is read on rank 0 (the other
@@ -125,8 +204,10 @@ class PipelineStageImpl : public torch::nn::Module {
 
   /// One training step over all ranks, as GPipe::train_step: `input` is read
   /// on rank 0, `target` on the last rank (other ranks may pass undefined
-  /// tensors). Gradients accumulate into this rank's parameters. Returns the
-  /// mini-batch loss, detached, on every rank.
+  /// tensors); ranks are pipeline ranks, and each replica reads its own
+  /// shard. Gradients accumulate into this rank's parameters, averaged over
+  /// the replicas. Returns the mini-batch loss, detached, on every rank
+  /// (with replicas, their mean).
   torch::Tensor train_step(
       torch::Tensor input,
       torch::Tensor target,
@@ -174,9 +255,18 @@ class PipelineStageImpl : public torch::nn::Module {
   torch::Device device() const {
     return device_;
   }
+  /// The pipeline's World (mesh().pipeline()): rank() is the pipeline rank.
   const World& world() const {
     return world_;
   }
+  const Mesh& mesh() const {
+    return mesh_;
+  }
+  /// The size of the gradient buckets all-reduced over the replicas (about
+  /// 25 MiB by default, as DDP's; see Note [Gradient buckets]). Set it on
+  /// every rank alike, between steps.
+  void set_gradient_bucket_bytes(int64_t bytes);
+  int64_t gradient_bucket_bytes() const;
   int64_t rank() const {
     return world_.rank();
   }
@@ -201,7 +291,15 @@ class PipelineStageImpl : public torch::nn::Module {
       const LossFunction& loss_fn,
       Schedule schedule,
       const Plan* plan);
+  // The pipeline's own part of a step (run_train_step adds the replicas').
+  torch::Tensor run_pipeline_step(
+      torch::Tensor input,
+      torch::Tensor target,
+      const LossFunction& loss_fn,
+      Schedule schedule,
+      const Plan* plan);
 
+  Mesh mesh_;
   World world_;
   std::vector<torch::nn::Sequential> partitions_;
   torch::Device device_ = torch::kCPU;

@@ -38,14 +38,16 @@ Connection::Connection(
     int64_t size_,
     int64_t local_rank_,
     int64_t local_size_,
-    std::chrono::milliseconds timeout_)
+    std::chrono::milliseconds timeout_,
+    GroupFactory make_group_)
     : store(std::move(store_)),
       group(std::move(group_)),
       rank(rank_),
       size(size_),
       local_rank(local_rank_),
       local_size(local_size_),
-      timeout(timeout_) {
+      timeout(timeout_),
+      make_group(std::move(make_group_)) {
   if (size > 1) {
     listener_ = std::thread([this] { listen(); });
   }

@@ -51,6 +51,7 @@
 #include <utility>
 #include <vector>
 
+#include "dist/gloo.h"
 #include "dist/wire.h"
 
 namespace c10d {
@@ -95,7 +96,8 @@ struct Connection {
       int64_t size,
       int64_t local_rank,
       int64_t local_size,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      GroupFactory make_group);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -136,6 +138,11 @@ struct Connection {
   int64_t next_stage_id() {
     return stage_ids_++;
   }
+  /// A number for the next World::split, the same on every rank (splits
+  /// are collective).
+  int64_t next_split_id() {
+    return split_ids_++;
+  }
 
   c10::intrusive_ptr<c10d::Store> store;
   // Left alone (leaked) after a failure: see the Note.
@@ -145,6 +152,8 @@ struct Connection {
   const int64_t local_rank;
   const int64_t local_size;
   const std::chrono::milliseconds timeout;
+  /// Makes this connection's sub-groups (World::split), as its own was made.
+  const GroupFactory make_group;
   /// Held by a pass (train_step, forward, gather_trace) of any stage:
   /// stages share the connection's tags, so their passes take turns.
   std::mutex passes_mutex;
@@ -178,6 +187,7 @@ struct Connection {
   c10::intrusive_ptr<c10d::Work> listening_;  // guarded by mutex_
   std::thread listener_;
   int64_t stage_ids_ = 0;
+  std::atomic<int64_t> split_ids_{0};
 };
 
 }  // namespace gpipe::dist::detail

@@ -47,7 +47,14 @@ using detail::checkpoint_stop;
 
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential module, GPipeOptions options_, World world)
-    : options(std::move(options_)), world_(std::move(world)) {
+    : PipelineStageImpl(
+          std::move(module), std::move(options_), Mesh(world, world.size())) {}
+
+PipelineStageImpl::PipelineStageImpl(
+    torch::nn::Sequential module, GPipeOptions options_, Mesh mesh)
+    : options(std::move(options_)),
+      mesh_(std::move(mesh)),
+      world_(mesh_.pipeline()) {
   const auto rank = world_.rank();
   const auto size = world_.size();
   auto& connection = world_.connection();
@@ -55,6 +62,10 @@ PipelineStageImpl::PipelineStageImpl(
   // prefix, and reads the others'.
   const auto stage_id = connection->next_stage_id();
   const auto prefix = "stage" + std::to_string(stage_id) + "/";
+  // The replicas of this stage agree too, in their own World.
+  auto& replicas = mesh_.data().connection();
+  const auto replicas_prefix =
+      "stage" + std::to_string(replicas->next_stage_id()) + "/";
   const auto n = static_cast<int64_t>(options.balance().size());
   try {
     verify_module(module);
@@ -109,8 +120,11 @@ PipelineStageImpl::PipelineStageImpl(
     }
   } catch (...) {
     // Tell the others at once, rather than leaving them waiting.
-    detail::publish_build_error(
-        *connection, prefix, detail::message_of(std::current_exception()));
+    const auto why = detail::message_of(std::current_exception());
+    detail::publish_build_error(*connection, prefix, why);
+    if (replicas->size > 1) {
+      detail::publish_build_error(*replicas, replicas_prefix, why);
+    }
     throw;
   }
 
@@ -118,8 +132,11 @@ PipelineStageImpl::PipelineStageImpl(
   engine_ = std::make_shared<Engine>();
   engine_->connection = connection;
   engine_->stage_id = stage_id;
-  detail::agree_on_build(
-      *connection, prefix, detail::fingerprint(module, options, size));
+  const auto fields = detail::fingerprint(module, options, size);
+  detail::agree_on_build(*connection, prefix, fields);
+  if (replicas->size > 1) {
+    detail::agree_on_build(*replicas, replicas_prefix, fields);
+  }
 
   // Split the layers; each keeps its name. Only this rank's partitions
   // (j % size == rank) move to its device and become this module's.
@@ -163,6 +180,19 @@ PipelineStageImpl::PipelineStageImpl(
       detail::kMaxIndex,
       " skips between partitions, but got ",
       index);
+  // The replicas start from data rank 0's parameters and buffers, as DDP's.
+  if (replicas->size > 1) {
+    std::vector<torch::Tensor> state;
+    for (const auto& part : partitions_) {
+      for (auto& p : part->parameters()) {
+        state.push_back(p);
+      }
+      for (auto& b : part->buffers()) {
+        state.push_back(b);
+      }
+    }
+    detail::broadcast_from_first_replica(mesh_.data(), state);
+  }
   Engine* engine = engine_.get();
   engine_->pipeline->set_transport_factory([engine](int64_t m, int64_t stages) {
     return std::make_unique<C10dTransport>(
@@ -200,7 +230,52 @@ torch::Tensor PipelineStageImpl::train_step(
       std::move(input), std::move(target), loss_fn, Schedule::FillDrain, &plan);
 }
 
+void PipelineStageImpl::set_gradient_bucket_bytes(int64_t bytes) {
+  TORCH_CHECK_VALUE(
+      bytes > 0,
+      "set_gradient_bucket_bytes expects a positive number of bytes, but got ",
+      bytes);
+  engine_->bucket_bytes = bytes;
+}
+
+int64_t PipelineStageImpl::gradient_bucket_bytes() const {
+  return engine_->bucket_bytes;
+}
+
 torch::Tensor PipelineStageImpl::run_train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    Schedule schedule,
+    const Plan* plan) {
+  const auto& data = mesh_.data();
+  if (data.size() > 1) {
+    // Made each step: which parameters train may change between steps.
+    engine_->buckets.clear();
+    for (const auto& part : partitions_) {
+      engine_->buckets.push_back(std::make_unique<detail::GradientBuckets>(
+          data, part->parameters(), engine_->bucket_bytes));
+    }
+  }
+  auto loss = run_pipeline_step(
+      std::move(input), std::move(target), loss_fn, schedule, plan);
+  if (data.size() > 1) {
+    for (auto& buckets : engine_->buckets) {
+      if (!buckets->started()) {
+        buckets->start();
+      }
+    }
+    for (auto& buckets : engine_->buckets) {
+      buckets->finish();
+    }
+    auto sum = loss.clone();
+    data.all_reduce(sum);
+    loss = sum / static_cast<double>(data.size());
+  }
+  return loss;
+}
+
+torch::Tensor PipelineStageImpl::run_pipeline_step(
     torch::Tensor input,
     torch::Tensor target,
     const LossFunction& loss_fn,
@@ -463,6 +538,9 @@ void PipelineStageImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::dist::PipelineStage(rank=" << world_.rank() << "/"
          << world_.size() << ", balance=" << c10::IntArrayRef(options.balance())
          << ", chunks=" << options.chunks();
+  if (mesh_.data_size() > 1) {
+    stream << ", replica=" << mesh_.data_rank() << "/" << mesh_.data_size();
+  }
   if (options.stages_per_lane() > 1) {
     stream << ", stages_per_lane=" << options.stages_per_lane();
   }

@@ -12,6 +12,7 @@
 
 #include "dist/c10d_transport.h"
 #include "dist/connection.h"
+#include "dist/data_parallel.h"
 #include "engine/pipeline.h"
 
 namespace gpipe::dist {
@@ -23,6 +24,10 @@ struct PipelineStageImpl::Engine {
   int64_t stage_id = 0;
   int64_t passes = 0;   // passes started, the same count on every rank
   int64_t current = 0;  // the pass whose transport is being made
+  // With replicas: per local stage (in the order of partitions()), its
+  // gradients' all-reduce over the data World.
+  int64_t bucket_bytes = detail::kDefaultBucketBytes;
+  std::vector<std::unique_ptr<detail::GradientBuckets>> buckets;
   mutable std::mutex trace_mutex;
   std::shared_ptr<Trace> trace;  // guarded by trace_mutex
 

@@ -4,12 +4,14 @@
 #include <c10/util/Exception.h>
 #include <gpipe/dist.h>
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -17,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dist/connection.h"
+#include "dist/gloo.h"
 #include "engine/lane.h"
 
 namespace gpipe::dist {
@@ -110,6 +113,21 @@ void check_master_addr(const char* addr, std::chrono::milliseconds timeout) {
   }
 }
 
+// Note [SIGPIPE]
+// Gloo writes to its peers' sockets without MSG_NOSIGNAL on some paths: a
+// write to a rank that has just died raises SIGPIPE, whose default action
+// ends this process silently (exit 141) instead of failing the pass with
+// an error that names the dead rank. A process that joins a job therefore
+// ignores SIGPIPE, unless it has chosen a handler of its own: the write
+// then fails with EPIPE, which Gloo reports.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 &&
+      current.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
+}
+
 }  // namespace
 
 std::chrono::milliseconds default_timeout() {
@@ -142,6 +160,7 @@ World init_from_env(std::chrono::milliseconds timeout) {
       " ms");
   // Before c10d's threads allocate (Note [Lanes and glibc's malloc]).
   gpipe::detail::keep_freed_memory_once();
+  ignore_sigpipe();  // Note [SIGPIPE]
   const char* addr = env("MASTER_ADDR");
   TORCH_CHECK_VALUE(
       addr != nullptr,
@@ -191,36 +210,53 @@ World init_from_env(std::chrono::milliseconds timeout) {
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       std::string("gpipe/attempt_") + (attempt != nullptr ? attempt : "0"),
       tcp);
-  auto group_options = c10d::ProcessGroupGloo::Options::create(timeout);
-  const char* iface = env("GLOO_SOCKET_IFNAME");
-  if (iface != nullptr) {
-    group_options->devices.push_back(
-        c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-  } else {
-    // Loopback when everyone is here; else the host's own name, as c10d
-    // picks it.
-    group_options->devices.push_back(
-        std::string(addr) == "127.0.0.1" || std::string(addr) == "localhost"
-            ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-            : c10d::ProcessGroupGloo::createDefaultDevice());
-  }
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-  try {
-    group = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        store, static_cast<int>(rank), static_cast<int>(size), group_options);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(
-        false,
-        "gpipe::dist::init_from_env: rank ",
-        rank,
-        " could not connect to the other ranks within ",
-        timeout.count() / 1000.0,
-        " s [c10d: ",
-        std::string(e.what()).substr(0, 300),
-        "]");
-  }
+  auto make_group = detail::gloo_groups(addr, timeout);
+  auto group = make_group(store, rank, size);
   return World(std::make_shared<detail::Connection>(
-      store, group, rank, size, local_rank, local_size, timeout));
+      store,
+      group,
+      rank,
+      size,
+      local_rank,
+      local_size,
+      timeout,
+      std::move(make_group)));
+}
+
+World init_from_store(
+    c10::intrusive_ptr<c10d::Store> store,
+    int64_t rank,
+    int64_t size,
+    std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(
+      store, "gpipe::dist::init_from_store expects a store, but got none");
+  TORCH_CHECK_VALUE(
+      size >= 1 && rank >= 0 && rank < size,
+      "gpipe::dist::init_from_store expects 0 <= rank < size, but got rank ",
+      rank,
+      " and size ",
+      size);
+  TORCH_CHECK_VALUE(
+      timeout.count() > 0,
+      "gpipe::dist::init_from_store expects a positive timeout, but got ",
+      timeout.count(),
+      " ms");
+  gpipe::detail::keep_freed_memory_once();
+  ignore_sigpipe();  // Note [SIGPIPE]
+  const char* addr = env("MASTER_ADDR");
+  auto make_group =
+      detail::gloo_groups(addr != nullptr ? addr : "127.0.0.1", timeout);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("gpipe/", store);
+  auto group = make_group(prefixed, rank, size);
+  return World(std::make_shared<detail::Connection>(
+      prefixed,
+      group,
+      rank,
+      size,
+      /*local_rank=*/rank,
+      /*local_size=*/size,
+      timeout,
+      std::move(make_group)));
 }
 
 World::World(std::shared_ptr<detail::Connection> connection)
@@ -251,6 +287,82 @@ const c10::intrusive_ptr<c10d::ProcessGroupGloo>& World::group() const {
 }
 const c10::intrusive_ptr<c10d::Store>& World::store() const {
   return connection_->store;
+}
+
+namespace {
+
+// Waits for a collective of `connection`'s group; its failure is a
+// c10::Error naming the operation and the rank, without c10d's backtrace.
+void wait_collective(
+    detail::Connection& connection,
+    const char* what,
+    const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+  connection.check();
+  try {
+    start()->wait(connection.timeout);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(
+        false,
+        "gpipe::dist::World::",
+        what,
+        " failed on rank ",
+        connection.rank,
+        " of ",
+        connection.size,
+        " [c10d: ",
+        std::string(e.what_without_backtrace()).substr(0, 300),
+        "]");
+  }
+}
+
+void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
+  TORCH_CHECK_VALUE(
+      tensor.defined() && tensor.layout() == torch::kStrided &&
+          tensor.is_contiguous(),
+      "gpipe::dist::World::",
+      what,
+      " expects a dense contiguous tensor, but got ",
+      tensor.defined() ? "one that is not" : "an undefined one");
+}
+
+}  // namespace
+
+void World::all_reduce(torch::Tensor& tensor) const {
+  check_collective_tensor(tensor, "all_reduce");
+  if (size() == 1) {
+    return;
+  }
+  std::vector<torch::Tensor> tensors{tensor};
+  wait_collective(*connection_, "all_reduce", [&] {
+    return connection_->group->allreduce(tensors);
+  });
+}
+
+void World::broadcast(torch::Tensor& tensor, int64_t root) const {
+  check_collective_tensor(tensor, "broadcast");
+  TORCH_CHECK_INDEX(
+      root >= 0 && root < size(),
+      "gpipe::dist::World::broadcast expects a root rank in [0, ",
+      size(),
+      "), but got ",
+      root);
+  if (size() == 1) {
+    return;
+  }
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  wait_collective(*connection_, "broadcast", [&] {
+    return connection_->group->broadcast(tensors, options);
+  });
+}
+
+void World::barrier() const {
+  if (size() == 1) {
+    return;
+  }
+  wait_collective(
+      *connection_, "barrier", [&] { return connection_->group->barrier(); });
 }
 
 }  // namespace gpipe::dist

@@ -250,7 +250,7 @@ case $mode in
       # The JSON lines agree on everything but timings and ranks.
       strip() {
         grep -o '{.*}' "$1" | tail -1 |
-          sed -E 's/"(ranks|threads_per_lane|total_seconds|train_seconds|train_samples_per_second)":[^,}]*,?//g'
+          sed -E 's/"(ranks|pipeline_size|threads_per_lane|total_seconds|train_seconds|train_samples_per_second)":[^,}]*,?//g'
       }
       a=$(strip "$tmp/single")
       b=$(strip "$tmp/dist")
@@ -264,6 +264,38 @@ case $mode in
       fi
     fi
     done
+    # Two replicas of a 2-stage pipeline (4 ranks, --pipeline-size 2), each
+    # on its own half of every batch. BatchNorm keeps per-replica statistics
+    # and the micro-batches are half as large, so the run is not one
+    # process's bit for bit: it must train as well and say its layout.
+    args=(--data-dir "$data" --limit 640 --test-limit 1000 --epochs 1 --batch-size 64
+      --chunks 4 --schedule 1f1b --json --log-every 5)
+    timeout 300 "$run_bin" -n 4 -- "$prog" "${args[@]}" --balance 6,7 \
+      --pipeline-size 2 >"$tmp/mesh" 2>&1
+    code=$?
+    json=$(grep -o '{.*}' "$tmp/mesh" | tail -1)
+    accuracy=$(grep -o '"test_accuracy":[0-9.]*' <<<"$json" | cut -d: -f2)
+    if [[ $code -ne 0 ]]; then
+      fail "gpipe-train on 2 x 2 ranks exited $code: $(tail -3 "$tmp/mesh")"
+    elif [[ $json != *'"pipeline_size":2'* || $json != *'"replicas":2'* ||
+      $json != *'"ranks":4'* || $json != *'"steps":10'* ]]; then
+      fail "gpipe-train on 2 x 2 ranks: the summary misses the layout: $json"
+    elif ! awk -v a="$accuracy" 'BEGIN { exit !(a >= 0.3) }'; then
+      fail "gpipe-train on 2 x 2 ranks reached test accuracy $accuracy after 10 steps (one process: 0.5)"
+    elif grep -q '^\[[123]\] epoch' "$tmp/mesh"; then
+      fail "a rank other than 0 printed progress on 2 x 2 ranks"
+    else
+      echo "ok: gpipe-train on 2 replicas x 2 stages: $json"
+    fi
+    # A pipeline size that does not divide the ranks: one line, exit 2.
+    timeout 60 "$run_bin" -n 2 -- "$prog" "${args[@]}" --pipeline-size 3 \
+      >"$tmp/bad" 2>&1
+    code=$?
+    if [[ $code -eq 0 ]] || ! grep -q -- '--pipeline-size 3 must divide the 2 ranks' "$tmp/bad"; then
+      fail "--pipeline-size 3 on 2 ranks: exit $code: $(tail -3 "$tmp/bad")"
+    else
+      echo "ok: --pipeline-size 3 on 2 ranks is refused"
+    fi
     ;;
   *)
     echo "unknown mode $mode"

@@ -1,0 +1,76 @@
+#pragma once
+
+// Data parallelism across pipeline replicas: the gradients of the ranks that
+// hold the same stage are averaged, bucket by bucket, over their data World
+// (Mesh::data()).
+//
+// Note [Gradient buckets]
+// As DDP does, gradients are packed into flat buckets of about
+// `bucket_bytes` (25 MiB by default), filled from the last parameter to the
+// first (the order in which backward makes them final), one dtype and
+// device per bucket; each bucket is one all-reduce of its sum, then divided
+// by the number of replicas and copied back into each `.grad`. A stage's
+// buckets start as soon as its gradients are final (after its last B or W
+// of the step) and run on c10d's threads while the lane goes on with the
+// drain; the step waits for them before it returns. Every replica runs the
+// same plan, so the ranks of a data World start their buckets in the same
+// order, as a collective needs. A parameter without a gradient (a layer the
+// step did not use) takes part with zeros, so that the replicas agree on
+// every bucket's layout; afterwards it has a zero gradient, as under DDP.
+
+#include <c10/util/intrusive_ptr.h>
+#include <gpipe/dist.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace c10d {
+class Work;
+}  // namespace c10d
+
+namespace gpipe::dist::detail {
+
+constexpr int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
+
+/// The gradient all-reduce of one stage's parameters over `data`.
+class GradientBuckets {
+ public:
+  /// `parameters` in layer order; those that do not require grad are left
+  /// out.
+  GradientBuckets(
+      World data,
+      const std::vector<torch::Tensor>& parameters,
+      int64_t bucket_bytes);
+
+  /// Packs the gradients and starts every bucket's all-reduce.
+  void start();
+  /// Waits for the buckets started, averages and writes the gradients back.
+  /// Throws a c10::Error naming the bucket if an all-reduce fails.
+  void finish();
+  /// Whether start() ran without finish().
+  bool started() const {
+    return !works_.empty();
+  }
+  /// Bytes all-reduced per step.
+  int64_t bytes() const {
+    return bytes_;
+  }
+
+ private:
+  struct Bucket {
+    std::vector<torch::Tensor> parameters;
+    torch::Tensor flat;
+  };
+  World data_;
+  std::vector<Bucket> buckets_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  int64_t bytes_ = 0;
+};
+
+/// Copies data rank 0's `tensors` (parameters and buffers) into every
+/// replica's, bucket by bucket, so that the replicas start equal.
+void broadcast_from_first_replica(
+    const World& data, const std::vector<torch::Tensor>& tensors);
+
+}  // namespace gpipe::dist::detail

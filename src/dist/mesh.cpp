@@ -1,0 +1,140 @@
+// World::split and Mesh: the sub-groups of a job. A split World has its own
+// c10d group (made as its parent's was), its own store prefix and its own
+// failure channel, so that a replica's pipeline and a stage's data-parallel
+// group run side by side without sharing tags.
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+#include <gpipe/dist.h>
+
+#include <algorithm>
+#include <string>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <tuple>
+#include <vector>
+
+#include "dist/connection.h"
+
+namespace gpipe::dist {
+
+namespace {
+
+// A World of this rank alone: no group and no peers, so nothing to make.
+World solo(const detail::Connection& parent) {
+  return World(std::make_shared<detail::Connection>(
+      parent.store,
+      c10::intrusive_ptr<c10d::ProcessGroupGloo>(),
+      0,
+      1,
+      parent.local_rank,
+      parent.local_size,
+      parent.timeout,
+      parent.make_group));
+}
+
+}  // namespace
+
+World World::split(int64_t color, int64_t key) const {
+  auto& parent = *connection_;
+  parent.check();
+  TORCH_CHECK_VALUE(
+      color >= 0,
+      "gpipe::dist::World::split expects a color >= 0, but got ",
+      color);
+  const auto id = parent.next_split_id();
+  if (parent.size == 1) {
+    return solo(parent);
+  }
+  // Every rank's (color, key), gathered through the parent's group.
+  auto mine = torch::tensor({color, key}, torch::kLong);
+  std::vector<std::vector<torch::Tensor>> all(1);
+  for (const auto r : c10::irange(parent.size)) {
+    (void)r;
+    all[0].push_back(torch::empty({2}, torch::kLong));
+  }
+  std::vector<torch::Tensor> input{mine};
+  try {
+    parent.group->allgather(all, input)->wait(parent.timeout);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(
+        false,
+        "gpipe::dist::World::split: rank ",
+        parent.rank,
+        " could not learn the other ranks' colors within ",
+        parent.timeout.count() / 1000.0,
+        " s [c10d: ",
+        std::string(e.what_without_backtrace()).substr(0, 300),
+        "]");
+  }
+  std::vector<std::tuple<int64_t, int64_t>> members;  // (key, parent rank)
+  for (const auto r : c10::irange(parent.size)) {
+    const auto* v = all[0][r].data_ptr<int64_t>();
+    if (v[0] == color) {
+      members.emplace_back(v[1], r);
+    }
+  }
+  std::sort(members.begin(), members.end());
+  int64_t rank = 0;
+  while (std::get<1>(members[rank]) != parent.rank) {
+    ++rank;
+  }
+  const auto size = static_cast<int64_t>(members.size());
+  if (size == 1) {
+    return solo(parent);
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "split" + std::to_string(id) + "/" + std::to_string(color), parent.store);
+  auto group = parent.make_group(store, rank, size);
+  return World(std::make_shared<detail::Connection>(
+      store,
+      group,
+      rank,
+      size,
+      parent.local_rank,
+      parent.local_size,
+      parent.timeout,
+      parent.make_group));
+}
+
+Mesh::Mesh(World world, int64_t pipeline_size)
+    : world_(world), pipeline_(world), data_(world) {
+  const auto size = world_.size();
+  TORCH_CHECK_VALUE(
+      pipeline_size >= 1 && size % pipeline_size == 0,
+      "gpipe::dist::Mesh expects the world size to be a multiple of the "
+      "pipeline size, but the world has ",
+      size,
+      size == 1 ? " rank" : " ranks",
+      " and the pipeline size is ",
+      pipeline_size);
+  const auto rank = world_.rank();
+  // A replica's stages are neighbours: rank = data_rank * P + pipeline_rank.
+  // A World of one rank needs no collective (solo), and one of them all is
+  // `world` itself.
+  if (pipeline_size == 1) {
+    pipeline_ = solo(*world_.connection());
+  } else if (pipeline_size < size) {
+    pipeline_ = world_.split(rank / pipeline_size, rank % pipeline_size);
+  }
+  if (pipeline_size == size) {
+    data_ = solo(*world_.connection());
+  } else if (pipeline_size > 1) {
+    data_ = world_.split(rank % pipeline_size, rank / pipeline_size);
+  }
+}
+
+int64_t Mesh::pipeline_rank() const {
+  return pipeline_.rank();
+}
+int64_t Mesh::data_rank() const {
+  return data_.rank();
+}
+int64_t Mesh::pipeline_size() const {
+  return pipeline_.size();
+}
+int64_t Mesh::data_size() const {
+  return data_.size();
+}
+
+}  // namespace gpipe::dist

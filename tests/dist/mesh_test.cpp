@@ -1,0 +1,264 @@
+// World::split, Mesh and data-parallel PipelineStages, with every rank a
+// thread of this process: Gloo groups over loopback that meet in one
+// c10d::HashStore. Real processes are tests/dist/dist_test.sh's.
+
+#include <gpipe/dist.h>
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <vector>
+
+#include "../common.h"
+
+namespace gpipe {
+namespace {
+
+using dist::Mesh;
+using dist::World;
+using testing::PopAdd;
+using testing::TanhStash;
+
+// Runs `fn` on `n` ranks, each a thread with its World; rethrows the first
+// rank's error after every thread has ended.
+void run_ranks(int64_t n, const std::function<void(World)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::mutex mutex;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(dist::init_from_store(store, r, n, std::chrono::seconds(30)));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!first) {
+          first = std::current_exception();
+        }
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  if (first) {
+    std::rethrow_exception(first);
+  }
+}
+
+TEST(MeshTest, SplitGroupsByColorAndRanksByKey) {
+  std::mutex mutex;
+  std::vector<std::vector<int64_t>> seen(4);
+  run_ranks(4, [&](World world) {
+    const auto r = world.rank();
+    // Evens and odds, each ranked from the highest rank down.
+    auto part = world.split(r % 2, -r);
+    auto sum = torch::tensor({r}, torch::kLong);
+    part.all_reduce(sum);
+    auto root = torch::tensor({r * 10}, torch::kLong);
+    part.broadcast(root, 0);
+    part.barrier();
+    std::lock_guard<std::mutex> lock(mutex);
+    seen[r] = {
+        part.rank(), part.size(), sum.item<int64_t>(), root.item<int64_t>()};
+  });
+  // Rank 2 is first among the evens, rank 3 among the odds.
+  EXPECT_EQ(seen[0], (std::vector<int64_t>{1, 2, 2, 20}));
+  EXPECT_EQ(seen[1], (std::vector<int64_t>{1, 2, 4, 30}));
+  EXPECT_EQ(seen[2], (std::vector<int64_t>{0, 2, 2, 20}));
+  EXPECT_EQ(seen[3], (std::vector<int64_t>{0, 2, 4, 30}));
+}
+
+TEST(MeshTest, SplitRefusesANegativeColor) {
+  run_ranks(1, [](World world) {
+    EXPECT_THROW(world.split(-1, 0), c10::ValueError);
+    // A World of one rank needs no group, and its collectives do nothing.
+    auto alone = world.split(0, 0);
+    auto t = torch::ones({3});
+    alone.all_reduce(t);
+    EXPECT_TRUE(t.equal(torch::ones({3})));
+  });
+}
+
+TEST(MeshTest, LayoutPutsAReplicasStagesSideBySide) {
+  std::mutex mutex;
+  std::vector<std::vector<int64_t>> seen(4);
+  run_ranks(4, [&](World world) {
+    Mesh mesh(world, 2);
+    // The data World sums what the ranks of one stage hold.
+    auto t = torch::tensor({world.rank()}, torch::kLong);
+    mesh.data().all_reduce(t);
+    std::lock_guard<std::mutex> lock(mutex);
+    seen[world.rank()] = {
+        mesh.pipeline_rank(),
+        mesh.data_rank(),
+        mesh.pipeline_size(),
+        mesh.data_size(),
+        t.item<int64_t>()};
+  });
+  EXPECT_EQ(seen[0], (std::vector<int64_t>{0, 0, 2, 2, 2}));
+  EXPECT_EQ(seen[1], (std::vector<int64_t>{1, 0, 2, 2, 4}));
+  EXPECT_EQ(seen[2], (std::vector<int64_t>{0, 1, 2, 2, 2}));
+  EXPECT_EQ(seen[3], (std::vector<int64_t>{1, 1, 2, 2, 4}));
+}
+
+TEST(MeshTest, APipelineSizeThatDoesNotDivideTheWorldIsRefused) {
+  run_ranks(4, [](World world) {
+    try {
+      Mesh mesh(world, 3);
+      ADD_FAILURE() << "no error";
+    } catch (const c10::ValueError& e) {
+      const std::string what = e.what_without_backtrace();
+      EXPECT_NE(what.find("has 4 ranks"), std::string::npos) << what;
+      EXPECT_NE(what.find("pipeline size is 3"), std::string::npos) << what;
+    }
+  });
+}
+
+// Seven layers with a skip from layer 1 to layer 5.
+torch::nn::Sequential build(int64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(6, 10));
+  net->push_back(TanhStash());
+  net->push_back(torch::nn::Linear(10, 10));
+  net->push_back(torch::nn::Tanh());
+  net->push_back(torch::nn::Linear(10, 10));
+  net->push_back(PopAdd());
+  net->push_back(torch::nn::Linear(10, 3));
+  net->to(torch::kDouble);
+  return net;
+}
+
+// A balance of `stages` partitions of build()'s seven layers.
+std::vector<int64_t> balance_of(int64_t stages) {
+  switch (stages) {
+    case 1:
+      return {7};
+    case 2:
+      return {3, 4};
+    case 4:
+      return {2, 2, 2, 1};
+    default:
+      return {};
+  }
+}
+
+struct Layout {
+  int64_t data;
+  int64_t pipeline;
+  int64_t stages_per_lane;
+  Schedule schedule;
+};
+
+std::string name_of(const Layout& l) {
+  return std::to_string(l.data) + "x" + std::to_string(l.pipeline) + " v" +
+         std::to_string(l.stages_per_lane) + " " + to_string(l.schedule);
+}
+
+// Two steps of D replicas of a P-stage pipeline, each replica on its own
+// shard, against one GPipe on the whole batch: losses and parameters agree
+// (float64, 1e-10). The replicas' models start from different seeds: the
+// stage copies data rank 0's parameters.
+void expect_equal_to_one_pipeline(const Layout& layout) {
+  SCOPED_TRACE(name_of(layout));
+  const int64_t stages = layout.pipeline * layout.stages_per_lane;
+  const auto balance = balance_of(stages);
+  const auto options = GPipeOptions(balance)
+                           .chunks(4)
+                           .checkpoint(Checkpoint::ExceptLast)
+                           .stages_per_lane(layout.stages_per_lane)
+                           .threads_per_lane(1);
+  const int64_t rows = 8 * layout.data;
+  torch::manual_seed(3);
+  const auto x = torch::randn({rows, 6}, torch::kDouble);
+  const auto y = torch::randint(0, 3, {rows}, torch::kLong);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+
+  // The reference: one pipeline in this process, on the whole batch.
+  GPipe ref(build(0), options);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  std::vector<torch::Tensor> ref_losses;
+  for (int step = 0; step < 2; ++step) {
+    ref_losses.push_back(ref->train_step(x, y, loss_fn, layout.schedule));
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+  const auto ref_params = ref->named_parameters();
+
+  const int64_t n = layout.data * layout.pipeline;
+  std::vector<torch::nn::Sequential> nets;
+  for (int64_t r = 0; r < n; ++r) {
+    nets.push_back(build(r / layout.pipeline));  // a seed per replica
+  }
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  run_ranks(n, [&](World world) {
+    const auto r = world.rank();
+    Mesh mesh(world, layout.pipeline);
+    dist::PipelineStage stage(nets[r], options, mesh);
+    torch::optim::SGD opt(stage->parameters(), 0.1);
+    const auto d = mesh.data_rank();
+    const auto shard = rows / layout.data;
+    const bool first = mesh.pipeline_rank() == 0;
+    const bool last = mesh.pipeline_rank() == layout.pipeline - 1;
+    std::vector<std::string> mine;
+    for (int step = 0; step < 2; ++step) {
+      auto loss = stage->train_step(
+          first ? x.narrow(0, d * shard, shard) : torch::Tensor(),
+          last ? y.narrow(0, d * shard, shard) : torch::Tensor(),
+          loss_fn,
+          layout.schedule);
+      opt.step();
+      opt.zero_grad();
+      if (!torch::allclose(loss, ref_losses[step], 1e-10, 1e-12)) {
+        mine.push_back(
+            "rank " + std::to_string(r) + " step " + std::to_string(step) +
+            ": loss " + std::to_string(loss.item<double>()) + " but " +
+            std::to_string(ref_losses[step].item<double>()));
+      }
+    }
+    for (const auto& p : stage->named_parameters()) {
+      if (!torch::allclose(p.value(), ref_params[p.key()], 1e-10, 1e-12)) {
+        mine.push_back(
+            "rank " + std::to_string(r) + ": parameter " + p.key() +
+            " differs");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    failures.insert(failures.end(), mine.begin(), mine.end());
+  });
+  for (const auto& f : failures) {
+    ADD_FAILURE() << f;
+  }
+}
+
+TEST(MeshTest, ReplicasOfAPipelineEqualOnePipelineOnTheWholeBatch) {
+  for (auto schedule :
+       {Schedule::FillDrain, Schedule::OneFOneB, Schedule::ZeroBubble}) {
+    expect_equal_to_one_pipeline({1, 4, 1, schedule});
+    expect_equal_to_one_pipeline({2, 2, 1, schedule});
+    expect_equal_to_one_pipeline({4, 1, 1, schedule});
+  }
+}
+
+TEST(MeshTest, ReplicasOfAnInterleavedPipelineEqualOnePipeline) {
+  for (auto schedule :
+       {Schedule::FillDrain,
+        Schedule::OneFOneB,
+        Schedule::Interleaved1F1B,
+        Schedule::ZeroBubble}) {
+    expect_equal_to_one_pipeline({2, 2, 2, schedule});
+  }
+}
+
+}  // namespace
+}  // namespace gpipe
