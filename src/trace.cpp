@@ -28,6 +28,8 @@ const char* colour_of(TraceKind kind) {
       return "#8cd17d";
     case TraceKind::Loss:
       return "#edc948";
+    case TraceKind::AllReduce:
+      return "#76b7b2";
   }
   return "#000000";
 }
@@ -66,6 +68,8 @@ std::string to_string(TraceKind kind) {
       return "weight";
     case TraceKind::Loss:
       return "loss";
+    case TraceKind::AllReduce:
+      return "all-reduce";
   }
   return "unknown";
 }
@@ -127,7 +131,8 @@ TraceSummary Trace::summary() const {
   std::vector<double> open(lanes, 0.0);
   std::vector<double> close(lanes, 0.0);
   for (const auto& e : events) {
-    if (e.kind == TraceKind::Receive || e.kind == TraceKind::Send) {
+    if (e.kind == TraceKind::Receive || e.kind == TraceKind::Send ||
+        e.kind == TraceKind::AllReduce) {
       continue;
     }
     const auto lane = e.lane;
@@ -262,13 +267,16 @@ std::string Trace::svg() const {
     const double x0 = x_of(e.start_us);
     const double w = std::max(x_of(e.end_us) - x0, 0.5);
     const double y = top + row * static_cast<double>(e.lane);
-    out << "<rect x=\"" << fixed(x0, 2) << "\" y=\"" << fixed(y + 3, 1)
-        << "\" width=\"" << fixed(w, 2) << "\" height=\"" << row - 6
+    // An all-reduce runs beside the lane's cells: a thin bar under them.
+    const bool beside = e.kind == TraceKind::AllReduce;
+    out << "<rect x=\"" << fixed(x0, 2) << "\" y=\""
+        << fixed(beside ? y + row - 7 : y + 3, 1) << "\" width=\""
+        << fixed(w, 2) << "\" height=\"" << (beside ? 5.0 : row - 6)
         << "\" fill=\"" << colour_of(e.kind) << "\"><title>"
         << to_string(e.kind) << " micro-batch " << e.micro_batch << ", "
         << fixed(e.start_us / 1000.0) << "-" << fixed(e.end_us / 1000.0)
         << " ms</title></rect>\n";
-    if (w > 14) {
+    if (w > 14 && !beside) {
       out << "<text x=\"" << fixed(x0 + w / 2, 2) << "\" y=\""
           << fixed(y + row * 0.65, 1)
           << "\" fill=\"white\" text-anchor=\"middle\">" << e.micro_batch
@@ -292,7 +300,8 @@ std::string Trace::svg() const {
         TraceKind::Receive,
         TraceKind::Send,
         TraceKind::Weight,
-        TraceKind::Loss}) {
+        TraceKind::Loss,
+        TraceKind::AllReduce}) {
     out << "<rect x=\"" << fixed(lx, 1) << "\" y=\"" << fixed(axis + 10, 1)
         << "\" width=\"12\" height=\"12\" fill=\"" << colour_of(kind)
         << "\"/><text x=\"" << fixed(lx + 16, 1) << "\" y=\""

@@ -33,10 +33,13 @@ enum class TraceKind {
   Send,       // waiting for this rank's sends to finish (gpipe::dist)
   Weight,     // the weight part of a split backward (zero-bubble schedules)
   Loss,       // a micro-batch's loss, on the last stage of a training step
+  AllReduce,  // a stage's gradients averaged over the replicas (gpipe::dist
+              // with a Mesh): from its start to the last bucket's end, on
+              // c10d's threads while the lane goes on
 };
 
 /// "forward", "backward", "recompute", "copy", "receive", "send", "weight",
-/// "loss".
+/// "loss", "all-reduce".
 std::string to_string(TraceKind kind);
 
 /// One interval on one lane. Times are microseconds since the trace began.
@@ -55,7 +58,8 @@ struct TraceSummary {
   double span = 0;
   /// Per lane (row 0 to the highest one traced): the seconds it worked, the
   /// union of its intervals (overlapping ones count once). Receive and Send
-  /// intervals are waits for another rank and do not count as work.
+  /// intervals are waits for another rank, and AllReduce ones run beside
+  /// the lane: neither counts as work.
   std::vector<double> busy;
   /// Mean idle seconds within the span (span - busy) over the lanes with
   /// any event, waits included: the bubble. A rank's own trace (only its

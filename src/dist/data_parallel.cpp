@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <gpipe/trace.h>
 #include <torch/torch.h>
 
 #include <string>
@@ -112,6 +113,8 @@ void GradientBuckets::start() {
   torch::NoGradGuard no_grad;
   auto& connection = *data_.connection();
   connection.check();
+  started_at_ = std::chrono::steady_clock::now();
+  done_at_ = std::make_shared<std::atomic<int64_t>>(0);
   for (auto& bucket : buckets_) {
     std::vector<torch::Tensor> grads;
     grads.reserve(bucket.parameters.size());
@@ -125,9 +128,17 @@ void GradientBuckets::start() {
     std::vector<torch::Tensor> tensors{bucket.flat};
     works_.push_back(connection.group->allreduce(tensors));
   }
+  if (!works_.empty()) {
+    // Buckets run in order: the last one's end is the all-reduce's.
+    works_.back()->getFuture()->addCallback(
+        [done = done_at_](c10::ivalue::Future&) {
+          done->store(
+              std::chrono::steady_clock::now().time_since_epoch().count());
+        });
+  }
 }
 
-void GradientBuckets::finish() {
+void GradientBuckets::finish(Trace* trace, int64_t lane) {
   if (works_.empty()) {
     return;
   }
@@ -150,6 +161,15 @@ void GradientBuckets::finish() {
     }
     unflatten(bucket.flat, grads);
     bucket.flat = torch::Tensor();
+  }
+  if (trace != nullptr) {
+    // (The callback has run once the wait returned.)
+    const auto ticks = done_at_->load();
+    const auto end = ticks > 0
+        ? std::chrono::steady_clock::time_point(
+              std::chrono::steady_clock::duration(ticks))
+        : std::chrono::steady_clock::now();
+    trace->record(lane, 0, TraceKind::AllReduce, started_at_, end);
   }
 }
 

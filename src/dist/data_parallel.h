@@ -22,12 +22,19 @@
 #include <gpipe/dist.h>
 #include <torch/types.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace c10d {
 class Work;
 }  // namespace c10d
+
+namespace gpipe {
+class Trace;
+}  // namespace gpipe
 
 namespace gpipe::dist::detail {
 
@@ -46,8 +53,10 @@ class GradientBuckets {
   /// Packs the gradients and starts every bucket's all-reduce.
   void start();
   /// Waits for the buckets started, averages and writes the gradients back.
-  /// Throws a c10::Error naming the bucket if an all-reduce fails.
-  void finish();
+  /// Throws a c10::Error naming the bucket if an all-reduce fails. With a
+  /// trace, records the all-reduce on `lane`: from start() to the end of
+  /// its last bucket.
+  void finish(Trace* trace = nullptr, int64_t lane = 0);
   /// Whether start() ran without finish().
   bool started() const {
     return !works_.empty();
@@ -66,6 +75,10 @@ class GradientBuckets {
   std::vector<Bucket> buckets_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   int64_t bytes_ = 0;
+  std::chrono::steady_clock::time_point started_at_;
+  // When the last bucket's all-reduce ended (set on c10d's thread), in
+  // steady_clock ticks.
+  std::shared_ptr<std::atomic<int64_t>> done_at_;
 };
 
 /// Copies data rank 0's `tensors` (parameters and buffers) into every

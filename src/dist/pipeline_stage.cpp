@@ -260,13 +260,17 @@ torch::Tensor PipelineStageImpl::run_train_step(
   auto loss = run_pipeline_step(
       std::move(input), std::move(target), loss_fn, schedule, plan);
   if (data.size() > 1) {
+    // Each stage's buckets started on its lane as soon as its gradients
+    // were final (Note [Gradient buckets]); a plan without a backward of a
+    // stage leaves its buckets to start here.
     for (auto& buckets : engine_->buckets) {
       if (!buckets->started()) {
         buckets->start();
       }
     }
+    const auto trace = engine_->current_trace();
     for (auto& buckets : engine_->buckets) {
-      buckets->finish();
+      buckets->finish(trace.get(), world_.rank());
     }
     auto sum = loss.clone();
     data.all_reduce(sum);
@@ -383,6 +387,12 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         const Batch originals = first ? Batch{input} : Batch{};
         auto pass = pipeline.start_pass(m, originals, pass_options);
         pass->grad = true;
+        if (!engine_->buckets.empty()) {
+          // Partition j is this rank's (j / pipeline size)-th.
+          pass->on_gradients_final = [engine = engine_.get(), n](int64_t j) {
+            engine->buckets.at(j / n)->start();
+          };
+        }
         pass->step_seed = begin.seed;
         auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
         if (last) {

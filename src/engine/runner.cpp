@@ -120,11 +120,39 @@ void Pass::run(
       }
     }
   }
+  // Per lane and cell: the stage whose gradients are final once the cell
+  // has ended (its last B or W in the row), else -1.
+  std::vector<std::vector<int64_t>> finals(plan.lanes.size());
+  if (on_gradients_final) {
+    for (const auto l : c10::irange(plan.lanes.size())) {
+      const auto& row = plan.lanes[l];
+      finals[l].assign(row.size(), -1);
+      std::vector<bool> seen(n_, false);
+      for (auto k = static_cast<int64_t>(row.size()) - 1; k >= 0; --k) {
+        const auto& cell = row[k];
+        if ((cell.phase == Phase::Backward ||
+             cell.phase == Phase::BackwardWeight) &&
+            !seen[cell.partition]) {
+          seen[cell.partition] = true;
+          finals[l][k] = cell.partition;
+        }
+      }
+    }
+  }
   if (inline_cells) {
     for (const auto& step : plan.steps()) {
       for (const auto& cell : step) {
         if (pipeline_.is_local(cell.partition)) {
           run_cell(cell, plan.lane_of(cell.partition));
+        }
+      }
+    }
+    if (on_gradients_final && !error_.has()) {
+      for (const auto& row : finals) {
+        for (const auto j : row) {
+          if (j >= 0 && pipeline_.is_local(j)) {
+            gradients_final(j);
+          }
         }
       }
     }
@@ -141,11 +169,19 @@ void Pass::run(
     for (const auto l : lanes) {
       // One task per lane and run: the lane's row in plan order.
       pipeline_.lane(l).post(
-          [pass = self, countdown, cells = plan.lanes[l], tls, l]() mutable {
+          [pass = self,
+           countdown,
+           cells = plan.lanes[l],
+           finals = std::move(finals[l]),
+           tls,
+           l]() mutable {
             {
               at::ThreadLocalStateGuard guard(tls);
-              for (const auto& cell : cells) {
-                pass->run_cell(cell, l);
+              for (const auto k : c10::irange(cells.size())) {
+                pass->run_cell(cells[k], l);
+                if (!finals.empty() && finals[k] >= 0) {
+                  pass->gradients_final(finals[k]);
+                }
               }
             }
             // The caller holds the pass until the countdown is done, so it,
@@ -187,6 +223,20 @@ CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
   ctx.trace = trace_.get();
   ctx.lane = lane;
   return ctx;
+}
+
+void Pass::gradients_final(int64_t stage) {
+  if (error_.has() || transport_->aborted()) {
+    return;
+  }
+  try {
+    on_gradients_final(stage);
+  } catch (...) {
+    error_.set(std::current_exception());
+    transport_->abort_with(
+        "the gradients of partition " + std::to_string(stage) +
+        " could not be shared");
+  }
 }
 
 void Pass::run_cell(const Cell& cell, int64_t lane) {

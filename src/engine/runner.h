@@ -10,6 +10,7 @@
 #include <gpipe/options.h>
 #include <gpipe/plan.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -68,10 +69,19 @@ class Pass {
   std::vector<double> loss_scales;
   std::vector<torch::Tensor> losses;  // detached, per micro-batch
   bool retain = false;                // backward keeps the cells (retain_graph)
+  /// Called on a local stage's lane when the last cell of the run that
+  /// makes the stage's parameter gradients (its last B or W) has ended
+  /// without error: the stage's gradients are final (gpipe::dist starts
+  /// their all-reduce over the replicas there). An error it throws fails
+  /// the pass.
+  std::function<void(int64_t stage)> on_gradients_final;
   bool consumed = false;              // a backward freed the cells
 
  private:
   void run_cell(const Cell& cell, int64_t lane);
+  // Calls on_gradients_final(stage) unless the pass has failed; an error
+  // it throws becomes the pass's.
+  void gradients_final(int64_t stage);
   void forward_cell(int64_t i, int64_t j, int64_t lane);
   void loss_cell(int64_t i, int64_t lane);
   void backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only);

@@ -4,6 +4,7 @@
 
 #include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
+#include <gpipe/trace.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -258,6 +259,61 @@ TEST(MeshTest, ReplicasOfAnInterleavedPipelineEqualOnePipeline) {
         Schedule::ZeroBubble}) {
     expect_equal_to_one_pipeline({2, 2, 2, schedule});
   }
+}
+
+// The gradient all-reduce of a stage starts as soon as its gradients are
+// final, while the rest of the pipeline drains: under 1F1B the last stage
+// ends first, and its all-reduce starts before the first stage's last
+// backward ends (which waits for the last stage's gradients). Each stage's
+// all-reduce is one interval of its own kind on its lane, per step.
+TEST(MeshTest, AStagesAllReduceStartsWhileThePipelineDrains) {
+  const auto options = GPipeOptions({3, 4})
+                           .chunks(4)
+                           .checkpoint(Checkpoint::Never)
+                           .threads_per_lane(1);
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 4; ++r) {
+    nets.push_back(build(0));
+  }
+  // A trace per replica, shared by its two stages (lanes 0 and 1).
+  std::vector<std::shared_ptr<Trace>> traces{
+      std::make_shared<Trace>(), std::make_shared<Trace>()};
+  torch::manual_seed(5);
+  const auto x = torch::randn({16, 6}, torch::kDouble);
+  const auto y = torch::randint(0, 3, {16}, torch::kLong);
+  run_ranks(4, [&](World world) {
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    stage->set_trace(traces[mesh.data_rank()]);
+    const auto rows = x.narrow(0, mesh.data_rank() * 8, 8);
+    const auto targets = y.narrow(0, mesh.data_rank() * 8, 8);
+    for (int step = 0; step < 3; ++step) {
+      stage->train_step(
+          mesh.pipeline_rank() == 0 ? rows : torch::Tensor(),
+          mesh.pipeline_rank() == 1 ? targets : torch::Tensor(),
+          [](torch::Tensor out, torch::Tensor target) {
+            return torch::nn::functional::cross_entropy(out, target);
+          },
+          Schedule::OneFOneB);
+    }
+    stage->set_trace(nullptr);
+  });
+  for (const auto& trace : traces) {
+    std::vector<TraceEvent> reduces[2];
+    double first_stage_last_backward = 0;
+    for (const auto& e : trace->events()) {
+      if (e.kind == TraceKind::AllReduce) {
+        reduces[e.lane].push_back(e);
+      } else if (e.kind == TraceKind::Backward && e.lane == 0) {
+        first_stage_last_backward = e.end_us;  // (by start time)
+      }
+    }
+    ASSERT_EQ(reduces[0].size(), 3u);
+    ASSERT_EQ(reduces[1].size(), 3u);
+    EXPECT_LT(reduces[1].back().start_us, first_stage_last_backward);
+    EXPECT_LE(reduces[1].back().start_us, reduces[1].back().end_us);
+  }
+  EXPECT_NE(traces[0]->svg().find("all-reduce"), std::string::npos);
 }
 
 }  // namespace
