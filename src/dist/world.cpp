@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -177,6 +178,16 @@ World init_from_env(std::chrono::milliseconds timeout) {
   const bool agent_store = agent != nullptr && (std::string(agent) == "True" ||
                                                 std::string(agent) == "1");
 
+  // Note [Meeting within the timeout]
+  // One deadline for the whole meeting: reaching the store, then every
+  // rank joining. c10d's server would wait for its workers with the whole
+  // timeout and then say nothing, and the Gloo group would wait the whole
+  // timeout again (rank 0 alone gave up after twice the timeout); instead
+  // every rank counts itself in under a key of ours and waits, until the
+  // deadline, for the last one to say that all are in. The group is made
+  // once everyone is there, which takes no time.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto seconds = timeout.count() / 1000.0;
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(port);
   // torchrun's agent hosts the store itself; a second server on its port
@@ -184,24 +195,35 @@ World init_from_env(std::chrono::milliseconds timeout) {
   options.isServer = rank == 0 && !agent_store;
   options.numWorkers =
       agent_store ? c10::nullopt : c10::optional<std::size_t>(size);
-  options.waitWorkers = !agent_store;
+  options.waitWorkers = false;
   options.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> tcp;
   try {
     tcp = c10::make_intrusive<c10d::TCPStore>(std::string(addr), options);
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
+    const auto why = detail::message_of(std::current_exception());
+    TORCH_CHECK(
+        !options.isServer ||
+            why.find("Address already in use") == std::string::npos,
+        "gpipe::dist::init_from_env: rank 0 cannot listen on port ",
+        port,
+        ": another process holds it (another job, or a second rank 0); "
+        "choose another MASTER_PORT (gpipe-run --master-port) [c10d: ",
+        why.substr(0, 300),
+        "]");
     TORCH_CHECK(
         false,
         "gpipe::dist::init_from_env: rank ",
         rank,
-        " could not meet the others at ",
+        options.isServer ? " could not start the store at "
+                         : " could not reach rank 0's store at ",
         addr,
         ":",
         port,
         " within ",
-        timeout.count() / 1000.0,
+        seconds,
         " s [c10d: ",
-        std::string(e.what()).substr(0, 300),
+        why.substr(0, 300),
         "]");
   }
   // Our own keys, apart from torchrun's and from an earlier attempt's after
@@ -210,6 +232,38 @@ World init_from_env(std::chrono::milliseconds timeout) {
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       std::string("gpipe/attempt_") + (attempt != nullptr ? attempt : "0"),
       tcp);
+  // See Note [Meeting within the timeout].
+  if (store->add("joined", 1) == size) {
+    store->set("all_joined", std::vector<uint8_t>{1});
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  try {
+    store->wait({"all_joined"}, std::max(left, std::chrono::milliseconds(1)));
+  } catch (const std::exception&) {
+    int64_t joined = 0;
+    try {
+      joined = store->add("joined", 0);
+    } catch (...) {
+      // (The store went away: the count stays unknown.)
+    }
+    TORCH_CHECK(
+        false,
+        "gpipe::dist::init_from_env: rank ",
+        rank,
+        " waited ",
+        seconds,
+        " s at ",
+        addr,
+        ":",
+        port,
+        ", but ",
+        joined > 0 ? "only " + std::to_string(joined) : std::string("not all"),
+        " of the ",
+        size,
+        " ranks (WORLD_SIZE) came; start the others, or check that they "
+        "have the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE");
+  }
   auto make_group = detail::gloo_groups(addr, timeout);
   auto group = make_group(store, rank, size);
   return World(std::make_shared<detail::Connection>(

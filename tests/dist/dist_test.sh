@@ -224,6 +224,42 @@ case $mode in
     else
       echo "ok: MASTER_ADDR=not.a.host fails at once: $(grep error "$tmp/out" | head -c 300)"
     fi
+    # Rank 0 of 2 alone gives up within its timeout (4 s), saying how many
+    # came; it used to wait twice the timeout (the store's wait, then
+    # Gloo's).
+    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    start=$SECONDS
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
+      GPIPE_DIST_TIMEOUT=4 timeout 60 "$prog" >"$tmp/alone" 2>&1
+    status=$?
+    elapsed=$((SECONDS - start))
+    if [[ $status -ne 3 ]] || ! grep -q "only 1 of the 2 ranks" "$tmp/alone"; then
+      fail "rank 0 alone: exit $status after ${elapsed} s: $(head -c 600 "$tmp/alone")"
+    elif ((elapsed > 7)); then
+      fail "rank 0 alone with a 4 s timeout took ${elapsed} s"
+    elif grep -q "frame #" "$tmp/alone"; then
+      fail "rank 0 alone: the error carries LibTorch's backtrace"
+    else
+      echo "ok: rank 0 alone gives up in ${elapsed} s: $(grep error "$tmp/alone" | head -c 300)"
+    fi
+    # A second rank 0 on a port the first one holds: said at once.
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
+      GPIPE_DIST_TIMEOUT=6 timeout 60 "$prog" >"$tmp/holder" 2>&1 &
+    holder=$!
+    sleep 1
+    start=$SECONDS
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
+      GPIPE_DIST_TIMEOUT=6 timeout 60 "$prog" >"$tmp/second" 2>&1
+    status=$?
+    elapsed=$((SECONDS - start))
+    wait $holder
+    if [[ $status -ne 3 ]] || ! grep -q "another process holds it" "$tmp/second"; then
+      fail "a second rank 0 on a held port: exit $status after ${elapsed} s: $(head -c 600 "$tmp/second")"
+    elif ((elapsed > 3)); then
+      fail "a second rank 0 on a held port took ${elapsed} s to fail"
+    else
+      echo "ok: a held port is said at once: $(grep error "$tmp/second" | head -c 300)"
+    fi
     ;;
   train)
     if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
