@@ -3,8 +3,10 @@
 #include <c10/util/irange.h>
 #include <gpipe/schedule.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -36,6 +38,31 @@ std::vector<std::pair<std::string, std::string>> split_fields(
 }
 
 }  // namespace
+
+std::vector<SkipPlace> skips_by_place(const torch::nn::Sequential& module) {
+  std::map<gpipe::SkipKey, SkipPlace> places;
+  int64_t index = 0;
+  for (const auto& child : module->children()) {
+    if (const auto* layer = gpipe::as_skippable(*child)) {
+      for (const auto& key : layer->stashable()) {
+        auto& place = places[key];
+        place.stash_layer = index;
+        place.name = key.name;
+        place.key = key;
+      }
+      for (const auto& key : layer->poppable()) {
+        places[key].pop_layer = index;
+      }
+    }
+    ++index;
+  }
+  std::vector<SkipPlace> out;
+  for (auto& entry : places) {
+    out.push_back(std::move(entry.second));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 std::vector<std::pair<std::string, std::string>> fingerprint(
     const torch::nn::Sequential& module,
@@ -72,6 +99,15 @@ std::vector<std::pair<std::string, std::string>> fingerprint(
   fields.emplace_back(
       "parameters and buffers",
       "hashed to " + str(std::hash<std::string>{}(tensors.str())));
+  // Each skip's name and layers: ranks that disagree would otherwise send
+  // one skip's tensor where another of the same shape is expected.
+  std::ostringstream skips;
+  for (const auto& place : skips_by_place(module)) {
+    skips << (skips.tellp() > 0 ? ", " : "") << "'" << place.name
+          << "' from layer " << place.stash_layer << " to layer "
+          << place.pop_layer;
+  }
+  fields.emplace_back("skips", skips.tellp() > 0 ? skips.str() : "none");
   return fields;
 }
 

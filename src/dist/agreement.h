@@ -7,12 +7,14 @@
 
 #include <gpipe/options.h>
 #include <gpipe/schedule.h>
+#include <gpipe/skip.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -81,6 +83,24 @@ inline std::string step_name(int64_t s, uint64_t plan_hash) {
               ? gpipe::to_string(static_cast<gpipe::Schedule>(s))
               : std::to_string(s));
 }
+
+/// A skip by where it is in the model: the layers (indices in the whole
+/// Sequential) that stash and pop it, and its name. The same on every rank,
+/// whatever order each rank made its namespaces in.
+struct SkipPlace {
+  int64_t stash_layer = 0;
+  int64_t pop_layer = 0;
+  std::string name;
+  gpipe::SkipKey key;  // this rank's own key (its namespace's id)
+
+  bool operator<(const SkipPlace& other) const {
+    return std::tie(stash_layer, pop_layer, name) <
+           std::tie(other.stash_layer, other.pop_layer, other.name);
+  }
+};
+
+/// Every skip of `module` (verified), ordered by place.
+std::vector<SkipPlace> skips_by_place(const torch::nn::Sequential& module);
 
 /// What every rank must agree on at construction, field by field.
 std::vector<std::pair<std::string, std::string>> fingerprint(

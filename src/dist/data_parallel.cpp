@@ -130,11 +130,10 @@ void GradientBuckets::start() {
   }
   if (!works_.empty()) {
     // Buckets run in order: the last one's end is the all-reduce's.
-    works_.back()->getFuture()->addCallback(
-        [done = done_at_](c10::ivalue::Future&) {
-          done->store(
-              std::chrono::steady_clock::now().time_since_epoch().count());
-        });
+    works_.back()->getFuture()->addCallback([done = done_at_](
+                                                c10::ivalue::Future&) {
+      done->store(std::chrono::steady_clock::now().time_since_epoch().count());
+    });
   }
 }
 
@@ -165,10 +164,9 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
   if (trace != nullptr) {
     // (The callback has run once the wait returned.)
     const auto ticks = done_at_->load();
-    const auto end = ticks > 0
-        ? std::chrono::steady_clock::time_point(
-              std::chrono::steady_clock::duration(ticks))
-        : std::chrono::steady_clock::now();
+    const auto end = ticks > 0 ? std::chrono::steady_clock::time_point(
+                                     std::chrono::steady_clock::duration(ticks))
+                               : std::chrono::steady_clock::now();
     trace->record(lane, 0, TraceKind::AllReduce, started_at_, end);
   }
 }

@@ -140,6 +140,7 @@ PipelineStageImpl::PipelineStageImpl(
 
   // Split the layers; each keeps its name. Only this rank's partitions
   // (j % size == rank) move to its device and become this module's.
+  const auto skips_by_place = detail::skips_by_place(module);
   auto parts = gpipe::detail::split_partitions(module, options.balance());
   auto holder =
       register_module("partitions", std::make_shared<torch::nn::Module>());
@@ -166,12 +167,15 @@ PipelineStageImpl::PipelineStageImpl(
   for (const auto j : c10::irange(n)) {
     placement.rank_of_stage.push_back(j % size);  // lane j % size
   }
+  // Skips between partitions are numbered by their place in the model, the
+  // same on every rank (not by namespace, whose ids depend on the order in
+  // which each rank made them); the ranks agreed on the places above.
   const auto& skips = engine_->pipeline->skip_layout();
   int64_t index = 0;
-  for (const auto j : c10::irange(n)) {
-    for (const auto& entry : skips.copy_policy(j)) {
-      placement.skip_index[entry.second] = index++;
-      placement.skip_route[entry.second] = skips.route(entry.second);
+  for (const auto& place : skips_by_place) {
+    if (skips.requires_copy(place.key)) {
+      placement.skip_index[place.key] = index++;
+      placement.skip_route[place.key] = skips.route(place.key);
     }
   }
   TORCH_CHECK_VALUE(

@@ -168,27 +168,26 @@ void Pass::run(
     auto countdown = std::make_shared<Countdown>(lanes.size());
     for (const auto l : lanes) {
       // One task per lane and run: the lane's row in plan order.
-      pipeline_.lane(l).post(
-          [pass = self,
-           countdown,
-           cells = plan.lanes[l],
-           finals = std::move(finals[l]),
-           tls,
-           l]() mutable {
-            {
-              at::ThreadLocalStateGuard guard(tls);
-              for (const auto k : c10::irange(cells.size())) {
-                pass->run_cell(cells[k], l);
-                if (!finals.empty() && finals[k] >= 0) {
-                  pass->gradients_final(finals[k]);
-                }
-              }
+      pipeline_.lane(l).post([pass = self,
+                              countdown,
+                              cells = plan.lanes[l],
+                              finals = std::move(finals[l]),
+                              tls,
+                              l]() mutable {
+        {
+          at::ThreadLocalStateGuard guard(tls);
+          for (const auto k : c10::irange(cells.size())) {
+            pass->run_cell(cells[k], l);
+            if (!finals.empty() && finals[k] >= 0) {
+              pass->gradients_final(finals[k]);
             }
-            // The caller holds the pass until the countdown is done, so it,
-            // not this lane, frees the pass and its tensors.
-            pass.reset();
-            countdown->done();
-          });
+          }
+        }
+        // The caller holds the pass until the countdown is done, so it,
+        // not this lane, frees the pass and its tensors.
+        pass.reset();
+        countdown->done();
+      });
     }
     countdown->wait();
   }

@@ -75,7 +75,7 @@ class Pass {
   /// their all-reduce over the replicas there). An error it throws fails
   /// the pass.
   std::function<void(int64_t stage)> on_gradients_final;
-  bool consumed = false;              // a backward freed the cells
+  bool consumed = false;  // a backward freed the cells
 
  private:
   void run_cell(const Cell& cell, int64_t lane);

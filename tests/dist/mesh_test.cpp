@@ -8,50 +8,21 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <exception>
-#include <functional>
 #include <mutex>
 #include <string>
-#include <thread>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
 #include "../common.h"
+#include "dist/ranks.h"
 
 namespace gpipe {
 namespace {
 
 using dist::Mesh;
 using dist::World;
+using dist::testing::run_ranks;
 using testing::PopAdd;
 using testing::TanhStash;
-
-// Runs `fn` on `n` ranks, each a thread with its World; rethrows the first
-// rank's error after every thread has ended.
-void run_ranks(int64_t n, const std::function<void(World)>& fn) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::mutex mutex;
-  std::exception_ptr first;
-  std::vector<std::thread> threads;
-  for (int64_t r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(dist::init_from_store(store, r, n, std::chrono::seconds(30)));
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!first) {
-          first = std::current_exception();
-        }
-      }
-    });
-  }
-  for (auto& t : threads) {
-    t.join();
-  }
-  if (first) {
-    std::rethrow_exception(first);
-  }
-}
 
 TEST(MeshTest, SplitGroupsByColorAndRanksByKey) {
   std::mutex mutex;

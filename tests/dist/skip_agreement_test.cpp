@@ -1,0 +1,125 @@
+// Skips between ranks are matched by where they are in the model, not by
+// the order in which each rank made its namespaces; and ranks that disagree
+// on the skips fail when the stages are built. Ranks are threads of this
+// process (see mesh_test.cpp).
+
+#include <gpipe/dist.h>
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dist/ranks.h"
+
+namespace gpipe {
+namespace {
+
+using dist::World;
+using dist::testing::run_ranks;
+
+// Stashes `scale` * x under "s" and passes x on.
+struct ScaleStashImpl : torch::nn::Cloneable<ScaleStashImpl>, Skippable {
+  explicit ScaleStashImpl(double scale = 1)
+      : Skippable({"s"}, {}), scale(scale) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    stash("s", x * scale);
+    return x;
+  }
+  double scale;
+};
+TORCH_MODULE(ScaleStash);
+
+// Pops "s" and adds it.
+struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
+  PopAddImpl() : Skippable({}, {"s"}) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    return x + pop("s");
+  }
+};
+TORCH_MODULE(PopAdd);
+
+// Two blocks, each with a skip named "s" in a namespace of its own, both
+// from partition 0 to partition 1 (balance 4, 4). `a_first`: which
+// namespace is made first; `crossed`: each pop takes the other block's
+// skip (the same layers and shapes, other routes).
+torch::nn::Sequential build(bool a_first, bool crossed = false) {
+  Namespace first;
+  Namespace second;
+  const auto& a = a_first ? first : second;
+  const auto& b = a_first ? second : first;
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(4, 4));
+  auto stash_a = ScaleStash(2.0);
+  stash_a->isolate(a);
+  net->push_back(stash_a);
+  net->push_back(torch::nn::Linear(4, 4));
+  auto stash_b = ScaleStash(-3.0);
+  stash_b->isolate(b);
+  net->push_back(stash_b);
+  auto pop_a = PopAdd();
+  pop_a->isolate(crossed ? b : a);
+  net->push_back(pop_a);
+  net->push_back(torch::nn::Tanh());
+  auto pop_b = PopAdd();
+  pop_b->isolate(crossed ? a : b);
+  net->push_back(pop_b);
+  net->push_back(torch::nn::Linear(4, 2));
+  net->to(torch::kDouble);
+  return net;
+}
+
+TEST(SkipAgreementTest, NamespacesMadeInAnotherOrderStillMatchTheirSkips) {
+  const auto options = GPipeOptions({4, 4}).chunks(2).threads_per_lane(1);
+  torch::manual_seed(1);
+  const auto x = torch::randn({6, 4}, torch::kDouble);
+  const auto y = torch::randint(0, 2, {6}, torch::kLong);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  GPipe ref(build(true), options);
+  const auto expected = ref->train_step(x, y, loss_fn, Schedule::OneFOneB);
+  // Rank 1 makes its namespaces in the other order.
+  std::vector<torch::nn::Sequential> nets{build(true), build(false)};
+  std::mutex mutex;
+  std::vector<double> losses(2);
+  run_ranks(2, [&](World world) {
+    const auto r = world.rank();
+    dist::PipelineStage stage(nets[r], options, world);
+    auto loss = stage->train_step(
+        r == 0 ? x : torch::Tensor(),
+        r == 1 ? y : torch::Tensor(),
+        loss_fn,
+        Schedule::OneFOneB);
+    std::lock_guard<std::mutex> lock(mutex);
+    losses[r] = loss.item<double>();
+  });
+  EXPECT_NEAR(losses[0], expected.item<double>(), 1e-12);
+  EXPECT_NEAR(losses[1], expected.item<double>(), 1e-12);
+}
+
+TEST(SkipAgreementTest, RanksWhoseSkipsDifferFailWhenBuilt) {
+  const auto options = GPipeOptions({4, 4}).chunks(2).threads_per_lane(1);
+  std::vector<torch::nn::Sequential> nets{build(true), build(true, true)};
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](World world) {
+    try {
+      dist::PipelineStage stage(nets[world.rank()], options, world);
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[world.rank()] = e.what_without_backtrace();
+    }
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("skips"), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace gpipe
