@@ -124,9 +124,11 @@ int main(int argc, char** argv) {
          "inference, conv, trace, random, microbatch (the default: all of "
          "those); "
          "unet-speed, unet-memory, accuracy (minutes each: run only when "
-         "named); dist and unet-speed under gpipe-run -n N")
+         "named); dist and unet-speed under gpipe-run -n N, mesh under "
+         "gpipe-run -n 4")
       ->check(CLI::IsMember(
           {"dist",
+           "mesh",
            "unet-speed",
            "unet-memory",
            "accuracy",
@@ -196,10 +198,10 @@ int main(int argc, char** argv) {
   const char* world_size = std::getenv("WORLD_SIZE");
   if (world_size != nullptr && std::atoi(world_size) > 1) {
     for (const auto& section : only) {
-      if (section != "dist" && section != "unet-speed") {
+      if (section != "dist" && section != "unet-speed" && section != "mesh") {
         std::fprintf(
             stderr,
-            "gpipe-bench: under a launcher only --only dist and --only "
+            "gpipe-bench: under a launcher only --only dist, mesh and "
             "unet-speed run, but got --only %s\n",
             section.c_str());
         return 2;
@@ -210,6 +212,9 @@ int main(int argc, char** argv) {
       gpipe::bench::print_environment();
     }
     json out;
+    if (named("mesh")) {
+      out["mesh"] = gpipe::bench::mesh_section(world, width, iters);
+    }
     if (want("dist")) {
       out["dist"] = gpipe::bench::dist_section(
           world, blocks, width, batch, iters, dist_trace);

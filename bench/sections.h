@@ -56,6 +56,13 @@ nlohmann::json dist_section(
     int iters,
     const std::string& trace_prefix);
 
+/// Run on 4 ranks (`gpipe-run -n 4 -- gpipe-bench --only mesh`): two
+/// replicas of a 2-stage pipeline; the gradient all-reduce through gpipe's
+/// buckets against a bare c10d all-reduce of the same bytes, and how much
+/// of a 1F1B step's all-reduce time is hidden under compute. Rank 0 prints.
+nlohmann::json mesh_section(
+    const gpipe::dist::World& world, int64_t width, int iters);
+
 /// Per-cell overhead: 16 x Linear(64) at chunks 32 through 1 and 2 lanes
 /// against the plain model on the same micro-batches. Prints a table and
 /// returns its rows.

@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <c10/util/strides.h>
 #include <gpipe/trace.h>
 #include <torch/torch.h>
 
@@ -96,16 +97,49 @@ GradientBuckets::GradientBuckets(
       "the gradient bucket size must be positive, but got ",
       bucket_bytes,
       " bytes");
-  std::vector<torch::Tensor> trainable;
   for (const auto& p : parameters) {
     if (p.requires_grad()) {
-      trainable.push_back(p);
+      trainable_.push_back(p);
       bytes_ += static_cast<int64_t>(p.numel() * p.element_size());
     }
   }
-  for (auto& group : pack(trainable, bucket_bytes)) {
-    buckets_.push_back(Bucket{std::move(group), torch::Tensor()});
+  torch::NoGradGuard no_grad;
+  for (auto& group : pack(trainable_, bucket_bytes)) {
+    int64_t numel = 0;
+    for (const auto& p : group) {
+      numel += p.numel();
+    }
+    Bucket bucket;
+    bucket.flat = torch::zeros({numel}, group.front().options());
+    int64_t offset = 0;
+    for (auto& p : group) {
+      // The bucket's memory, but not an autograd view of it: the optimizer's
+      // zero_grad detaches gradients in place, which a view refuses.
+      bucket.slots.push_back(torch::empty({0}, bucket.flat.options())
+                                 .set_(
+                                     bucket.flat.storage(),
+                                     offset,
+                                     p.sizes(),
+                                     c10::contiguous_strides(p.sizes())));
+      offset += p.numel();
+    }
+    bucket.parameters = std::move(group);
+    buckets_.push_back(std::move(bucket));
   }
+}
+
+bool GradientBuckets::holds(
+    const std::vector<torch::Tensor>& parameters) const {
+  size_t k = 0;
+  for (const auto& p : parameters) {
+    if (p.requires_grad()) {
+      if (k == trainable_.size() || !trainable_[k].is_same(p)) {
+        return false;
+      }
+      ++k;
+    }
+  }
+  return k == trainable_.size();
 }
 
 void GradientBuckets::start() {
@@ -116,24 +150,35 @@ void GradientBuckets::start() {
   started_at_ = std::chrono::steady_clock::now();
   done_at_ = std::make_shared<std::atomic<int64_t>>(0);
   for (auto& bucket : buckets_) {
-    std::vector<torch::Tensor> grads;
-    grads.reserve(bucket.parameters.size());
-    for (auto& p : bucket.parameters) {
-      if (!p.grad().defined()) {
-        p.mutable_grad() = torch::zeros_like(p);
+    // Each gradient lives in its slot of the bucket (as DDP's
+    // gradient_as_bucket_view): backward accumulated into it in place, and
+    // only a gradient made anew (the first step, or after zero_grad set it
+    // to none) is copied in.
+    for (const auto k : c10::irange(bucket.parameters.size())) {
+      auto& p = bucket.parameters[k];
+      const auto& slot = bucket.slots[k];
+      const auto& grad = p.grad();
+      if (!grad.defined()) {
+        slot.zero_();
+        p.mutable_grad() = slot;
+      } else if (
+          grad.data_ptr() != slot.data_ptr() ||
+          grad.strides() != slot.strides()) {
+        slot.copy_(grad);
+        p.mutable_grad() = slot;
       }
-      grads.push_back(p.grad());
     }
-    bucket.flat = flatten(grads);
     std::vector<torch::Tensor> tensors{bucket.flat};
-    works_.push_back(connection.group->allreduce(tensors));
-  }
-  if (!works_.empty()) {
-    // Buckets run in order: the last one's end is the all-reduce's.
-    works_.back()->getFuture()->addCallback([done = done_at_](
-                                                c10::ivalue::Future&) {
-      done->store(std::chrono::steady_clock::now().time_since_epoch().count());
+    auto work = connection.group->allreduce(tensors);
+    // When the last bucket to finish ends, the all-reduce has.
+    work->getFuture()->addCallback([done = done_at_](c10::ivalue::Future&) {
+      const auto now =
+          std::chrono::steady_clock::now().time_since_epoch().count();
+      auto seen = done->load();
+      while (seen < now && !done->compare_exchange_weak(seen, now)) {
+      }
     });
+    works_.push_back(std::move(work));
   }
 }
 
@@ -146,23 +191,16 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
   torch::NoGradGuard no_grad;
   const auto replicas = static_cast<double>(data_.size());
   for (const auto k : c10::irange(buckets_.size())) {
-    auto& bucket = buckets_[k];
     wait_for(
         data_,
         works[k],
         "gradient all-reduce of bucket " + std::to_string(k) + " of " +
             std::to_string(buckets_.size()));
-    bucket.flat.div_(replicas);
-    std::vector<torch::Tensor> grads;
-    grads.reserve(bucket.parameters.size());
-    for (auto& p : bucket.parameters) {
-      grads.push_back(p.grad());
-    }
-    unflatten(bucket.flat, grads);
-    bucket.flat = torch::Tensor();
+    // The gradients share the bucket's memory: averaged in place.
+    buckets_[k].flat.div_(replicas);
   }
   if (trace != nullptr) {
-    // (The callback has run once the wait returned.)
+    // (The callbacks have run once the waits returned.)
     const auto ticks = done_at_->load();
     const auto end = ticks > 0 ? std::chrono::steady_clock::time_point(
                                      std::chrono::steady_clock::duration(ticks))

@@ -9,14 +9,21 @@
 // `bucket_bytes` (25 MiB by default), filled from the last parameter to the
 // first (the order in which backward makes them final), one dtype and
 // device per bucket; each bucket is one all-reduce of its sum, then divided
-// by the number of replicas and copied back into each `.grad`. A stage's
-// buckets start as soon as its gradients are final (after its last B or W
-// of the step) and run on c10d's threads while the lane goes on with the
-// drain; the step waits for them before it returns. Every replica runs the
-// same plan, so the ranks of a data World start their buckets in the same
-// order, as a collective needs. A parameter without a gradient (a layer the
-// step did not use) takes part with zeros, so that the replicas agree on
-// every bucket's layout; afterwards it has a zero gradient, as under DDP.
+// by the number of replicas in place. Each `.grad` shares the memory of its
+// slot in a bucket (as DDP's gradient_as_bucket_view, but not as an
+// autograd view, which the optimizer's zero_grad could not detach), so
+// that backward accumulates straight into the bucket and nothing is copied
+// in or out; a gradient made anew (the first step, or after it was set to
+// none) is copied into its slot once and replaced by the slot. The buckets
+// are kept while the same parameters train (made again when one is frozen
+// or thawed). A stage's buckets start as soon as its gradients are final
+// (after its last B or W of the step) and run on c10d's threads while the
+// lane goes on with the drain; the step waits for them before it returns.
+// Every replica runs the same plan, so the ranks of a data World start
+// their buckets in the same order, as a collective needs. A parameter
+// without a gradient (a layer the step did not use) takes part with zeros,
+// so that the replicas agree on every bucket's layout; afterwards it has a
+// zero gradient, as under DDP.
 
 #include <c10/util/intrusive_ptr.h>
 #include <gpipe/dist.h>
@@ -65,12 +72,17 @@ class GradientBuckets {
   int64_t bytes() const {
     return bytes_;
   }
+  /// Whether these buckets are made for `parameters` as they are now (the
+  /// same ones requiring grad, in the same order).
+  bool holds(const std::vector<torch::Tensor>& parameters) const;
 
  private:
   struct Bucket {
     std::vector<torch::Tensor> parameters;
+    std::vector<torch::Tensor> slots;  // each parameter's part of `flat`
     torch::Tensor flat;
   };
+  std::vector<torch::Tensor> trainable_;
   World data_;
   std::vector<Bucket> buckets_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;

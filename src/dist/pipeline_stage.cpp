@@ -254,11 +254,21 @@ torch::Tensor PipelineStageImpl::run_train_step(
     const Plan* plan) {
   const auto& data = mesh_.data();
   if (data.size() > 1) {
-    // Made each step: which parameters train may change between steps.
-    engine_->buckets.clear();
-    for (const auto& part : partitions_) {
-      engine_->buckets.push_back(std::make_unique<detail::GradientBuckets>(
-          data, part->parameters(), engine_->bucket_bytes));
+    // Kept between steps unless what trains changed (a layer frozen or
+    // thawed) or the bucket size did.
+    auto& buckets = engine_->buckets;
+    bool same = buckets.size() == partitions_.size() &&
+                engine_->bucket_bytes == engine_->buckets_made_with;
+    for (size_t k = 0; same && k < partitions_.size(); ++k) {
+      same = buckets[k]->holds(partitions_[k]->parameters());
+    }
+    if (!same) {
+      buckets.clear();
+      for (const auto& part : partitions_) {
+        buckets.push_back(std::make_unique<detail::GradientBuckets>(
+            data, part->parameters(), engine_->bucket_bytes));
+      }
+      engine_->buckets_made_with = engine_->bucket_bytes;
     }
   }
   auto loss = run_pipeline_step(

@@ -232,6 +232,79 @@ TEST(MeshTest, ReplicasOfAnInterleavedPipelineEqualOnePipeline) {
   }
 }
 
+// Between steps a layer is frozen, then thawed, and the gradients are set
+// to none once: the buckets follow what trains, and every step still equals
+// one pipeline on the whole batch.
+TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
+  const auto options = GPipeOptions({3, 4}).chunks(2).threads_per_lane(1);
+  torch::manual_seed(3);
+  const auto x = torch::randn({8, 6}, torch::kDouble);
+  const auto y = torch::randint(0, 3, {8}, torch::kLong);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  // Step 1: partition 1's first Linear (layer 4) frozen; step 2: thawed;
+  // before step 3: every gradient set to none.
+  auto prepare = [](torch::nn::Module& m, int step) {
+    for (auto& p : m.named_parameters()) {
+      if (p.key().rfind("partitions.1.4.", 0) == 0) {
+        p.value().requires_grad_(step != 1);
+      }
+      if (step == 3) {
+        p.value().mutable_grad() = torch::Tensor();
+      }
+    }
+  };
+  GPipe ref(build(0), options);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  std::vector<torch::Tensor> ref_losses;
+  for (int step = 0; step < 4; ++step) {
+    prepare(*ref, step);
+    ref_losses.push_back(ref->train_step(x, y, loss_fn, Schedule::OneFOneB));
+    ref_opt.step();
+    ref->zero_grad();
+  }
+  const auto ref_params = ref->named_parameters();
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 4; ++r) {
+    nets.push_back(build(0));
+  }
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  run_ranks(4, [&](World world) {
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    torch::optim::SGD opt(stage->parameters(), 0.1);
+    const auto d = mesh.data_rank();
+    std::vector<std::string> mine;
+    for (int step = 0; step < 4; ++step) {
+      prepare(*stage, step);
+      auto loss = stage->train_step(
+          mesh.pipeline_rank() == 0 ? x.narrow(0, 4 * d, 4) : torch::Tensor(),
+          mesh.pipeline_rank() == 1 ? y.narrow(0, 4 * d, 4) : torch::Tensor(),
+          loss_fn,
+          Schedule::OneFOneB);
+      opt.step();
+      stage->zero_grad();
+      if (!torch::allclose(loss, ref_losses[step], 1e-10, 1e-12)) {
+        mine.push_back("step " + std::to_string(step) + ": loss differs");
+      }
+    }
+    for (const auto& p : stage->named_parameters()) {
+      if (!torch::allclose(p.value(), ref_params[p.key()], 1e-10, 1e-12)) {
+        mine.push_back(
+            "rank " + std::to_string(world.rank()) + ": " + p.key() +
+            " differs");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    failures.insert(failures.end(), mine.begin(), mine.end());
+  });
+  for (const auto& f : failures) {
+    ADD_FAILURE() << f;
+  }
+}
+
 // The gradient all-reduce of a stage starts as soon as its gradients are
 // final, while the rest of the pipeline drains: under 1F1B the last stage
 // ends first, and its all-reduce starts before the first stage's last

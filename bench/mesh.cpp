@@ -1,0 +1,242 @@
+// gpipe-bench's mesh section, run as `gpipe-run -n 4 -- gpipe-bench --only
+// mesh`: two replicas of a 2-stage pipeline. (1) The gradient all-reduce
+// of N bytes through gpipe's buckets (pack, all-reduce, average, unpack)
+// against a bare c10d all-reduce of one tensor of N bytes on the same data
+// group, timed in alternation. (2) How much of a step's all-reduce time is
+// hidden under compute: 2 x 2 steps of an MLP under 1F1B, traced, the
+// all-reduce intervals against the replica's compute intervals.
+
+#include <gpipe/dist.h>
+#include <gpipe/trace.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "dist/data_parallel.h"
+#include "harness.h"
+#include "sections.h"
+
+namespace gpipe::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+bool is_compute(TraceKind kind) {
+  return kind == TraceKind::Forward || kind == TraceKind::Backward ||
+         kind == TraceKind::Recompute || kind == TraceKind::Weight ||
+         kind == TraceKind::Loss || kind == TraceKind::Copy;
+}
+
+// Of the all-reduce intervals of `trace` (a replica's gathered steps), the
+// microseconds spent while some lane of the replica computed, and in all.
+std::pair<double, double> hidden_and_total(const Trace& trace) {
+  std::vector<std::pair<double, double>> compute;
+  std::vector<std::pair<double, double>> reduces;
+  for (const auto& e : trace.events()) {
+    if (e.kind == TraceKind::AllReduce) {
+      reduces.emplace_back(e.start_us, e.end_us);
+    } else if (is_compute(e.kind)) {
+      compute.emplace_back(e.start_us, e.end_us);
+    }
+  }
+  // The union of the compute intervals.
+  std::sort(compute.begin(), compute.end());
+  std::vector<std::pair<double, double>> merged;
+  for (const auto& c : compute) {
+    if (!merged.empty() && c.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, c.second);
+    } else {
+      merged.push_back(c);
+    }
+  }
+  double hidden = 0;
+  double total = 0;
+  for (const auto& r : reduces) {
+    total += r.second - r.first;
+    for (const auto& c : merged) {
+      hidden += std::max(
+          0.0, std::min(r.second, c.second) - std::max(r.first, c.first));
+    }
+  }
+  return {hidden, total};
+}
+
+}  // namespace
+
+nlohmann::json mesh_section(
+    const gpipe::dist::World& world, int64_t width, int iters) {
+  using nlohmann::json;
+  const auto rank = world.rank();
+  const bool lead = rank == 0;
+  at::set_num_threads(1);
+  json out;
+  if (world.size() != 4) {
+    if (lead) {
+      std::printf("\n# mesh: needs 4 ranks (gpipe-run -n 4)\n");
+    }
+    return out;
+  }
+  gpipe::dist::Mesh mesh(world, 2);
+  const auto& data = mesh.data();
+
+  // (1) The all-reduce of N bytes: gpipe's buckets against a bare one.
+  if (lead) {
+    std::printf(
+        "\n# gradient all-reduce over 2 replicas (both data groups at once), "
+        "gpipe's buckets against a bare c10d all-reduce of the same bytes, "
+        "median of %d in alternation\n",
+        iters);
+    std::printf(
+        "%-10s %8s %12s %12s %8s\n",
+        "MiB",
+        "tensors",
+        "bare_ms",
+        "gpipe_ms",
+        "ratio");
+  }
+  json sizes = json::array();
+  for (const int64_t mib : {1, 8, 32}) {
+    // `mib` MiB of float parameters in 16 tensors.
+    const int64_t count = 16;
+    const int64_t each = mib * 1024 * 1024 / 4 / count;
+    std::vector<torch::Tensor> params;
+    for (int64_t k = 0; k < count; ++k) {
+      auto p = torch::randn({each}).requires_grad_();
+      p.mutable_grad() = torch::randn({each});
+      params.push_back(p);
+    }
+    auto flat = torch::randn({each * count});
+    // Made once, as a stage keeps them: the gradients then live in the
+    // buckets, and a step all-reduces and averages them in place.
+    gpipe::dist::detail::GradientBuckets buckets(
+        data, params, gpipe::dist::detail::kDefaultBucketBytes);
+    std::vector<double> bare;
+    std::vector<double> ours;
+    for (int k = 0; k < iters + 2; ++k) {
+      world.barrier();
+      auto start = Clock::now();
+      std::vector<torch::Tensor> tensors{flat};
+      data.group()->allreduce(tensors)->wait();
+      const double a = seconds_since(start);
+      world.barrier();
+      start = Clock::now();
+      buckets.start();
+      buckets.finish();
+      const double b = seconds_since(start);
+      if (k >= 2) {
+        bare.push_back(a);
+        ours.push_back(b);
+      }
+    }
+    const double bare_s = quantile(bare, 0.5);
+    const double ours_s = quantile(ours, 0.5);
+    if (lead) {
+      std::printf(
+          "%-10lld %8lld %12.3f %12.3f %8.3f\n",
+          static_cast<long long>(mib),
+          static_cast<long long>(count),
+          bare_s * 1e3,
+          ours_s * 1e3,
+          ours_s / bare_s);
+    }
+    sizes.push_back(
+        {{"mib", mib},
+         {"tensors", count},
+         {"bare_seconds", bare_s},
+         {"gpipe_seconds", ours_s},
+         {"ratio", ours_s / bare_s},
+         {"target_ratio", 1.1}});
+  }
+  out["all_reduce"] = sizes;
+
+  // (2) Hidden under compute: 2 x 2, 1F1B, an MLP of 4 blocks per stage.
+  const int64_t blocks = 8;
+  const int64_t batch = 64;  // per replica
+  if (lead) {
+    std::printf(
+        "\n# 2 replicas x 2 stages, %lld x Linear(%lld)+ReLU, %lld rows per "
+        "replica, 1F1B: the all-reduce time spent while the replica "
+        "computes (hidden) over all of it, over %d traced steps\n",
+        static_cast<long long>(blocks),
+        static_cast<long long>(width),
+        static_cast<long long>(batch),
+        iters);
+    std::printf(
+        "%-8s %14s %14s %10s %12s\n",
+        "chunks",
+        "all_reduce_ms",
+        "hidden_ms",
+        "hidden",
+        "step_ms");
+  }
+  json overlap = json::array();
+  for (const int64_t chunks : {4, 8}) {
+    torch::manual_seed(0);
+    auto net = mlp(blocks, width);
+    gpipe::dist::PipelineStage stage(
+        net,
+        gpipe::GPipeOptions({blocks, blocks})
+            .chunks(chunks)
+            .threads_per_lane(1),
+        mesh);
+    auto x = torch::randn({batch, width});
+    auto y = torch::randn({batch, width});
+    auto loss_fn = [](torch::Tensor o, torch::Tensor t) {
+      return torch::mse_loss(o, t);
+    };
+    const bool first = mesh.pipeline_rank() == 0;
+    const bool last = mesh.pipeline_rank() == 1;
+    auto step = [&] {
+      stage->zero_grad();
+      stage->train_step(
+          first ? x : torch::Tensor(),
+          last ? y : torch::Tensor(),
+          loss_fn,
+          gpipe::Schedule::OneFOneB);
+    };
+    step();  // warm-up
+    step();
+    auto trace = std::make_shared<Trace>();
+    std::vector<double> steps;
+    stage->set_trace(trace);
+    for (int k = 0; k < iters; ++k) {
+      world.barrier();
+      const auto start = Clock::now();
+      step();
+      steps.push_back(seconds_since(start));
+    }
+    auto gathered = gpipe::dist::gather_trace(stage);
+    stage->set_trace(nullptr);
+    // Each replica's first stage has its replica's trace; replica 0's
+    // numbers are printed.
+    if (lead) {
+      const auto [hidden, total] = hidden_and_total(*gathered);
+      const double step_s = quantile(steps, 0.5);
+      std::printf(
+          "%-8lld %14.3f %14.3f %9.0f%% %12.3f\n",
+          static_cast<long long>(chunks),
+          total / 1e3 / iters,
+          hidden / 1e3 / iters,
+          total > 0 ? 100 * hidden / total : 0.0,
+          step_s * 1e3);
+      overlap.push_back(
+          {{"chunks", chunks},
+           {"all_reduce_ms_per_step", total / 1e3 / iters},
+           {"hidden_ms_per_step", hidden / 1e3 / iters},
+           {"hidden_fraction", total > 0 ? hidden / total : 0.0},
+           {"target_hidden_fraction", 0.5},
+           {"step_seconds", step_s}});
+    }
+  }
+  out["overlap"] = overlap;
+  return out;
+}
+
+}  // namespace gpipe::bench
