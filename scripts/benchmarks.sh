@@ -64,6 +64,12 @@ start=$SECONDS
   --json "$raw/dist.json" --markdown "$work/dist.md" \
   --dist-trace "$img/dist-trace") | tee "$raw/dist.txt" >&2
 seconds[dist]=$((SECONDS - start))
+echo "== benchmarks.sh: mesh" >&2
+start=$SECONDS
+(cd "$work" && "$launcher" -n 4 -- "$bench" --only mesh \
+  --json "$raw/mesh.json" --markdown "$work/mesh.md") |
+  tee "$raw/mesh.txt" >&2
+seconds[mesh]=$((SECONDS - start))
 # The U-Net speed table across 2 and 4 processes.
 for n in 2 4; do
   name=unet-speed-$n-ranks
@@ -350,6 +356,19 @@ EOF
   cat <<EOF
 
 ![Distributed timeline](img/dist-trace.svg)
+
+## Replicas of a pipeline (\`gpipe-run -n 4 -- gpipe-bench --only mesh\`, ${seconds[mesh]} s)
+
+Four processes on loopback, two replicas of a 2-stage pipeline
+(\`Mesh(world, 2)\`), one intra-op thread each. \`all_reduce\`: the
+gradient all-reduce of N bytes (16 tensors) through gpipe's buckets (kept
+between steps, the gradients in them, averaged in place) against a bare
+c10d all-reduce of one tensor of N bytes on the same data group, both data
+groups at once, median in alternation. \`overlap\`: 1F1B steps of an MLP on
+the 2 x 2 mesh, traced; of the all-reduce time (from a stage's last B to
+its buckets' end), the part during which a lane of the replica computed.
+
 EOF
+  table mesh
 } > "$page"
 echo "== benchmarks.sh: wrote $page" >&2

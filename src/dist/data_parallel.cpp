@@ -7,6 +7,9 @@
 #include <c10/util/irange.h>
 #include <c10/util/strides.h>
 #include <gpipe/trace.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <string>
@@ -87,6 +90,29 @@ void wait_for(
 
 }  // namespace
 
+// Tells its buckets that a parameter's gradient was accumulated (an
+// AccumulateGrad node's post hook).
+struct GradientBuckets::Hooked {
+  std::shared_ptr<torch::autograd::Node> accumulator;
+  uintptr_t key = 0;
+};
+
+namespace {
+
+template <typename F>
+struct AfterAccumulation : torch::autograd::FunctionPostHook {
+  explicit AfterAccumulation(F f) : f(std::move(f)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    f();
+    return outputs;
+  }
+  F f;
+};
+
+}  // namespace
+
 GradientBuckets::GradientBuckets(
     World data,
     const std::vector<torch::Tensor>& parameters,
@@ -126,6 +152,22 @@ GradientBuckets::GradientBuckets(
     bucket.parameters = std::move(group);
     buckets_.push_back(std::move(bucket));
   }
+  for (const auto b : c10::irange(buckets_.size())) {
+    for (const auto& p : buckets_[b].parameters) {
+      Hooked hooked;
+      hooked.accumulator = torch::autograd::impl::grad_accumulator(p);
+      auto hook = [this, b] { accumulated(b); };
+      hooked.key = hooked.accumulator->add_post_hook(
+          std::make_unique<AfterAccumulation<decltype(hook)>>(hook));
+      hooks_.push_back(std::move(hooked));
+    }
+  }
+}
+
+GradientBuckets::~GradientBuckets() {
+  for (auto& hooked : hooks_) {
+    hooked.accumulator->del_post_hook(hooked.key);
+  }
 }
 
 bool GradientBuckets::holds(
@@ -142,58 +184,95 @@ bool GradientBuckets::holds(
   return k == trainable_.size();
 }
 
-void GradientBuckets::start() {
-  TORCH_INTERNAL_ASSERT(works_.empty(), "gradient buckets started twice");
-  torch::NoGradGuard no_grad;
-  auto& connection = *data_.connection();
-  connection.check();
-  started_at_ = std::chrono::steady_clock::now();
-  done_at_ = std::make_shared<std::atomic<int64_t>>(0);
+bool GradientBuckets::started() const {
+  return next_ == buckets_.size() && !buckets_.empty();
+}
+
+void GradientBuckets::arm() {
   for (auto& bucket : buckets_) {
-    // Each gradient lives in its slot of the bucket (as DDP's
-    // gradient_as_bucket_view): backward accumulated into it in place, and
-    // only a gradient made anew (the first step, or after zero_grad set it
-    // to none) is copied in.
-    for (const auto k : c10::irange(bucket.parameters.size())) {
-      auto& p = bucket.parameters[k];
-      const auto& slot = bucket.slots[k];
-      const auto& grad = p.grad();
-      if (!grad.defined()) {
-        slot.zero_();
-        p.mutable_grad() = slot;
-      } else if (
-          grad.data_ptr() != slot.data_ptr() ||
-          grad.strides() != slot.strides()) {
-        slot.copy_(grad);
-        p.mutable_grad() = slot;
-      }
-    }
-    std::vector<torch::Tensor> tensors{bucket.flat};
-    auto work = connection.group->allreduce(tensors);
-    // When the last bucket to finish ends, the all-reduce has.
-    work->getFuture()->addCallback([done = done_at_](c10::ivalue::Future&) {
-      const auto now =
-          std::chrono::steady_clock::now().time_since_epoch().count();
-      auto seen = done->load();
-      while (seen < now && !done->compare_exchange_weak(seen, now)) {
-      }
-    });
-    works_.push_back(std::move(work));
+    bucket.pending = static_cast<int64_t>(bucket.parameters.size());
+  }
+  armed_ = true;
+}
+
+void GradientBuckets::accumulated(size_t b) {
+  auto& bucket = buckets_[b];
+  if (!armed_ || bucket.work || bucket.pending == 0) {
+    return;
+  }
+  if (--bucket.pending == 0) {
+    start_ready();
   }
 }
 
+void GradientBuckets::start_ready() {
+  while (next_ < buckets_.size() && buckets_[next_].pending == 0) {
+    start_bucket(buckets_[next_++]);
+  }
+}
+
+void GradientBuckets::start() {
+  for (auto& bucket : buckets_) {
+    bucket.pending = 0;
+  }
+  armed_ = false;
+  start_ready();
+}
+
+void GradientBuckets::start_bucket(Bucket& bucket) {
+  torch::NoGradGuard no_grad;
+  auto& connection = *data_.connection();
+  connection.check();
+  if (&bucket == &buckets_.front()) {
+    started_at_ = std::chrono::steady_clock::now();
+    done_at_ = std::make_shared<std::atomic<int64_t>>(0);
+  }
+  // Each gradient lives in its slot of the bucket (as DDP's
+  // gradient_as_bucket_view): backward accumulated into it in place, and
+  // only a gradient made anew (the first step, or after it was set to
+  // none) is copied in.
+  for (const auto k : c10::irange(bucket.parameters.size())) {
+    auto& p = bucket.parameters[k];
+    const auto& slot = bucket.slots[k];
+    const auto& grad = p.grad();
+    if (!grad.defined()) {
+      slot.zero_();
+      p.mutable_grad() = slot;
+    } else if (
+        grad.data_ptr() != slot.data_ptr() ||
+        grad.strides() != slot.strides()) {
+      slot.copy_(grad);
+      p.mutable_grad() = slot;
+    }
+  }
+  std::vector<torch::Tensor> tensors{bucket.flat};
+  bucket.work = connection.group->allreduce(tensors);
+  // When the last bucket to finish ends, the all-reduce has.
+  bucket.work->getFuture()->addCallback(
+      [done = done_at_](c10::ivalue::Future&) {
+        const auto now =
+            std::chrono::steady_clock::now().time_since_epoch().count();
+        auto seen = done->load();
+        while (seen < now && !done->compare_exchange_weak(seen, now)) {
+        }
+      });
+}
+
 void GradientBuckets::finish(Trace* trace, int64_t lane) {
-  if (works_.empty()) {
+  if (next_ == 0) {
     return;
   }
-  auto works = std::move(works_);
-  works_.clear();
   torch::NoGradGuard no_grad;
   const auto replicas = static_cast<double>(data_.size());
-  for (const auto k : c10::irange(buckets_.size())) {
+  const auto started = next_;
+  next_ = 0;
+  armed_ = false;
+  for (const auto k : c10::irange(started)) {
+    auto work = std::move(buckets_[k].work);
+    buckets_[k].work.reset();
     wait_for(
         data_,
-        works[k],
+        work,
         "gradient all-reduce of bucket " + std::to_string(k) + " of " +
             std::to_string(buckets_.size()));
     // The gradients share the bucket's memory: averaged in place.

@@ -16,9 +16,12 @@
 // in or out; a gradient made anew (the first step, or after it was set to
 // none) is copied into its slot once and replaced by the slot. The buckets
 // are kept while the same parameters train (made again when one is frozen
-// or thawed). A stage's buckets start as soon as its gradients are final
-// (after its last B or W of the step) and run on c10d's threads while the
-// lane goes on with the drain; the step waits for them before it returns.
+// or thawed). During a stage's last backward of the step (its last B or
+// W), each bucket starts as soon as every gradient in it has been
+// accumulated (a post hook on each parameter's gradient accumulator counts
+// them), in bucket order; whatever has not started when that backward ends
+// starts then. The all-reduces run on c10d's threads while the lanes go
+// on; the step waits for them before it returns.
 // Every replica runs the same plan, so the ranks of a data World start
 // their buckets in the same order, as a collective needs. A parameter
 // without a gradient (a layer the step did not use) takes part with zeros,
@@ -51,23 +54,29 @@ constexpr int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
 class GradientBuckets {
  public:
   /// `parameters` in layer order; those that do not require grad are left
-  /// out.
+  /// out. Hooks on their gradient accumulators (removed by the destructor)
+  /// tell which bucket is ready while the stage's last backward runs.
   GradientBuckets(
       World data,
       const std::vector<torch::Tensor>& parameters,
       int64_t bucket_bytes);
+  ~GradientBuckets();
+  GradientBuckets(const GradientBuckets&) = delete;
+  GradientBuckets& operator=(const GradientBuckets&) = delete;
 
-  /// Packs the gradients and starts every bucket's all-reduce.
+  /// The stage's last backward of the step (its last B or W) is about to
+  /// run: a bucket whose every gradient is accumulated during it is final,
+  /// and starts then (in bucket order).
+  void arm();
+  /// The stage's gradients are final: starts every bucket not started yet.
   void start();
-  /// Waits for the buckets started, averages and writes the gradients back.
+  /// Waits for the buckets started and averages the gradients in place.
   /// Throws a c10::Error naming the bucket if an all-reduce fails. With a
-  /// trace, records the all-reduce on `lane`: from start() to the end of
-  /// its last bucket.
+  /// trace, records the all-reduce on `lane`: from its first bucket's start
+  /// to its last bucket's end.
   void finish(Trace* trace = nullptr, int64_t lane = 0);
-  /// Whether start() ran without finish().
-  bool started() const {
-    return !works_.empty();
-  }
+  /// Whether every bucket has started since the last finish().
+  bool started() const;
   /// Bytes all-reduced per step.
   int64_t bytes() const {
     return bytes_;
@@ -81,11 +90,22 @@ class GradientBuckets {
     std::vector<torch::Tensor> parameters;
     std::vector<torch::Tensor> slots;  // each parameter's part of `flat`
     torch::Tensor flat;
+    int64_t pending = 0;  // gradients not yet accumulated while armed
+    c10::intrusive_ptr<c10d::Work> work;  // null until started
   };
+  struct Hooked;
+  // Called by the hook of bucket `b`'s parameter after its accumulation.
+  void accumulated(size_t b);
+  // Starts the buckets that are ready, in order.
+  void start_ready();
+  void start_bucket(Bucket& bucket);
+
   std::vector<torch::Tensor> trainable_;
   World data_;
   std::vector<Bucket> buckets_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<Hooked> hooks_;
+  bool armed_ = false;
+  size_t next_ = 0;  // the next bucket to start
   int64_t bytes_ = 0;
   std::chrono::steady_clock::time_point started_at_;
   // When the last bucket's all-reduce ended (set on c10d's thread), in

@@ -406,6 +406,12 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
           pass->on_gradients_final = [engine = engine_.get(), n](int64_t j) {
             engine->buckets.at(j / n)->start();
           };
+          // Buckets whose gradients are all accumulated during the last
+          // backward start before it ends.
+          pass->before_final_gradients = [engine = engine_.get(),
+                                          n](int64_t j) {
+            engine->buckets.at(j / n)->arm();
+          };
         }
         pass->step_seed = begin.seed;
         auto& transport = dynamic_cast<C10dTransport&>(pass->transport());

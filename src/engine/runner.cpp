@@ -151,7 +151,7 @@ void Pass::run(
       for (const auto& row : finals) {
         for (const auto j : row) {
           if (j >= 0 && pipeline_.is_local(j)) {
-            gradients_final(j);
+            gradients_final(j, /*before=*/false);
           }
         }
       }
@@ -177,9 +177,13 @@ void Pass::run(
         {
           at::ThreadLocalStateGuard guard(tls);
           for (const auto k : c10::irange(cells.size())) {
+            const bool final = !finals.empty() && finals[k] >= 0;
+            if (final && pass->before_final_gradients) {
+              pass->gradients_final(finals[k], /*before=*/true);
+            }
             pass->run_cell(cells[k], l);
-            if (!finals.empty() && finals[k] >= 0) {
-              pass->gradients_final(finals[k]);
+            if (final) {
+              pass->gradients_final(finals[k], /*before=*/false);
             }
           }
         }
@@ -224,12 +228,16 @@ CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
   return ctx;
 }
 
-void Pass::gradients_final(int64_t stage) {
+void Pass::gradients_final(int64_t stage, bool before) {
   if (error_.has() || transport_->aborted()) {
     return;
   }
   try {
-    on_gradients_final(stage);
+    if (before) {
+      before_final_gradients(stage);
+    } else {
+      on_gradients_final(stage);
+    }
   } catch (...) {
     error_.set(std::current_exception());
     transport_->abort_with(

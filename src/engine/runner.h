@@ -75,13 +75,18 @@ class Pass {
   /// their all-reduce over the replicas there). An error it throws fails
   /// the pass.
   std::function<void(int64_t stage)> on_gradients_final;
+  /// Called on the lane just before that last cell starts (when
+  /// on_gradients_final is set): gradients accumulated from then on are
+  /// final as soon as they are.
+  std::function<void(int64_t stage)> before_final_gradients;
   bool consumed = false;  // a backward freed the cells
 
  private:
   void run_cell(const Cell& cell, int64_t lane);
-  // Calls on_gradients_final(stage) unless the pass has failed; an error
-  // it throws becomes the pass's.
-  void gradients_final(int64_t stage);
+  // Calls before_final_gradients(stage) (`before`) or
+  // on_gradients_final(stage) unless the pass has failed; an error it
+  // throws becomes the pass's.
+  void gradients_final(int64_t stage, bool before);
   void forward_cell(int64_t i, int64_t j, int64_t lane);
   void loss_cell(int64_t i, int64_t lane);
   void backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only);

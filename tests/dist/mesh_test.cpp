@@ -308,7 +308,8 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
 // The gradient all-reduce of a stage starts as soon as its gradients are
 // final, while the rest of the pipeline drains: under 1F1B the last stage
 // ends first, and its all-reduce starts before the first stage's last
-// backward ends (which waits for the last stage's gradients). Each stage's
+// backward ends (which waits for the last stage's gradients); the first
+// stage's starts within that backward, bucket by bucket. Each stage's
 // all-reduce is one interval of its own kind on its lane, per step.
 TEST(MeshTest, AStagesAllReduceStartsWhileThePipelineDrains) {
   const auto options = GPipeOptions({3, 4})
@@ -328,6 +329,7 @@ TEST(MeshTest, AStagesAllReduceStartsWhileThePipelineDrains) {
   run_ranks(4, [&](World world) {
     Mesh mesh(world, 2);
     dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    stage->set_gradient_bucket_bytes(256);  // a few buckets per stage
     stage->set_trace(traces[mesh.data_rank()]);
     const auto rows = x.narrow(0, mesh.data_rank() * 8, 8);
     const auto targets = y.narrow(0, mesh.data_rank() * 8, 8);
@@ -355,6 +357,9 @@ TEST(MeshTest, AStagesAllReduceStartsWhileThePipelineDrains) {
     ASSERT_EQ(reduces[0].size(), 3u);
     ASSERT_EQ(reduces[1].size(), 3u);
     EXPECT_LT(reduces[1].back().start_us, first_stage_last_backward);
+    // The first stage's buckets start within its own last backward, as
+    // their gradients are accumulated, not after it.
+    EXPECT_LT(reduces[0].back().start_us, first_stage_last_backward);
     EXPECT_LE(reduces[1].back().start_us, reduces[1].back().end_us);
   }
   EXPECT_NE(traces[0]->svg().find("all-reduce"), std::string::npos);
