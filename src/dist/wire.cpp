@@ -62,6 +62,7 @@ bool parse_layout(
   }
   atomic = a != 0;
   specs.assign(count, {});
+  int64_t total = 0;
   for (auto& spec : specs) {
     int64_t defined = 0;
     if (!next(defined)) {
@@ -82,10 +83,19 @@ bool parse_layout(
     spec.dtype = static_cast<c10::ScalarType>(dtype);
     spec.requires_grad = grad != 0;
     spec.sizes.resize(dim);
+    // The tensor's bytes must fit in 2^62 (so that no product of sizes
+    // wraps around to a payload smaller than what would be read).
+    const int64_t limit = int64_t{1} << 62;
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(spec.dtype));
     for (auto& d : spec.sizes) {
-      if (!next(d) || d < 0) {
+      if (!next(d) || d < 0 || (d > 0 && bytes > limit / d)) {
         return false;
       }
+      bytes *= d;
+    }
+    total += bytes;
+    if (total > limit) {
+      return false;
     }
   }
   return p == layout.size();
