@@ -196,6 +196,17 @@ int main(int argc, char** argv) {
   // (the default) or the U-Net speed table across the ranks, printed and
   // written by rank 0.
   const char* world_size = std::getenv("WORLD_SIZE");
+#if defined(GPIPE_NO_DIST)
+  if ((world_size != nullptr && std::atoi(world_size) > 1) || named("dist") ||
+      named("mesh")) {
+    std::fprintf(
+        stderr,
+        "gpipe-bench: this build has no gpipe::dist (-DGPIPE_DIST=OFF): the "
+        "dist and mesh sections and runs under a launcher are not "
+        "available\n");
+    return 2;
+  }
+#else
   if (world_size != nullptr && std::atoi(world_size) > 1) {
     for (const auto& section : only) {
       if (section != "dist" && section != "unet-speed" && section != "mesh") {
@@ -228,6 +239,7 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+#endif
   if (!only.empty() && want("dist") && only.size() == 1) {
     std::fprintf(
         stderr,

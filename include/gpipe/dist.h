@@ -47,6 +47,11 @@ namespace detail {
 struct Connection;
 }  // namespace detail
 
+/// Whether this build of gpipe has gpipe::dist: false when it was built
+/// with -DGPIPE_DIST=OFF or against a LibTorch without c10d, where every
+/// init_* throws a c10::Error saying so.
+bool is_available();
+
 /// The processes of one job and the c10d group they talk over. Copies share
 /// one connection; the last copy to go closes it.
 class World {

@@ -131,6 +131,10 @@ void ignore_sigpipe() {
 
 }  // namespace
 
+bool is_available() {
+  return true;
+}
+
 std::chrono::milliseconds default_timeout() {
   const char* value = env("GPIPE_DIST_TIMEOUT");
   if (value == nullptr) {
