@@ -10,7 +10,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "dist/connection.h"
 #include "harness.h"

@@ -12,7 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "dist/data_parallel.h"
 #include "harness.h"

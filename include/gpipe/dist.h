@@ -32,7 +32,7 @@
 #include <vector>
 
 namespace c10d {
-class ProcessGroupGloo;
+class ProcessGroup;
 class Store;
 }  // namespace c10d
 
@@ -69,10 +69,11 @@ class World {
   int64_t local_size() const;
   /// How long a rank waits for another before it gives up.
   std::chrono::milliseconds timeout() const;
-  /// The c10d group (Gloo) the stages talk over (null in a World of one
-  /// rank); usable for collectives of one's own between passes (point-to-point:
-  /// tags from 2^30 up; gpipe's own use those below).
-  const c10::intrusive_ptr<c10d::ProcessGroupGloo>& group() const;
+  /// The c10d process group the stages talk over (Gloo, made in one file,
+  /// src/dist/gloo.cpp; null in a World of one rank); usable for
+  /// collectives of one's own between passes (point-to-point: tags from
+  /// 2^30 up; gpipe's own use those below).
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const;
   /// The rendezvous store.
   const c10::intrusive_ptr<c10d::Store>& store() const;
 

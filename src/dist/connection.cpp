@@ -5,7 +5,7 @@
 
 #include <cstring>
 #include <sstream>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace gpipe::dist::detail {
@@ -33,7 +33,7 @@ void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object) {
 
 Connection::Connection(
     c10::intrusive_ptr<c10d::Store> store_,
-    c10::intrusive_ptr<c10d::ProcessGroupGloo> group_,
+    c10::intrusive_ptr<c10d::ProcessGroup> group_,
     int64_t rank_,
     int64_t size_,
     int64_t local_rank_,
@@ -54,60 +54,53 @@ Connection::Connection(
 }
 
 Connection::~Connection() {
-  stopping_ = true;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (listening_) {
-      listening_->abort();
-    }
+    stopping_ = true;
   }
+  failure_cv_.notify_all();
   if (listener_.joinable()) {
     listener_.join();
   }
   if (failure_) {
     // Receives may still be posted into the group: leave it alone.
     keep_forever(std::move(group));
-    keep_forever(std::move(listening_));
   }
 }
 
+namespace {
+
+// The store keys of the control plane: how many ranks failed, and the
+// first one's message.
+const char* const kFailures = "failures";
+const char* const kFailure = "failure";
+constexpr auto kPollInterval = std::chrono::milliseconds(20);
+
+}  // namespace
+
 void Connection::listen() {
-  while (!stopping_) {
-    auto buffer = bytes(kControlBytes);
-    std::vector<at::Tensor> tensors{buffer};
-    c10::intrusive_ptr<c10d::Work> work;
+  // Polls the store for another rank's failure (see Note [Failure notices]).
+  while (true) {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::unique_lock<std::mutex> lock(mutex_);
+      failure_cv_.wait_for(lock, kPollInterval, [this] {
+        return stopping_.load() || failure_.has_value();
+      });
       if (stopping_ || failure_) {
         return;
       }
-      work = group->recvAnysource(
-          tensors, MessageId{MessageKind::Control, 0, 0}.tag());
-      listening_ = work;
     }
-    bool received = false;
-    try {
-      // Waits across steps, however long the program takes between them.
-      received = work->wait(std::chrono::hours(24 * 365));
-    } catch (...) {
-      // A peer closed its connection (it ended or died); receives from it
-      // fail by themselves.
-      return;
-    }
-    if (!received || stopping_) {
-      return;
-    }
-    auto* w = words(buffer);
     std::string text;
-    if (w[kMagicWord] == kMagic) {
-      const auto length =
-          std::min<int64_t>(w[kPayloadWord], kControlBytes - kHeaderBytes);
-      text.assign(
-          reinterpret_cast<const char*>(buffer.data_ptr()) + kHeaderBytes,
-          static_cast<size_t>(std::max<int64_t>(length, 0)));
-    } else {
-      text = "rank " + std::to_string(work->sourceRank()) +
-             " sent a control message that is not gpipe's";
+    try {
+      if (!store->check({kFailure})) {
+        continue;
+      }
+      const auto value = store->get(kFailure);
+      text.assign(value.begin(), value.end());
+    } catch (...) {
+      // The store went away (its host ended): receives from the ranks
+      // that ended fail by themselves.
+      return;
     }
     record_failure(text);
     return;
@@ -135,49 +128,16 @@ void Connection::fail(const std::string& message) {
   if (!record_failure(message)) {
     return;
   }
-  // Tell the others, and give the messages a moment to leave: a control
-  // message moves only when this process's Gloo thread answers the
-  // receiver, and this process may be about to exit.
-  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-  const auto text =
-      message.substr(0, static_cast<size_t>(kControlBytes - kHeaderBytes));
-  for (const auto peer : c10::irange(size)) {
-    if (peer == rank) {
-      continue;
+  // Tell the others: the first rank to fail writes its message where their
+  // listeners look (the store answers before this returns, so the notice
+  // is out even if this process exits next).
+  try {
+    if (store->add(kFailures, 1) == 1) {
+      store->set(
+          kFailure, std::vector<uint8_t>(message.begin(), message.end()));
     }
-    auto buffer = bytes(kControlBytes);
-    buffer.zero_();
-    auto* w = words(buffer);
-    w[kMagicWord] = kMagic;
-    w[kKindWord] = static_cast<int64_t>(MessageKind::Control);
-    w[kPayloadWord] = static_cast<int64_t>(text.size());
-    std::memcpy(
-        static_cast<char*>(buffer.data_ptr()) + kHeaderBytes,
-        text.data(),
-        text.size());
-    std::vector<at::Tensor> tensors{buffer};
-    try {
-      sends.push_back(group->send(
-          tensors,
-          static_cast<int>(peer),
-          MessageId{MessageKind::Control, 0, 0}.tag()));
-    } catch (...) {
-      // That peer is gone already.
-    }
-  }
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  for (auto& work : sends) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    try {
-      if (left.count() > 0) {
-        work->wait(left);
-      }
-    } catch (...) {
-      // That peer is gone, or did not answer in time.
-    }
-    keep_forever(std::move(work));
+  } catch (...) {
+    // The store is gone: the others learn of it from their own receives.
   }
 }
 

@@ -24,13 +24,19 @@
 // to a bare c10d send (bench: `gpipe-bench --only dist`): a separate header
 // message doubled it.
 //
-// Failures travel on a control tag that a listener thread of each process
-// receives from any rank: a rank whose pass fails tells every other rank,
-// which abort their receives and fail with its message. A dead rank closes
-// its sockets, so receives from it fail at once; a rank that stops answering
-// is given up on after the timeout. After a failure the connection is closed
-// for good: c10d cannot take back a posted receive, so the group is left
-// alone (never reused, never destroyed) and later passes are refused.
+// Note [Failure notices]
+// Failures travel on a control plane apart from the data channel: the
+// rank whose pass fails first writes its message under a key of the
+// World's store, and a listener thread of each process polls that key
+// (every 20 ms) and, when it appears, aborts the receives in progress
+// there, which fail with that message. The data channel needs no
+// any-source receive for this (NCCL has none), and a notice is out as
+// soon as the store has taken it, even if the failing process exits next.
+// A dead rank closes its sockets, so receives from it fail at once; a rank
+// that stops answering is given up on after the timeout. After a failure
+// the connection is closed for good: c10d cannot take back a posted
+// receive, so the group is left alone (never reused, never destroyed) and
+// later passes are refused.
 
 #include <c10/util/intrusive_ptr.h>
 #include <torch/types.h>
@@ -55,7 +61,7 @@
 #include "dist/wire.h"
 
 namespace c10d {
-class ProcessGroupGloo;
+class ProcessGroup;
 class Store;
 }  // namespace c10d
 
@@ -91,7 +97,7 @@ struct PostedReceive {
 struct Connection {
   Connection(
       c10::intrusive_ptr<c10d::Store> store,
-      c10::intrusive_ptr<c10d::ProcessGroupGloo> group,
+      c10::intrusive_ptr<c10d::ProcessGroup> group,
       int64_t rank,
       int64_t size,
       int64_t local_rank,
@@ -146,7 +152,7 @@ struct Connection {
 
   c10::intrusive_ptr<c10d::Store> store;
   // Left alone (leaked) after a failure: see the Note.
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
   const int64_t rank;
   const int64_t size;
   const int64_t local_rank;
@@ -184,7 +190,6 @@ struct Connection {
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> received_layouts_;
   std::mutex layouts_mutex_;  // guards both maps
   std::atomic<bool> stopping_{false};
-  c10::intrusive_ptr<c10d::Work> listening_;  // guarded by mutex_
   std::thread listener_;
   int64_t stage_ids_ = 0;
   std::atomic<int64_t> split_ids_{0};

@@ -13,7 +13,7 @@
 #include <torch/torch.h>
 
 #include <string>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <utility>
 
 #include "dist/connection.h"

@@ -12,14 +12,14 @@
 #include <string>
 
 namespace c10d {
-class ProcessGroupGloo;
+class ProcessGroup;
 class Store;
 }  // namespace c10d
 
 namespace gpipe::dist::detail {
 
 /// Makes the group of `size` ranks meeting in `store`, this one `rank`.
-using GroupFactory = std::function<c10::intrusive_ptr<c10d::ProcessGroupGloo>(
+using GroupFactory = std::function<c10::intrusive_ptr<c10d::ProcessGroup>(
     const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t size)>;
 
 /// Gloo groups over the interface GLOO_SOCKET_IFNAME names; when it is not

@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tuple>
 #include <vector>
 
@@ -24,7 +24,7 @@ namespace {
 World solo(const detail::Connection& parent) {
   return World(std::make_shared<detail::Connection>(
       parent.store,
-      c10::intrusive_ptr<c10d::ProcessGroupGloo>(),
+      c10::intrusive_ptr<c10d::ProcessGroup>(),
       0,
       1,
       parent.local_rank,

@@ -68,7 +68,7 @@ int64_t World::local_size() const {
 std::chrono::milliseconds World::timeout() const {
   unavailable("World");
 }
-const c10::intrusive_ptr<c10d::ProcessGroupGloo>& World::group() const {
+const c10::intrusive_ptr<c10d::ProcessGroup>& World::group() const {
   unavailable("World");
 }
 const c10::intrusive_ptr<c10d::Store>& World::store() const {

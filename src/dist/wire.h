@@ -15,7 +15,7 @@ namespace gpipe::dist::detail {
 
 /// What a message carries; part of its tag and header.
 enum class MessageKind : int64_t {
-  Control = 0,   // a failure (listener only)
+  Control = 0,   // (none now: failures travel through the store)
   Begin = 1,     // rank 0 starts a pass: its kind, seed and micro-batches
   Forward = 2,   // activations at a boundary
   Backward = 3,  // gradients at a boundary
@@ -59,8 +59,6 @@ struct Message {
 constexpr int64_t kMagic = 0x6770697065000001;
 constexpr int64_t kHeaderWords = 8;
 constexpr int64_t kHeaderBytes = kHeaderWords * 8;
-/// A control message (a failure's text) has this fixed size.
-constexpr int64_t kControlBytes = 4096;
 
 enum Mode : int64_t {
   kHeaderOnly = 0,  // layout and payload follow in a second message

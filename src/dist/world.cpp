@@ -1,5 +1,5 @@
 // init_from_env and World: joining a job the way torchrun and gpipe-run
-// describe it, over c10d's TCPStore and ProcessGroupGloo.
+// describe it, over c10d's TCPStore and a process group (Gloo: gloo.cpp).
 
 #include <c10/util/Exception.h>
 #include <gpipe/dist.h>
@@ -16,7 +16,7 @@
 #include <limits>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dist/connection.h"
@@ -340,7 +340,7 @@ int64_t World::local_size() const {
 std::chrono::milliseconds World::timeout() const {
   return connection_->timeout;
 }
-const c10::intrusive_ptr<c10d::ProcessGroupGloo>& World::group() const {
+const c10::intrusive_ptr<c10d::ProcessGroup>& World::group() const {
   return connection_->group;
 }
 const c10::intrusive_ptr<c10d::Store>& World::store() const {
