@@ -1,5 +1,6 @@
 #include "dist/connection.h"
 
+#include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -138,6 +139,57 @@ void Connection::fail(const std::string& message) {
     }
   } catch (...) {
     // The store is gone: the others learn of it from their own receives.
+  }
+}
+
+void Connection::wait_collective(
+    const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  // Woken by the collective's end or by a failure notice, whichever comes
+  // first (a collective cannot be aborted, so a failure leaves it).
+  auto future = work->getFuture();
+  std::weak_ptr<Connection> self = weak_from_this();
+  future->addCallback([self](c10::ivalue::Future&) {
+    if (auto connection = self.lock()) {
+      std::lock_guard<std::mutex> lock(connection->mutex_);
+      connection->failure_cv_.notify_all();
+    }
+  });
+  bool in_time = false;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    in_time = failure_cv_.wait_for(lock, timeout, [&] {
+      return future->completed() || failure_.has_value();
+    });
+  }
+  if (!future->completed()) {
+    keep_forever(work);  // Gloo may still write into its tensors
+    check();
+    TORCH_CHECK(
+        in_time,
+        "gpipe::dist: the ",
+        what,
+        " did not end within ",
+        timeout.count() / 1000.0,
+        " s (GPIPE_DIST_TIMEOUT) on rank ",
+        rank,
+        " of ",
+        size,
+        ": a rank stopped answering, or runs other collectives");
+  }
+  try {
+    work->wait(timeout);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(
+        false,
+        "gpipe::dist: the ",
+        what,
+        " failed on rank ",
+        rank,
+        " of ",
+        size,
+        " [c10d: ",
+        std::string(e.what_without_backtrace()).substr(0, 300),
+        "]");
   }
 }
 

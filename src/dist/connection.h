@@ -94,7 +94,7 @@ struct PostedReceive {
   PostedBytes head;
 };
 
-struct Connection {
+struct Connection : std::enable_shared_from_this<Connection> {
   Connection(
       c10::intrusive_ptr<c10d::Store> store,
       c10::intrusive_ptr<c10d::ProcessGroup> group,
@@ -130,6 +130,12 @@ struct Connection {
   static void abandon(PostedReceive& posted);
   /// Waits for sends to complete (the data is on its way).
   void wait_sends(std::vector<c10::intrusive_ptr<c10d::Work>>& pending);
+  /// Waits for a collective of this connection's group, at most the
+  /// timeout: throws the connection's failure if it fails first (another
+  /// rank's notice), and a c10::Error naming `what` and this rank if the
+  /// collective fails or times out.
+  void wait_collective(
+      const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
 
   /// Marks the connection failed with `message` (the first failure wins),
   /// tells the other ranks, and aborts every receive in progress here.

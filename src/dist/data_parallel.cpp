@@ -67,27 +67,6 @@ void unflatten(
   }
 }
 
-void wait_for(
-    const World& data,
-    const c10::intrusive_ptr<c10d::Work>& work,
-    const std::string& what) {
-  try {
-    work->wait(data.timeout());
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(
-        false,
-        "gpipe::dist: the ",
-        what,
-        " over the replicas failed on data rank ",
-        data.rank(),
-        " of ",
-        data.size(),
-        " [c10d: ",
-        std::string(e.what_without_backtrace()).substr(0, 300),
-        "]");
-  }
-}
-
 }  // namespace
 
 // Tells its buckets that a parameter's gradient was accumulated (an
@@ -270,11 +249,11 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
   for (const auto k : c10::irange(started)) {
     auto work = std::move(buckets_[k].work);
     buckets_[k].work.reset();
-    wait_for(
-        data_,
+    data_.connection()->wait_collective(
         work,
-        "gradient all-reduce of bucket " + std::to_string(k) + " of " +
-            std::to_string(buckets_.size()));
+        "gradient all-reduce over the replicas (bucket " +
+            std::to_string(k + 1) + " of " + std::to_string(buckets_.size()) +
+            ")");
     // The gradients share the bucket's memory: averaged in place.
     buckets_[k].flat.div_(replicas);
   }
@@ -300,7 +279,9 @@ void broadcast_from_first_replica(
     std::vector<torch::Tensor> list{flat};
     c10d::BroadcastOptions options;
     options.rootRank = 0;
-    wait_for(data, connection.group->broadcast(list, options), "broadcast");
+    connection.wait_collective(
+        connection.group->broadcast(list, options),
+        "broadcast of the first replica's parameters");
     unflatten(flat, group);
   }
 }

@@ -54,19 +54,9 @@ World World::split(int64_t color, int64_t key) const {
     all[0].push_back(torch::empty({2}, torch::kLong));
   }
   std::vector<torch::Tensor> input{mine};
-  try {
-    parent.group->allgather(all, input)->wait(parent.timeout);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(
-        false,
-        "gpipe::dist::World::split: rank ",
-        parent.rank,
-        " could not learn the other ranks' colors within ",
-        parent.timeout.count() / 1000.0,
-        " s [c10d: ",
-        std::string(e.what_without_backtrace()).substr(0, 300),
-        "]");
-  }
+  parent.wait_collective(
+      parent.group->allgather(all, input),
+      "World::split (learning the other ranks' colors)");
   std::vector<std::tuple<int64_t, int64_t>> members;  // (key, parent rank)
   for (const auto r : c10::irange(parent.size)) {
     const auto* v = all[0][r].data_ptr<int64_t>();

@@ -271,8 +271,21 @@ torch::Tensor PipelineStageImpl::run_train_step(
       engine_->buckets_made_with = engine_->bucket_bytes;
     }
   }
-  auto loss = run_pipeline_step(
-      std::move(input), std::move(target), loss_fn, schedule, plan);
+  torch::Tensor loss;
+  try {
+    loss = run_pipeline_step(
+        std::move(input), std::move(target), loss_fn, schedule, plan);
+  } catch (...) {
+    // A pass that failed this replica's pipeline fails the other replicas
+    // too (their gradient all-reduce would wait for this one); a refusal
+    // that every replica makes alike leaves the stage usable.
+    if (const auto failure = engine_->connection->failure()) {
+      if (data.size() > 1) {
+        data.connection()->fail(*failure);
+      }
+    }
+    throw;
+  }
   if (data.size() > 1) {
     // Each stage's buckets started on its lane as soon as its gradients
     // were final (Note [Gradient buckets]); a plan without a backward of a

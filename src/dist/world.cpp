@@ -356,21 +356,7 @@ void wait_collective(
     const char* what,
     const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
   connection.check();
-  try {
-    start()->wait(connection.timeout);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(
-        false,
-        "gpipe::dist::World::",
-        what,
-        " failed on rank ",
-        connection.rank,
-        " of ",
-        connection.size,
-        " [c10d: ",
-        std::string(e.what_without_backtrace()).substr(0, 300),
-        "]");
-  }
+  connection.wait_collective(start(), std::string("World::") + what);
 }
 
 void check_collective_tensor(const torch::Tensor& tensor, const char* what) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -303,6 +304,54 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
   for (const auto& f : failures) {
     ADD_FAILURE() << f;
   }
+}
+
+// A step that fails in one replica (its loss throws) fails on every rank
+// of every replica with that message, at once, rather than leaving the
+// other replica waiting in its gradient all-reduce until the timeout.
+TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
+  const auto options = GPipeOptions({3, 4}).chunks(2).threads_per_lane(1);
+  torch::manual_seed(3);
+  const auto x = torch::randn({8, 6}, torch::kDouble);
+  const auto y = torch::randint(0, 3, {8}, torch::kLong);
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 4; ++r) {
+    nets.push_back(build(0));
+  }
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(4, [&](World world) {
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    const auto d = mesh.data_rank();
+    for (int step = 0; step < 3; ++step) {
+      try {
+        stage->train_step(
+            mesh.pipeline_rank() == 0 ? x.narrow(0, 4 * d, 4) : torch::Tensor(),
+            mesh.pipeline_rank() == 1 ? y.narrow(0, 4 * d, 4) : torch::Tensor(),
+            [&](torch::Tensor out, torch::Tensor target) {
+              if (step == 1 && d == 0) {
+                throw std::runtime_error("the loss broke on purpose");
+              }
+              return torch::nn::functional::cross_entropy(out, target);
+            },
+            Schedule::OneFOneB);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[world.rank()] = e.what_without_backtrace();
+        return;
+      }
+    }
+  });
+  const auto seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_NE(errors[r].find("the loss broke on purpose"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  EXPECT_LT(seconds, 10.0);  // the timeout is 30 s
 }
 
 // The gradient all-reduce of a stage starts as soon as its gradients are
