@@ -7,6 +7,7 @@
 
 #include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
+#include <gpipe/trace.h>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -21,6 +22,7 @@ namespace gpipe::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -202,6 +204,120 @@ nlohmann::json dist_section(
         {"target_ratio", 1.3}};
   }
   barrier(world);
+
+  // Every schedule at 32 micro-batches: the same pipeline across the ranks
+  // and as lanes of one process (rank 0), timed in alternation, with the
+  // time a rank's lane waits for others (its trace's receive and send
+  // intervals) and its messages per step.
+  {
+    const int64_t m = 32;
+    json rows = json::array();
+    for (const auto schedule :
+         {gpipe::Schedule::FillDrain,
+          gpipe::Schedule::OneFOneB,
+          gpipe::Schedule::Interleaved1F1B,
+          gpipe::Schedule::ZeroBubble}) {
+      const int64_t v = schedule == gpipe::Schedule::Interleaved1F1B ? 2 : 1;
+      const int64_t parts = n * v;
+      std::vector<int64_t> b(parts, 2 * blocks / parts);
+      b.back() += 2 * blocks - (2 * blocks / parts) * parts;
+      const auto options =
+          gpipe::GPipeOptions(b).chunks(m).stages_per_lane(v).threads_per_lane(
+              1);
+      torch::manual_seed(0);
+      gpipe::dist::PipelineStage s_stage(mlp(blocks, width), options, world);
+      std::unique_ptr<gpipe::GPipe> s_single;
+      if (lead) {
+        torch::manual_seed(0);
+        s_single = std::make_unique<gpipe::GPipe>(mlp(blocks, width), options);
+      }
+      auto d_step = [&] {
+        s_stage->zero_grad();
+        s_stage->train_step(
+            rank == 0 ? x : torch::Tensor(),
+            rank == n - 1 ? y : torch::Tensor(),
+            loss_fn,
+            schedule);
+      };
+      auto s_step = [&] {
+        if (lead) {
+          (*s_single)->zero_grad();
+          (*s_single)->train_step(x, y, loss_fn, schedule);
+        }
+      };
+      std::vector<double> ts;
+      std::vector<double> td;
+      auto trace = std::make_shared<gpipe::Trace>();
+      for (int k = 0; k < iters + 1; ++k) {
+        barrier(world);
+        auto start = Clock::now();
+        s_step();
+        const double a = seconds_since(start);
+        barrier(world);
+        if (k == 1) {
+          trace->clear();
+          s_stage->set_trace(trace);
+        }
+        start = Clock::now();
+        d_step();
+        const double c = seconds_since(start);
+        if (k == 1) {
+          s_stage->set_trace(nullptr);
+        }
+        if (k >= 1) {
+          ts.push_back(a);
+          td.push_back(c);
+        }
+      }
+      double waits = 0;
+      int64_t messages = 0;
+      for (const auto& e : trace->events()) {
+        if (e.kind == gpipe::TraceKind::Receive ||
+            e.kind == gpipe::TraceKind::Send) {
+          waits += (e.end_us - e.start_us) * 1e-6;
+          ++messages;
+        }
+      }
+      const double single = median(ts);
+      const double dist = median(td);
+      rows.push_back(
+          {{"schedule", gpipe::to_string(schedule)},
+           {"micro_batches", m},
+           {"ranks", n},
+           {"single_process_seconds", single},
+           {"distributed_seconds", dist},
+           {"ratio", single / dist},
+           {"target_ratio", 0.9},
+           {"rank0_wait_seconds", waits},
+           {"rank0_waits", messages}});
+    }
+    out["schedules_m32"] = rows;
+    if (lead) {
+      std::printf(
+          "\n## every schedule at 32 micro-batches, %lld ranks against %lld "
+          "lanes of one process (rank 0's waits for others in one step)\n",
+          static_cast<long long>(n),
+          static_cast<long long>(n));
+      std::printf(
+          "%-14s %12s %12s %8s %12s %8s\n",
+          "schedule",
+          "single_s",
+          "dist_s",
+          "ratio",
+          "r0_wait_s",
+          "waits");
+      for (const auto& r : rows) {
+        std::printf(
+            "%-14s %12.4f %12.4f %8.3f %12.4f %8lld\n",
+            r["schedule"].get<std::string>().c_str(),
+            r["single_process_seconds"].get<double>(),
+            r["distributed_seconds"].get<double>(),
+            r["ratio"].get<double>(),
+            r["rank0_wait_seconds"].get<double>(),
+            static_cast<long long>(r["rank0_waits"].get<int64_t>()));
+      }
+    }
+  }
 
   // A timeline of one step: a row per rank, with the waits for other
   // ranks beside the cells.

@@ -64,6 +64,12 @@ start=$SECONDS
   --json "$raw/dist.json" --markdown "$work/dist.md" \
   --dist-trace "$img/dist-trace") | tee "$raw/dist.txt" >&2
 seconds[dist]=$((SECONDS - start))
+echo "== benchmarks.sh: dist on 4 ranks" >&2
+start=$SECONDS
+(cd "$work" && "$launcher" -n 4 -- "$bench" --only dist \
+  --json "$raw/dist-4-ranks.json" --markdown "$work/dist-4-ranks.md" \
+  --dist-trace "$work/dist-4-ranks-trace") | tee "$raw/dist-4-ranks.txt" >&2
+seconds[dist-4-ranks]=$((SECONDS - start))
 echo "== benchmarks.sh: mesh" >&2
 start=$SECONDS
 (cd "$work" && "$launcher" -n 4 -- "$bench" --only mesh \
@@ -356,6 +362,13 @@ EOF
   cat <<EOF
 
 ![Distributed timeline](img/dist-trace.svg)
+
+The same section on 4 ranks (\`gpipe-run -n 4\`, ${seconds[dist-4-ranks]} s;
+four processes on this machine's cores):
+
+EOF
+  table dist-4-ranks
+  cat <<EOF
 
 ## Replicas of a pipeline (\`gpipe-run -n 4 -- gpipe-bench --only mesh\`, ${seconds[mesh]} s)
 

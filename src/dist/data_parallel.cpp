@@ -105,6 +105,7 @@ GradientBuckets::GradientBuckets(
   for (const auto& p : parameters) {
     if (p.requires_grad()) {
       trainable_.push_back(p);
+      slot_options_.emplace_back(p.scalar_type(), p.device());
       bytes_ += static_cast<int64_t>(p.numel() * p.element_size());
     }
   }
@@ -154,7 +155,10 @@ bool GradientBuckets::holds(
   size_t k = 0;
   for (const auto& p : parameters) {
     if (p.requires_grad()) {
-      if (k == trainable_.size() || !trainable_[k].is_same(p)) {
+      // The same parameter, still of the dtype and on the device its slot
+      // was made for (to(dtype) casts a parameter in place).
+      if (k == trainable_.size() || !trainable_[k].is_same(p) ||
+          slot_options_[k] != std::make_pair(p.scalar_type(), p.device())) {
         return false;
       }
       ++k;

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace c10d {
@@ -101,6 +102,8 @@ class GradientBuckets {
   void start_bucket(Bucket& bucket);
 
   std::vector<torch::Tensor> trainable_;
+  // Each trainable parameter's dtype and device when the buckets were made.
+  std::vector<std::pair<c10::ScalarType, c10::Device>> slot_options_;
   World data_;
   std::vector<Bucket> buckets_;
   std::vector<Hooked> hooks_;

@@ -306,6 +306,64 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
   }
 }
 
+// Two replicas of a one-stage pipeline, cast to float between steps: the
+// buckets follow the parameters' new dtype.
+TEST(MeshTest, CastingBetweenStepsIsFollowed) {
+  const auto options = GPipeOptions({7}).chunks(2).threads_per_lane(1);
+  torch::manual_seed(3);
+  const auto x = torch::randn({8, 6}, torch::kDouble);
+  const auto y = torch::randint(0, 3, {8}, torch::kLong);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  GPipe ref(build(0), options);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  std::vector<torch::Tensor> ref_losses;
+  for (int step = 0; step < 3; ++step) {
+    if (step == 1) {
+      ref->to(torch::kFloat);
+    }
+    const auto dtype = step == 0 ? torch::kDouble : torch::kFloat;
+    ref_losses.push_back(
+        ref->train_step(x.to(dtype), y, loss_fn, Schedule::FillDrain));
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+  std::vector<torch::nn::Sequential> nets{build(0), build(0)};
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  run_ranks(2, [&](World world) {
+    Mesh mesh(world, 1);
+    dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    torch::optim::SGD opt(stage->parameters(), 0.1);
+    const auto d = mesh.data_rank();
+    for (int step = 0; step < 3; ++step) {
+      if (step == 1) {
+        stage->to(torch::kFloat);
+      }
+      const auto dtype = step == 0 ? torch::kDouble : torch::kFloat;
+      auto loss = stage->train_step(
+          x.narrow(0, 4 * d, 4).to(dtype),
+          y.narrow(0, 4 * d, 4),
+          loss_fn,
+          Schedule::FillDrain);
+      opt.step();
+      opt.zero_grad();
+      if (!torch::allclose(
+              loss.to(torch::kDouble),
+              ref_losses[step].to(torch::kDouble),
+              1e-5,
+              1e-6)) {
+        std::lock_guard<std::mutex> lock(mutex);
+        failures.push_back("step " + std::to_string(step) + ": loss differs");
+      }
+    }
+  });
+  for (const auto& f : failures) {
+    ADD_FAILURE() << f;
+  }
+}
+
 // A step that fails in one replica (its loss throws) fails on every rank
 // of every replica with that message, at once, rather than leaving the
 // other replica waiting in its gradient all-reduce until the timeout.
