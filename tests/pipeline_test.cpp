@@ -178,3 +178,25 @@ TEST_F(PipelineTest, CpuLanesUseTheirThreadCount) {
 }
 
 }  // namespace
+
+namespace {
+
+// A process builds stages only for its own partitions (gpipe::dist gives
+// each rank some): the others have no Stage, so nothing of theirs is
+// walked each pass.
+TEST_F(PipelineTest, OnlyLocalPartitionsGetStages) {
+  std::vector<torch::nn::Sequential> parts{
+      torch::nn::Sequential(torch::nn::Linear(3, 3)),
+      torch::nn::Sequential(torch::nn::Linear(3, 3))};
+  gpipe::detail::Pipeline pipeline(
+      parts, {torch::kCPU, torch::kCPU}, 1, {true, false}, 1);
+  EXPECT_TRUE(pipeline.is_local(0));
+  EXPECT_FALSE(pipeline.is_local(1));
+  EXPECT_EQ(pipeline.stage(0).index(), 0);
+  EXPECT_THROW(pipeline.stage(1), c10::Error);
+  // A pass starts with only the local stage refreshed.
+  auto pass = pipeline.start_pass(1, {}, gpipe::detail::PassOptions{});
+  EXPECT_TRUE(pass->grad);
+}
+
+}  // namespace

@@ -36,9 +36,16 @@ Pipeline::Pipeline(
   TORCH_INTERNAL_ASSERT(
       stages_per_lane >= 1 && n % static_cast<size_t>(stages_per_lane) == 0);
   local_ = local.empty() ? std::vector<bool>(n, true) : local;
+  // Only this process's partitions become Stages: the others run in other
+  // processes (gpipe::dist), and are known here by their skips' routes.
   for (const auto j : c10::irange(n)) {
-    stages_.push_back(std::make_unique<Stage>(
-        static_cast<int64_t>(j), partitions[j], devices_[j], skip_layout_));
+    stages_.push_back(
+        local_[j] ? std::make_unique<Stage>(
+                        static_cast<int64_t>(j),
+                        partitions[j],
+                        devices_[j],
+                        skip_layout_)
+                  : nullptr);
   }
   const auto lanes = n / static_cast<size_t>(stages_per_lane);
   for (const auto l : c10::irange(lanes)) {
@@ -155,8 +162,10 @@ std::shared_ptr<Pass> Pipeline::start_pass(
     any_requires_grad = any_requires_grad || x.requires_grad();
   }
   for (auto& stage : stages_) {
-    stage->refresh();
-    any_requires_grad = any_requires_grad || stage->trainable();
+    if (stage) {
+      stage->refresh();
+      any_requires_grad = any_requires_grad || stage->trainable();
+    }
   }
   pass->grad = torch::GradMode::is_enabled() && any_requires_grad;
   return pass;
@@ -164,8 +173,8 @@ std::shared_ptr<Pass> Pipeline::start_pass(
 
 void Pipeline::commit_batch_norms(bool ok) {
   for (auto& stage : stages_) {
-    if (!is_local(stage->index())) {
-      continue;
+    if (!stage) {
+      continue;  // another process's
     }
     if (ok) {
       stage->commit_batch_norms();

@@ -120,7 +120,10 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   int64_t size() const {
     return static_cast<int64_t>(stages_.size());
   }
+  /// Partition j's stage; only a local partition has one.
   Stage& stage(int64_t j) {
+    TORCH_INTERNAL_ASSERT(
+        stages_[j], "partition ", j, " runs in another process");
     return *stages_[j];
   }
   /// Lane `l`; only for a lane of a local partition.
