@@ -21,9 +21,13 @@ namespace gpipe::dist {
 namespace {
 
 // A World of this rank alone: no group and no peers, so nothing to make.
-World solo(const detail::Connection& parent) {
+// Its keys (stage agreements, failure notices) live under a prefix of its
+// own, apart from the parent's and from other ranks' solo Worlds.
+World solo(detail::Connection& parent, int64_t id) {
   return World(std::make_shared<detail::Connection>(
-      parent.store,
+      c10::make_intrusive<c10d::PrefixStore>(
+          "split" + std::to_string(id) + "/solo" + std::to_string(parent.rank),
+          parent.store),
       c10::intrusive_ptr<c10d::ProcessGroup>(),
       0,
       1,
@@ -44,7 +48,7 @@ World World::split(int64_t color, int64_t key) const {
       color);
   const auto id = parent.next_split_id();
   if (parent.size == 1) {
-    return solo(parent);
+    return solo(parent, id);
   }
   // Every rank's (color, key), gathered through the parent's group.
   auto mine = torch::tensor({color, key}, torch::kLong);
@@ -71,7 +75,7 @@ World World::split(int64_t color, int64_t key) const {
   }
   const auto size = static_cast<int64_t>(members.size());
   if (size == 1) {
-    return solo(parent);
+    return solo(parent, id);
   }
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       "split" + std::to_string(id) + "/" + std::to_string(color), parent.store);
@@ -102,13 +106,14 @@ Mesh::Mesh(World world, int64_t pipeline_size)
   // A replica's stages are neighbours: rank = data_rank * P + pipeline_rank.
   // A World of one rank needs no collective (solo), and one of them all is
   // `world` itself.
+  auto& connection = *world_.connection();
   if (pipeline_size == 1) {
-    pipeline_ = solo(*world_.connection());
+    pipeline_ = solo(connection, connection.next_split_id());
   } else if (pipeline_size < size) {
     pipeline_ = world_.split(rank / pipeline_size, rank % pipeline_size);
   }
   if (pipeline_size == size) {
-    data_ = solo(*world_.connection());
+    data_ = solo(connection, connection.next_split_id());
   } else if (pipeline_size > 1) {
     data_ = world_.split(rank % pipeline_size, rank / pipeline_size);
   }

@@ -367,8 +367,13 @@ TEST(MeshTest, CastingBetweenStepsIsFollowed) {
 // A step that fails in one replica (its loss throws) fails on every rank
 // of every replica with that message, at once, rather than leaving the
 // other replica waiting in its gradient all-reduce until the timeout.
-TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
-  const auto options = GPipeOptions({3, 4}).chunks(2).threads_per_lane(1);
+void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
+  SCOPED_TRACE("pipeline size " + std::to_string(p));
+  const auto options =
+      GPipeOptions(
+          p == 2 ? std::vector<int64_t>{3, 4} : std::vector<int64_t>{7})
+          .chunks(2)
+          .threads_per_lane(1);
   torch::manual_seed(3);
   const auto x = torch::randn({8, 6}, torch::kDouble);
   const auto y = torch::randint(0, 3, {8}, torch::kLong);
@@ -380,14 +385,17 @@ TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
   std::vector<std::string> errors(4);
   const auto start = std::chrono::steady_clock::now();
   run_ranks(4, [&](World world) {
-    Mesh mesh(world, 2);
+    Mesh mesh(world, p);
     dist::PipelineStage stage(nets[world.rank()], options, mesh);
     const auto d = mesh.data_rank();
+    const auto rows = 8 / mesh.data_size();
     for (int step = 0; step < 3; ++step) {
       try {
         stage->train_step(
-            mesh.pipeline_rank() == 0 ? x.narrow(0, 4 * d, 4) : torch::Tensor(),
-            mesh.pipeline_rank() == 1 ? y.narrow(0, 4 * d, 4) : torch::Tensor(),
+            mesh.pipeline_rank() == 0 ? x.narrow(0, rows * d, rows)
+                                      : torch::Tensor(),
+            mesh.pipeline_rank() == p - 1 ? y.narrow(0, rows * d, rows)
+                                          : torch::Tensor(),
             [&](torch::Tensor out, torch::Tensor target) {
               if (step == 1 && d == 0) {
                 throw std::runtime_error("the loss broke on purpose");
@@ -410,6 +418,11 @@ TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
         << "rank " << r << ": " << errors[r];
   }
   EXPECT_LT(seconds, 10.0);  // the timeout is 30 s
+}
+
+TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
+  expect_a_failure_in_one_replica_to_fail_every_rank(2);  // 2 x 2
+  expect_a_failure_in_one_replica_to_fail_every_rank(1);  // 4 x 1
 }
 
 // The gradient all-reduce of a stage starts as soon as its gradients are
