@@ -81,9 +81,9 @@ class World {
   /// `color`, ranked by `key` (ties by rank here), as c10d::new_group and
   /// MLX's group split. Every rank of this World calls it, in the same order
   /// as its other splits; each new World has a c10d group, a store prefix
-  /// and a failure channel of its own. local_rank() and local_size() are
-  /// this World's (they describe the host). A negative color is a
-  /// c10::ValueError.
+  /// and a failure channel of its own. local_rank() and local_size() stay
+  /// this World's (they describe the host, not the group). A negative color
+  /// is a c10::ValueError.
   World split(int64_t color, int64_t key) const;
 
   /// Collectives of one's own between passes, over this World's group; each
@@ -269,8 +269,10 @@ class PipelineStageImpl : public torch::nn::Module {
     return mesh_;
   }
   /// The size of the gradient buckets all-reduced over the replicas (about
-  /// 25 MiB by default, as DDP's; see Note [Gradient buckets]). Set it on
-  /// every rank alike, between steps.
+  /// 25 MiB by default, as DDP's; Note [Gradient buckets] in
+  /// src/dist/data_parallel.h). Smaller buckets start during the last
+  /// backward sooner and hide more of the all-reduce. Set it on every rank
+  /// alike, between steps.
   void set_gradient_bucket_bytes(int64_t bytes);
   int64_t gradient_bucket_bytes() const;
   int64_t rank() const {
@@ -315,9 +317,11 @@ class PipelineStageImpl : public torch::nn::Module {
 /// A `ModuleHolder` for `PipelineStageImpl`.
 TORCH_MODULE(PipelineStage);
 
-/// Collective: every rank sends its trace to rank 0, which gets one trace
-/// with a lane per rank (rank r's cells on lane r, its waits for other
-/// ranks beside them). Other ranks get nullptr. Call between passes.
+/// Collective over the stage's pipeline World: every rank sends its trace
+/// to pipeline rank 0, which gets one trace with a lane per rank (rank r's
+/// cells on lane r, its waits and all-reduces beside them); with a Mesh,
+/// each replica's first stage gets its replica's. Other ranks get nullptr.
+/// Call between passes.
 std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 
 }  // namespace gpipe::dist
