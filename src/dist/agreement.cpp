@@ -1,7 +1,10 @@
 #include "dist/agreement.h"
 
 #include <c10/util/irange.h>
+#include <gpipe/gpipe.h>
 #include <gpipe/schedule.h>
+#include <gpipe/skip.h>
+#include <gpipe/verify.h>
 
 #include <algorithm>
 #include <cstring>
@@ -9,6 +12,8 @@
 #include <map>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "text.h"
 
 namespace gpipe::dist::detail {
 
@@ -38,6 +43,53 @@ std::vector<std::pair<std::string, std::string>> split_fields(
 }
 
 }  // namespace
+
+void verify_stage_options(
+    const torch::nn::Sequential& module,
+    const GPipeOptions& options,
+    int64_t ranks) {
+  const auto n = static_cast<int64_t>(options.balance().size());
+  verify_module(module);
+  for (const auto& named : module->named_modules("", /*include_self=*/false)) {
+    TORCH_CHECK_VALUE(
+        named.value()->as<gpipe::GPipeImpl>() == nullptr,
+        "gpipe::dist::PipelineStage cannot hold a gpipe::GPipe (layer '",
+        named.key(),
+        "' is one): pass the inner model's Sequential instead");
+  }
+  verify_skippables(module);
+  verify_chunks(options.chunks());
+  verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+  const auto v = options.stages_per_lane();
+  TORCH_CHECK_VALUE(v >= 1, "stages_per_lane must be positive, but got ", v);
+  TORCH_CHECK_VALUE(
+      n == ranks * v,
+      "gpipe::dist::PipelineStage puts partition j on rank j % world size, "
+      "so balance must have world size x stages_per_lane = ",
+      ranks,
+      " x ",
+      v,
+      " = ",
+      gpipe::detail::count_of(ranks * v, "partition", "partitions"),
+      ", but it has ",
+      n);
+  TORCH_CHECK_VALUE(
+      options.chunks() <= kMaxMicroBatches,
+      "gpipe::dist::PipelineStage supports at most ",
+      kMaxMicroBatches,
+      " chunks, but got ",
+      options.chunks());
+  TORCH_CHECK_VALUE(
+      n <= kMaxIndex,
+      "gpipe::dist::PipelineStage supports at most ",
+      kMaxIndex,
+      " ranks, but got ",
+      n);
+  TORCH_CHECK_VALUE(
+      options.threads_per_lane() >= 0,
+      "threads_per_lane must be 0 (automatic) or positive, but got ",
+      options.threads_per_lane());
+}
 
 std::vector<SkipPlace> skips_by_place(const torch::nn::Sequential& module) {
   std::map<gpipe::SkipKey, SkipPlace> places;

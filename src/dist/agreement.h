@@ -99,6 +99,14 @@ struct SkipPlace {
   }
 };
 
+/// What a PipelineStage checks of its model and options before anything
+/// is built (the checks GPipe makes, and those of a pipeline over `ranks`
+/// ranks); a c10::Error naming what is wrong.
+void verify_stage_options(
+    const torch::nn::Sequential& module,
+    const GPipeOptions& options,
+    int64_t ranks);
+
 /// Every skip of `module` (verified), ordered by place.
 std::vector<SkipPlace> skips_by_place(const torch::nn::Sequential& module);
 

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "dist/connection.h"
+#include "dist/stage_engine.h"
 
 namespace gpipe::dist::detail {
 
@@ -291,3 +292,83 @@ void broadcast_from_first_replica(
 }
 
 }  // namespace gpipe::dist::detail
+
+namespace gpipe::dist {
+
+// PipelineStage's side of the replicas: its buckets, kept between steps,
+// and what a step adds to the pipeline's own pass (run_pipeline_step in
+// pipeline_stage.cpp).
+
+void PipelineStageImpl::set_gradient_bucket_bytes(int64_t bytes) {
+  TORCH_CHECK_VALUE(
+      bytes > 0,
+      "set_gradient_bucket_bytes expects a positive number of bytes, but got ",
+      bytes);
+  engine_->bucket_bytes = bytes;
+}
+
+int64_t PipelineStageImpl::gradient_bucket_bytes() const {
+  return engine_->bucket_bytes;
+}
+
+torch::Tensor PipelineStageImpl::run_train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    Schedule schedule,
+    const Plan* plan) {
+  const auto& data = mesh_.data();
+  if (data.size() > 1) {
+    // Kept between steps unless what trains changed (a layer frozen or
+    // thawed) or the bucket size did.
+    auto& buckets = engine_->buckets;
+    bool same = buckets.size() == partitions_.size() &&
+                engine_->bucket_bytes == engine_->buckets_made_with;
+    for (size_t k = 0; same && k < partitions_.size(); ++k) {
+      same = buckets[k]->holds(partitions_[k]->parameters());
+    }
+    if (!same) {
+      buckets.clear();
+      for (const auto& part : partitions_) {
+        buckets.push_back(std::make_unique<detail::GradientBuckets>(
+            data, part->parameters(), engine_->bucket_bytes));
+      }
+      engine_->buckets_made_with = engine_->bucket_bytes;
+    }
+  }
+  torch::Tensor loss;
+  try {
+    loss = run_pipeline_step(
+        std::move(input), std::move(target), loss_fn, schedule, plan);
+  } catch (...) {
+    // A pass that failed this replica's pipeline fails the other replicas
+    // too (their gradient all-reduce would wait for this one); a refusal
+    // that every replica makes alike leaves the stage usable.
+    if (const auto failure = engine_->connection->failure()) {
+      if (data.size() > 1) {
+        data.connection()->fail(*failure);
+      }
+    }
+    throw;
+  }
+  if (data.size() > 1) {
+    // Each stage's buckets started on its lane as soon as its gradients
+    // were final (Note [Gradient buckets]); a plan without a backward of a
+    // stage leaves its buckets to start here.
+    for (auto& buckets : engine_->buckets) {
+      if (!buckets->started()) {
+        buckets->start();
+      }
+    }
+    const auto trace = engine_->current_trace();
+    for (auto& buckets : engine_->buckets) {
+      buckets->finish(trace.get(), world_.rank());
+    }
+    auto sum = loss.clone();
+    data.all_reduce(sum);
+    loss = sum / static_cast<double>(data.size());
+  }
+  return loss;
+}
+
+}  // namespace gpipe::dist

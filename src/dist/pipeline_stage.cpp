@@ -68,47 +68,7 @@ PipelineStageImpl::PipelineStageImpl(
       "stage" + std::to_string(replicas->next_stage_id()) + "/";
   const auto n = static_cast<int64_t>(options.balance().size());
   try {
-    verify_module(module);
-    for (const auto& named :
-         module->named_modules("", /*include_self=*/false)) {
-      TORCH_CHECK_VALUE(
-          named.value()->as<gpipe::GPipeImpl>() == nullptr,
-          "gpipe::dist::PipelineStage cannot hold a gpipe::GPipe (layer '",
-          named.key(),
-          "' is one): pass the inner model's Sequential instead");
-    }
-    verify_skippables(module);
-    verify_chunks(options.chunks());
-    verify_balance(options.balance(), static_cast<int64_t>(module->size()));
-    const auto v = options.stages_per_lane();
-    TORCH_CHECK_VALUE(v >= 1, "stages_per_lane must be positive, but got ", v);
-    TORCH_CHECK_VALUE(
-        n == size * v,
-        "gpipe::dist::PipelineStage puts partition j on rank j % world size, "
-        "so balance must have world size x stages_per_lane = ",
-        size,
-        " x ",
-        v,
-        " = ",
-        gpipe::detail::count_of(size * v, "partition", "partitions"),
-        ", but it has ",
-        n);
-    TORCH_CHECK_VALUE(
-        options.chunks() <= detail::kMaxMicroBatches,
-        "gpipe::dist::PipelineStage supports at most ",
-        detail::kMaxMicroBatches,
-        " chunks, but got ",
-        options.chunks());
-    TORCH_CHECK_VALUE(
-        n <= detail::kMaxIndex,
-        "gpipe::dist::PipelineStage supports at most ",
-        detail::kMaxIndex,
-        " ranks, but got ",
-        n);
-    TORCH_CHECK_VALUE(
-        options.threads_per_lane() >= 0,
-        "threads_per_lane must be 0 (automatic) or positive, but got ",
-        options.threads_per_lane());
+    detail::verify_stage_options(module, options, size);
     if (!options.devices().empty()) {
       verify_devices(options.devices(), size);  // one per rank
       device_ = gpipe::detail::normalize_device(options.devices()[rank]);
@@ -232,78 +192,6 @@ torch::Tensor PipelineStageImpl::train_step(
     const Plan& plan) {
   return run_train_step(
       std::move(input), std::move(target), loss_fn, Schedule::FillDrain, &plan);
-}
-
-void PipelineStageImpl::set_gradient_bucket_bytes(int64_t bytes) {
-  TORCH_CHECK_VALUE(
-      bytes > 0,
-      "set_gradient_bucket_bytes expects a positive number of bytes, but got ",
-      bytes);
-  engine_->bucket_bytes = bytes;
-}
-
-int64_t PipelineStageImpl::gradient_bucket_bytes() const {
-  return engine_->bucket_bytes;
-}
-
-torch::Tensor PipelineStageImpl::run_train_step(
-    torch::Tensor input,
-    torch::Tensor target,
-    const LossFunction& loss_fn,
-    Schedule schedule,
-    const Plan* plan) {
-  const auto& data = mesh_.data();
-  if (data.size() > 1) {
-    // Kept between steps unless what trains changed (a layer frozen or
-    // thawed) or the bucket size did.
-    auto& buckets = engine_->buckets;
-    bool same = buckets.size() == partitions_.size() &&
-                engine_->bucket_bytes == engine_->buckets_made_with;
-    for (size_t k = 0; same && k < partitions_.size(); ++k) {
-      same = buckets[k]->holds(partitions_[k]->parameters());
-    }
-    if (!same) {
-      buckets.clear();
-      for (const auto& part : partitions_) {
-        buckets.push_back(std::make_unique<detail::GradientBuckets>(
-            data, part->parameters(), engine_->bucket_bytes));
-      }
-      engine_->buckets_made_with = engine_->bucket_bytes;
-    }
-  }
-  torch::Tensor loss;
-  try {
-    loss = run_pipeline_step(
-        std::move(input), std::move(target), loss_fn, schedule, plan);
-  } catch (...) {
-    // A pass that failed this replica's pipeline fails the other replicas
-    // too (their gradient all-reduce would wait for this one); a refusal
-    // that every replica makes alike leaves the stage usable.
-    if (const auto failure = engine_->connection->failure()) {
-      if (data.size() > 1) {
-        data.connection()->fail(*failure);
-      }
-    }
-    throw;
-  }
-  if (data.size() > 1) {
-    // Each stage's buckets started on its lane as soon as its gradients
-    // were final (Note [Gradient buckets]); a plan without a backward of a
-    // stage leaves its buckets to start here.
-    for (auto& buckets : engine_->buckets) {
-      if (!buckets->started()) {
-        buckets->start();
-      }
-    }
-    const auto trace = engine_->current_trace();
-    for (auto& buckets : engine_->buckets) {
-      buckets->finish(trace.get(), world_.rank());
-    }
-    auto sum = loss.clone();
-    data.all_reduce(sum);
-    loss = sum / static_cast<double>(data.size());
-  }
-  return loss;
 }
 
 torch::Tensor PipelineStageImpl::run_pipeline_step(
