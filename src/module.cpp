@@ -46,28 +46,7 @@ Checkpoint checkpoint_from_string(const std::string& name) {
       "'");
 }
 
-namespace {
-
-detail::PassOptions pass_options(bool training, const GPipeOptions& options) {
-  detail::PassOptions pass;
-  pass.training = training;
-  if (pass.training) {
-    switch (options.checkpoint()) {
-      case Checkpoint::Always:
-        pass.checkpoint_stop = options.chunks();
-        break;
-      case Checkpoint::ExceptLast:
-        pass.checkpoint_stop = options.chunks() - 1;
-        break;
-      case Checkpoint::Never:
-        pass.checkpoint_stop = 0;
-        break;
-    }
-  }
-  return pass;
-}
-
-}  // namespace
+using detail::pass_options;
 
 struct GPipeImpl::Engine : detail::Pipeline {
   using Pipeline::Pipeline;
@@ -75,41 +54,16 @@ struct GPipeImpl::Engine : detail::Pipeline {
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     : options(std::move(options_)) {
-  verify_module(module);
-  // A GPipe among the layers would run its own pipeline from inside a cell
-  // of this one; see Note [Random streams of concurrent cells].
-  for (const auto& named : module->named_modules("", /*include_self=*/false)) {
-    TORCH_CHECK_VALUE(
-        named.value()->as<GPipeImpl>() == nullptr,
-        "gpipe::GPipe cannot hold another gpipe::GPipe (layer '",
-        named.key(),
-        "' is one): nested pipelines are not supported; pass the inner "
-        "model's Sequential instead, its layers become partitions of this "
-        "pipeline");
-  }
-  verify_skippables(module);
-  verify_chunks(options.chunks());
-  verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+  detail::verify_options(module, options, "gpipe::GPipe");
   if (options.deferred_batch_norm()) {
     module = convert_deferred_batch_norm(module, options.chunks());
   }
   const auto n = static_cast<int64_t>(options.balance().size());
   const auto v = options.stages_per_lane();
-  TORCH_CHECK_VALUE(
-      v >= 1 && n % v == 0,
-      "stages_per_lane must be positive and divide the number of partitions "
-      "(balance has ",
-      n,
-      "), but got ",
-      v);
   const auto lanes = n / v;
   auto devices = options.devices().empty() ? detail::default_devices(lanes)
                                            : options.devices();
   verify_devices(devices, lanes);
-  TORCH_CHECK_VALUE(
-      options.threads_per_lane() >= 0,
-      "threads_per_lane must be 0 (automatic) or positive, but got ",
-      options.threads_per_lane());
   devices.erase(devices.begin() + lanes, devices.end());
   for (auto& d : devices) {
     d = detail::normalize_device(d);

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "engine/partitions.h"
 #include "text.h"
 
 namespace gpipe::dist::detail {
@@ -49,19 +50,8 @@ void verify_stage_options(
     const GPipeOptions& options,
     int64_t ranks) {
   const auto n = static_cast<int64_t>(options.balance().size());
-  verify_module(module);
-  for (const auto& named : module->named_modules("", /*include_self=*/false)) {
-    TORCH_CHECK_VALUE(
-        named.value()->as<gpipe::GPipeImpl>() == nullptr,
-        "gpipe::dist::PipelineStage cannot hold a gpipe::GPipe (layer '",
-        named.key(),
-        "' is one): pass the inner model's Sequential instead");
-  }
-  verify_skippables(module);
-  verify_chunks(options.chunks());
-  verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+  gpipe::detail::verify_options(module, options, "gpipe::dist::PipelineStage");
   const auto v = options.stages_per_lane();
-  TORCH_CHECK_VALUE(v >= 1, "stages_per_lane must be positive, but got ", v);
   TORCH_CHECK_VALUE(
       n == ranks * v,
       "gpipe::dist::PipelineStage puts partition j on rank j % world size, "
@@ -85,10 +75,6 @@ void verify_stage_options(
       kMaxIndex,
       " ranks, but got ",
       n);
-  TORCH_CHECK_VALUE(
-      options.threads_per_lane() >= 0,
-      "threads_per_lane must be 0 (automatic) or positive, but got ",
-      options.threads_per_lane());
 }
 
 std::vector<SkipPlace> skips_by_place(const torch::nn::Sequential& module) {

@@ -11,21 +11,6 @@
 
 namespace gpipe::dist::detail {
 
-int64_t checkpoint_stop(const GPipeOptions& options, bool training) {
-  if (!training) {
-    return 0;
-  }
-  switch (options.checkpoint()) {
-    case Checkpoint::Always:
-      return options.chunks();
-    case Checkpoint::ExceptLast:
-      return options.chunks() - 1;
-    case Checkpoint::Never:
-      return 0;
-  }
-  return 0;
-}
-
 torch::Tensor collective_pass(
     Connection& connection,
     gpipe::detail::Pipeline& pipeline,

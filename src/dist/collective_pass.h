@@ -24,10 +24,6 @@ namespace gpipe::dist::detail {
 
 using Sends = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
-/// The first micro-batch that is not checkpointed in a pass of `options`
-/// (none in eval mode).
-int64_t checkpoint_stop(const GPipeOptions& options, bool training);
-
 /// An error that every rank meets at the same point of a pass from the same
 /// facts (a plan they agreed on that does not fit the mini-batch they agreed
 /// on), before any cell ran: each rank throws it and the connection stays

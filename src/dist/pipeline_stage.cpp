@@ -27,6 +27,7 @@
 #include "dist/c10d_transport.h"
 #include "dist/collective_pass.h"
 #include "dist/connection.h"
+#include "dist/rank_endpoints.h"
 #include "dist/stage_engine.h"
 #include "engine/autograd_node.h"
 #include "engine/partitions.h"
@@ -43,7 +44,6 @@ using detail::MessageId;
 using detail::MessageKind;
 using detail::PassKind;
 
-using detail::checkpoint_stop;
 
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential module, GPipeOptions options_, World world)
@@ -174,6 +174,7 @@ PipelineStageImpl::~PipelineStageImpl() = default;
 using detail::AgreedRefusal;
 using detail::collective_pass;
 using detail::scatter_input;
+using detail::RankEndpoints;
 using detail::Sends;
 
 torch::Tensor PipelineStageImpl::train_step(
@@ -200,17 +201,11 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
     const LossFunction& loss_fn,
     Schedule schedule,
     const Plan* plan) {
-  auto& connection = *engine_->connection;
-  auto& pipeline = *engine_->pipeline;
-  const auto rank = world_.rank();
-  const auto n = world_.size();  // ranks; pipeline.size() stages
-  const bool first = rank == 0;
-  const bool last = rank == n - 1;
-  auto next_pass = [this] { return engine_->next_pass(); };
+  const bool first = world_.rank() == 0;
   return collective_pass(
-      connection,
-      pipeline,
-      next_pass,
+      *engine_->connection,
+      *engine_->pipeline,
+      [this] { return engine_->next_pass(); },
       [&](int64_t pass_id,
           Sends& begin_sends,
           std::unique_lock<std::mutex>& held) {
@@ -222,8 +217,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         TORCH_CHECK(
             torch::GradMode::is_enabled(),
             "train_step needs grad mode on, but it is off (torch::NoGradGuard "
-            "or "
-            "InferenceMode)");
+            "or InferenceMode)");
         Begin local;
         local.kind = PassKind::Train;
         local.schedule = static_cast<int64_t>(schedule);
@@ -233,201 +227,81 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
               plan->to_csv() + "/" + std::to_string(plan->micro_batches) + "/" +
               std::to_string(plan->stages));
         }
-        local.training = is_training();
-        local.checkpoint_stop = checkpoint_stop(options, is_training());
-        std::vector<Batch> micro;
-        std::vector<int64_t> sizes;
+        RankEndpoints ends(
+            *engine_->connection,
+            *engine_->pipeline,
+            engine_->current,
+            engine_->buckets,
+            pass_id,
+            begin_sends,
+            local,
+            world_.size());
+        ends.user_plan = plan;
+        ends.stages_per_lane = options.stages_per_lane();
+        ends.target = target;
+        ends.chunks = options.chunks();
+        ends.device = device_;
         if (first) {
-          scatter_input(input, options.chunks(), "train_step", micro, sizes);
-        }
-        gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
-        local.seed = seeds.seed();
-        const auto begin =
-            begin_pass(connection, pass_id, local, sizes, begin_sends);
-        sizes = begin.sizes;
-        const auto m = static_cast<int64_t>(sizes.size());
-        // Every rank has the same plan (begin_pass compared them) and the
-        // same m: a plan that does not fit is refused alike everywhere.
-        Plan made;
-        if (plan == nullptr) {
-          // Receives posted a cell early, so that messages arrive while
-          // the rank computes.
-          made = make_plan(
-                     static_cast<Schedule>(begin.schedule),
-                     m,
-                     n,
-                     options.stages_per_lane())
-                     .with_transfers();
-          plan = &made;
-        } else {
-          try {
-            pipeline.check_training_plan(*plan, m);
-          } catch (...) {
-            throw AgreedRefusal{std::current_exception()};
+          std::vector<Batch> micro;
+          std::vector<int64_t> rows;
+          scatter_input(input, options.chunks(), "train_step", micro, rows);
+          for (auto& b : micro) {
+            ends.inputs.push_back(
+                gpipe::detail::Packet{std::move(b), /*atomic=*/true});
           }
+          ends.originals = {input};
         }
-        int64_t total = 0;
-        for (auto s : sizes) {
-          total += s;
-        }
-
-        std::vector<torch::Tensor> targets;
-        if (last) {
-          TORCH_CHECK_TYPE(
-              target.defined(),
-              "train_step expects the target on the last rank (",
-              rank,
-              "), but got an undefined tensor");
-          TORCH_CHECK_VALUE(
-              target.dim() > 0 && target.size(0) == total,
-              "train_step expects a target with the input's batch size ",
-              total,
-              " (rank 0's) in dimension 0, but got shape ",
-              target.sizes());
-          for (auto& piece : scatter({target.to(device_)}, options.chunks())) {
-            targets.push_back(piece[0]);
-          }
-          TORCH_CHECK_VALUE(
-              static_cast<int64_t>(targets.size()) == m,
-              "train_step: the target splits into ",
-              targets.size(),
-              " micro-batches but the input into ",
-              m);
-        }
-
-        gpipe::detail::PassOptions pass_options;
-        pass_options.training = begin.training;
-        pass_options.checkpoint_stop = begin.checkpoint_stop;
-        engine_->current = pass_id;
-        const Batch originals = first ? Batch{input} : Batch{};
-        auto pass = pipeline.start_pass(m, originals, pass_options);
-        pass->grad = true;
-        if (!engine_->buckets.empty()) {
-          // Partition j is this rank's (j / pipeline size)-th.
-          pass->on_gradients_final = [engine = engine_.get(), n](int64_t j) {
-            engine->buckets.at(j / n)->start();
-          };
-          // Buckets whose gradients are all accumulated during the last
-          // backward start before it ends.
-          pass->before_final_gradients = [engine = engine_.get(),
-                                          n](int64_t j) {
-            engine->buckets.at(j / n)->arm();
-          };
-        }
-        pass->step_seed = begin.seed;
-        auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
-        if (last) {
-          pass->train_with(loss_fn, std::move(targets), sizes);
-        }
-        if (first) {
-          for (const auto i : c10::irange(m)) {
-            transport.send(
-                Phase::Forward,
-                i,
-                0,
-                gpipe::detail::Packet{std::move(micro[i]), true});
-          }
-        }
-        pipeline.run_and_commit(pass, *plan);
-        connection.check();
-
-        torch::Tensor loss;
-        const MessageId loss_id{MessageKind::Loss, 0, 0};
-        if (last) {
-          loss = torch::stack(pass->losses).sum();
-          for (const auto r : c10::irange(n - 1)) {
-            transport.send_message(r, loss_id, Message{{loss}, true});
-          }
-        } else {
-          auto m = transport.recv_message(n - 1, loss_id);
-          TORCH_CHECK(
-              m.tensors.size() == 1, "gpipe::dist: malformed loss message");
-          loss = m.tensors[0].clone();
-        }
-        std::vector<gpipe::detail::Packet> dx;
-        if (first && input.requires_grad()) {
-          for (const auto i : c10::irange(m)) {
-            dx.push_back(transport.recv(Phase::Backward, i, 0));
-          }
-        }
-        transport.finish();
-        connection.wait_sends(begin_sends);
-        held.unlock();
-        if (!dx.empty()) {
-          auto g = gpipe::detail::join_input_grad(
-              dx, 0, sizes, input.sizes().vec(), input.options());
-          if (g.defined()) {
-            torch::autograd::backward({input}, {g});
-          }
-        }
-        return loss;
+        return engine_->pipeline->train(
+            ends,
+            loss_fn,
+            gpipe::detail::pass_options(is_training(), options),
+            held);
       });
 }
 
 torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
-  auto& connection = *engine_->connection;
-  auto& pipeline = *engine_->pipeline;
-  const auto rank = world_.rank();
-  const auto n = world_.size();
-  const bool first = rank == 0;
-  const bool last = rank == n - 1;
+  const bool first = world_.rank() == 0;
   torch::NoGradGuard no_grad;
-  auto next_pass = [this] { return engine_->next_pass(); };
   return collective_pass(
-      connection,
-      pipeline,
-      next_pass,
+      *engine_->connection,
+      *engine_->pipeline,
+      [this] { return engine_->next_pass(); },
       [&](int64_t pass_id, Sends& begin_sends, std::unique_lock<std::mutex>&) {
         Begin local;
         local.kind = PassKind::Forward;
-        local.training = is_training();
-        std::vector<Batch> micro;
-        std::vector<int64_t> sizes;
+        RankEndpoints ends(
+            *engine_->connection,
+            *engine_->pipeline,
+            engine_->current,
+            engine_->buckets,
+            pass_id,
+            begin_sends,
+            local,
+            world_.size());
         if (first) {
-          scatter_input(input, options.chunks(), "forward", micro, sizes);
-        }
-        gpipe::detail::StepSeed seeds({device_}, /*draw=*/true);
-        local.seed = seeds.seed();
-        const auto begin =
-            begin_pass(connection, pass_id, local, sizes, begin_sends);
-        const auto m = static_cast<int64_t>(begin.sizes.size());
-        gpipe::detail::PassOptions pass_options;
-        pass_options.training = begin.training;
-        engine_->current = pass_id;
-        auto pass = pipeline.start_pass(m, {}, pass_options);
-        pass->step_seed = begin.seed;
-        auto& transport = dynamic_cast<C10dTransport&>(pass->transport());
-        if (first) {
-          for (const auto i : c10::irange(m)) {
-            transport.send(
-                Phase::Forward,
-                i,
-                0,
-                gpipe::detail::Packet{std::move(micro[i]), true});
+          std::vector<Batch> micro;
+          std::vector<int64_t> rows;
+          scatter_input(input, options.chunks(), "forward", micro, rows);
+          for (auto& b : micro) {
+            ends.inputs.push_back(
+                gpipe::detail::Packet{std::move(b), /*atomic=*/true});
           }
         }
-        pipeline.run_and_commit(
-            pass,
-            pipeline.on_lanes(forward_plan(m, pipeline.size()))
-                .with_transfers());
-        connection.check();
-        torch::Tensor output;
-        if (last) {
-          std::vector<Batch> outputs;
-          for (const auto i : c10::irange(m)) {
-            auto packet = transport.recv(Phase::Forward, i, pipeline.size());
-            TORCH_CHECK_TYPE(
-                packet.atomic && packet.tensors.size() == 1,
-                "the last layer returned ",
-                packet.tensors.size(),
-                " tensors; gpipe::dist::PipelineStage::forward returns one");
-            outputs.push_back(std::move(packet.tensors));
-          }
-          output = gather(outputs)[0];
+        auto done = engine_->pipeline->forward(
+            ends, gpipe::detail::PassOptions{is_training(), 0});
+        if (done.outputs.empty()) {
+          return torch::Tensor();  // not the last rank
         }
-        transport.finish();
-        connection.wait_sends(begin_sends);
-        return output;
+        std::vector<Batch> outputs;
+        for (auto& packet : done.outputs) {
+          TORCH_CHECK_TYPE(
+              packet.atomic && packet.tensors.size() == 1,
+              "the last layer returned ",
+              packet.tensors.size(),
+              " tensors; gpipe::dist::PipelineStage::forward returns one");
+          outputs.push_back(std::move(packet.tensors));
+        }
+        return gather(outputs)[0];
       });
 }
 

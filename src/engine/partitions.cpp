@@ -2,8 +2,47 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <gpipe/module.h>
+#include <gpipe/options.h>
+#include <gpipe/skip.h>
+#include <gpipe/verify.h>
 
 namespace gpipe::detail {
+
+void verify_options(
+    const torch::nn::Sequential& module,
+    const GPipeOptions& options,
+    const char* who) {
+  verify_module(module);
+  // A GPipe among the layers would run its own pipeline from inside a cell
+  // of this one; see Note [Random streams of concurrent cells].
+  for (const auto& named : module->named_modules("", /*include_self=*/false)) {
+    TORCH_CHECK_VALUE(
+        named.value()->as<GPipeImpl>() == nullptr,
+        who,
+        " cannot hold a gpipe::GPipe (layer '",
+        named.key(),
+        "' is one): nested pipelines are not supported; pass the inner "
+        "model's Sequential instead, its layers become partitions of this "
+        "pipeline");
+  }
+  verify_skippables(module);
+  verify_chunks(options.chunks());
+  verify_balance(options.balance(), static_cast<int64_t>(module->size()));
+  const auto n = static_cast<int64_t>(options.balance().size());
+  const auto v = options.stages_per_lane();
+  TORCH_CHECK_VALUE(
+      v >= 1 && n % v == 0,
+      "stages_per_lane must be positive and divide the number of partitions "
+      "(balance has ",
+      n,
+      "), but got ",
+      v);
+  TORCH_CHECK_VALUE(
+      options.threads_per_lane() >= 0,
+      "threads_per_lane must be 0 (automatic) or positive, but got ",
+      options.threads_per_lane());
+}
 
 std::vector<torch::nn::Sequential> split_partitions(
     const torch::nn::Sequential& module, const std::vector<int64_t>& balance) {

@@ -1,15 +1,29 @@
 #pragma once
 
 // Cutting a Sequential into its partitions: GPipe and each rank's
-// PipelineStage split the same way, so that layer names and parameter
-// names agree across them.
+// PipelineStage check their model and options alike and split the same
+// way, so that layer names and parameter names agree across them.
 
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cstdint>
 #include <vector>
 
+namespace gpipe {
+struct GPipeOptions;
+}  // namespace gpipe
+
 namespace gpipe::detail {
+
+/// What GPipe and PipelineStage (`who` names it in the errors) check of
+/// their model and options before anything is built: a module without
+/// repeats or a nested GPipe, skips that pair up, chunks, a balance that
+/// covers the layers, stages_per_lane dividing the partitions, and
+/// threads_per_lane. A c10::Error names what is wrong.
+void verify_options(
+    const torch::nn::Sequential& module,
+    const GPipeOptions& options,
+    const char* who);
 
 /// `module`'s layers in consecutive Sequentials of `balance[j]` layers
 /// each; every layer keeps its name and is shared, not copied. `balance`

@@ -203,29 +203,64 @@ Packet Pipeline::forward(
     const Batch& original_inputs,
     const PassOptions& options) {
   auto held = begin_pass();
-  const auto m = static_cast<int64_t>(inputs.size());
-  const auto n = size();
-  auto pass = start_pass(m, original_inputs, options);
-  std::vector<int64_t> rows;
-  {
-    StepSeed seeds(devices_, /*draw=*/true);
-    pass->step_seed = seeds.seed();
-    for (const auto i : c10::irange(m)) {
-      rows.push_back(inputs[i].tensors.at(0).size(0));
-      pass->transport().send(Phase::Forward, i, 0, std::move(inputs[i]));
-    }
-    run_and_commit(pass, on_lanes(forward_plan(m, n)));
-  }
-  std::vector<Packet> outputs;
-  for (const auto i : c10::irange(m)) {
-    outputs.push_back(pass->transport().recv(Phase::Forward, i, n));
-  }
+  LocalEndpoints ends;
+  ends.inputs = std::move(inputs);
+  ends.originals = original_inputs;
+  auto done = forward(ends, options);
   return connect_outputs(
       shared_from_this(),
-      pass,
-      std::move(outputs),
+      done.pass,
+      std::move(done.outputs),
       original_inputs,
-      std::move(rows));
+      std::move(done.rows));
+}
+
+namespace {
+
+// The pass's start as this process sees it: the rows of the micro-batches
+// it feeds in and a seed drawn from its generators (`seeds`).
+PassStart start_here(
+    const Endpoints& ends, const PassOptions& options, const StepSeed& seeds) {
+  PassStart start;
+  start.options = options;
+  start.seed = seeds.seed();
+  for (const auto& packet : ends.inputs) {
+    start.rows.push_back(packet.tensors.at(0).size(0));
+  }
+  return start;
+}
+
+}  // namespace
+
+Pipeline::Forward Pipeline::forward(
+    Endpoints& ends, const PassOptions& options) {
+  const auto n = size();
+  Forward done;
+  {
+    StepSeed seeds(devices_, /*draw=*/true);
+    auto start = start_here(ends, options, seeds);
+    ends.begin(start);
+    const auto m = static_cast<int64_t>(start.rows.size());
+    done.pass = start_pass(m, ends.originals, start.options);
+    done.pass->step_seed = start.seed;
+    ends.prepare(*done.pass);
+    if (is_local(0)) {
+      for (const auto i : c10::irange(m)) {
+        done.pass->transport().send(
+            Phase::Forward, i, 0, std::move(ends.inputs.at(i)));
+      }
+    }
+    run_and_commit(done.pass, ends.arrange(on_lanes(forward_plan(m, n))));
+    done.rows = std::move(start.rows);
+  }
+  if (is_local(n - 1)) {
+    for (const auto i : c10::irange(done.rows.size())) {
+      done.outputs.push_back(
+          done.pass->transport().recv(Phase::Forward, i, n));
+    }
+  }
+  ends.end(*done.pass);
+  return done;
 }
 
 void Pipeline::backward(const std::shared_ptr<Pass>& pass) {
@@ -246,46 +281,82 @@ torch::Tensor Pipeline::train(
     const Plan& plan,
     const PassOptions& options) {
   auto held = begin_pass();
-  const auto m = static_cast<int64_t>(inputs.size());
-  // Checking a plan costs more than comparing it with the one checked last.
-  if (plan.micro_batches != m || plan.stages != checked_plan_.stages ||
-      plan.micro_batches != checked_plan_.micro_batches ||
-      plan.lanes != checked_plan_.lanes) {
-    check_training_plan(plan, m);
-    checked_plan_ = plan;
-  }
-  auto pass = start_pass(m, original_inputs, options);
-  TORCH_CHECK(
-      pass->grad,
-      "train_step needs grad mode on and something that requires grad (a "
-      "parameter or the input)");
-  std::vector<int64_t> sizes;
-  for (const auto i : c10::irange(m)) {
-    sizes.push_back(inputs[i].tensors.at(0).size(0));
-  }
-  pass->train_with(loss_fn, std::move(targets), sizes);
+  LocalEndpoints ends;
+  ends.inputs = std::move(inputs);
+  ends.originals = original_inputs;
+  ends.training_plan = &plan;
+  ends.micro_targets = std::move(targets);
+  return train(ends, loss_fn, options, held);
+}
+
+torch::Tensor Endpoints::loss(Pass& pass) {
+  return torch::stack(pass.losses).sum();
+}
+
+torch::Tensor Pipeline::train(
+    Endpoints& ends,
+    const LossFunction& loss_fn,
+    const PassOptions& options,
+    std::unique_lock<std::mutex>& held) {
+  const auto n = size();
+  std::shared_ptr<Pass> pass;
+  std::vector<int64_t> rows;
   {
     StepSeed seeds(devices_, /*draw=*/true);
-    pass->step_seed = seeds.seed();
-    for (const auto i : c10::irange(m)) {
-      pass->transport().send(Phase::Forward, i, 0, std::move(inputs[i]));
+    auto start = start_here(ends, options, seeds);
+    ends.begin(start);
+    const auto m = static_cast<int64_t>(start.rows.size());
+    const auto& plan = ends.plan(start);
+    // Checking a plan costs more than comparing it with the one checked
+    // last.
+    if (plan.micro_batches != m || plan.stages != checked_plan_.stages ||
+        plan.micro_batches != checked_plan_.micro_batches ||
+        plan.lanes != checked_plan_.lanes) {
+      try {
+        check_training_plan(plan, m);
+      } catch (...) {
+        ends.refuse(std::current_exception());
+      }
+      checked_plan_ = plan;
+    }
+    auto targets = ends.targets(start);
+    pass = start_pass(m, ends.originals, start.options);
+    pass->step_seed = start.seed;
+    ends.prepare(*pass);
+    TORCH_CHECK(
+        pass->grad,
+        "train_step needs grad mode on and something that requires grad (a "
+        "parameter or the input)");
+    if (is_local(n - 1)) {
+      pass->train_with(loss_fn, std::move(targets), start.rows);
+    }
+    if (is_local(0)) {
+      for (const auto i : c10::irange(m)) {
+        pass->transport().send(
+            Phase::Forward, i, 0, std::move(ends.inputs.at(i)));
+      }
     }
     run_and_commit(pass, plan);
+    rows = std::move(start.rows);
   }
-  std::vector<Packet> dx(m);
-  for (const auto i : c10::irange(m)) {
-    dx[i] = pass->transport().recv(Phase::Backward, i, 0);
+  auto loss = ends.loss(*pass);
+  std::vector<Packet> dx;
+  if (is_local(0)) {
+    for (const auto i : c10::irange(rows.size())) {
+      dx.push_back(pass->transport().recv(Phase::Backward, i, 0));
+    }
   }
-  auto loss = torch::stack(pass->losses).sum();
+  ends.end(*pass);
   // Gradients of inputs that require grad continue into their graph, which
   // may hold this very pipeline's output: let go of the pipeline first.
   held.unlock();
-  for (const auto k : c10::irange(original_inputs.size())) {
-    const auto& x = original_inputs[k];
+  const auto& originals = ends.originals;
+  for (const auto k : c10::irange(originals.size())) {
+    const auto& x = originals[k];
     if (!x.requires_grad()) {
       continue;
     }
-    auto g = join_input_grad(dx, k, sizes, x.sizes().vec(), x.options());
+    auto g = join_input_grad(dx, k, rows, x.sizes().vec(), x.options());
     if (g.defined()) {
       torch::autograd::backward({x}, {g});
     }

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <vector>
 
+#include "engine/endpoints.h"
 #include "engine/lane.h"
 #include "engine/runner.h"
 #include "engine/stage.h"
@@ -58,9 +59,9 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 
   /// A training step in one pass: every micro-batch's forward, its loss
   /// (`loss_fn(output, target)` times its share of the batch) on the last
-  /// stage, and backward, in the order `schedule` gives. Gradients
-  /// accumulate into `.grad` (and flow into inputs that require grad).
-  /// Returns the batch's loss, detached.
+  /// stage, and backward, in the order `plan` gives. Gradients accumulate
+  /// into `.grad` (and flow into inputs that require grad). Returns the
+  /// batch's loss, detached.
   torch::Tensor train(
       std::vector<Packet> inputs,
       std::vector<torch::Tensor> targets,
@@ -68,6 +69,29 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       const LossFunction& loss_fn,
       const Plan& plan,
       const PassOptions& options);
+
+  /// What a forward pass leaves: the pass (its cells, for a backward), the
+  /// last stage's outputs where it is here, and the rows of each
+  /// micro-batch.
+  struct Forward {
+    std::shared_ptr<Pass> pass;
+    std::vector<Packet> outputs;
+    std::vector<int64_t> rows;
+  };
+  /// The driver of a forward pass, in one process or in several: the
+  /// first stage's process sends `ends.inputs` in, the forward plan runs,
+  /// the last stage's process takes the outputs. Call with the pipeline
+  /// held (`begin_pass`).
+  Forward forward(Endpoints& ends, const PassOptions& options);
+  /// The driver of a training step, in one process or in several: `ends`
+  /// says how the pass begins, its plan and targets, and how its loss is
+  /// shared. `held` (from `begin_pass`) is let go before the input
+  /// gradients go on into their graph.
+  torch::Tensor train(
+      Endpoints& ends,
+      const LossFunction& loss_fn,
+      const PassOptions& options,
+      std::unique_lock<std::mutex>& held);
 
   /// Number of lanes (partitions / stages_per_lane).
   int64_t lanes() const {

@@ -12,6 +12,25 @@
 
 namespace gpipe::detail {
 
+PassOptions pass_options(bool training, const GPipeOptions& options) {
+  PassOptions pass;
+  pass.training = training;
+  if (training) {
+    switch (options.checkpoint()) {
+      case Checkpoint::Always:
+        pass.checkpoint_stop = options.chunks();
+        break;
+      case Checkpoint::ExceptLast:
+        pass.checkpoint_stop = options.chunks() - 1;
+        break;
+      case Checkpoint::Never:
+        pass.checkpoint_stop = 0;
+        break;
+    }
+  }
+  return pass;
+}
+
 namespace {
 
 // Counts lanes that have not finished their row.

@@ -30,6 +30,10 @@ struct PassOptions {
   int64_t checkpoint_stop = 0;
 };
 
+/// How a pass of a model with `options` runs in train() (`training`) or
+/// eval() mode: which micro-batches are checkpointed (none in eval mode).
+PassOptions pass_options(bool training, const GPipeOptions& options);
+
 /// One forward (and its later backward), or one training step: the cells'
 /// saved state and what every cell of the pass shares.
 class Pass {

@@ -1,0 +1,154 @@
+// One rank's ends of a pass: see dist/rank_endpoints.h.
+
+#include "dist/rank_endpoints.h"
+
+#include <c10/util/irange.h>
+#include <gpipe/microbatch.h>
+#include <gpipe/schedule.h>
+
+#include "dist/c10d_transport.h"
+#include "dist/connection.h"
+#include "dist/data_parallel.h"
+#include "engine/pipeline.h"
+
+namespace gpipe::dist::detail {
+
+RankEndpoints::RankEndpoints(
+    Connection& connection,
+    gpipe::detail::Pipeline& pipeline,
+    int64_t& current,
+    std::vector<std::unique_ptr<GradientBuckets>>& buckets,
+    int64_t pass_id,
+    Sends& begin_sends,
+    Begin local,
+    int64_t ranks)
+    : connection_(connection),
+      pipeline_(pipeline),
+      current_(current),
+      buckets_(buckets),
+      pass_id_(pass_id),
+      begin_sends_(begin_sends),
+      local_(std::move(local)),
+      ranks_(ranks) {}
+
+bool RankEndpoints::last_here() const {
+  return pipeline_.is_local(pipeline_.size() - 1);
+}
+
+void RankEndpoints::begin(gpipe::detail::PassStart& start) {
+  local_.seed = start.seed;
+  local_.training = start.options.training;
+  local_.checkpoint_stop = start.options.checkpoint_stop;
+  agreed_ = begin_pass(connection_, pass_id_, local_, start.rows, begin_sends_);
+  start.rows = agreed_.sizes;
+  start.seed = agreed_.seed;
+  start.options.training = agreed_.training;
+  start.options.checkpoint_stop = agreed_.checkpoint_stop;
+  current_ = pass_id_;  // the transport the pass makes is this one's
+}
+
+// Every rank has the same plan (begin_pass compared them) and the same
+// number of micro-batches: a plan that does not fit is refused alike
+// everywhere.
+const Plan& RankEndpoints::plan(const gpipe::detail::PassStart& start) {
+  if (user_plan != nullptr) {
+    return *user_plan;
+  }
+  made_ = arrange(make_plan(
+      static_cast<Schedule>(agreed_.schedule),
+      static_cast<int64_t>(start.rows.size()),
+      ranks_,
+      stages_per_lane));
+  return made_;
+}
+
+// Receives are posted a cell early, so that messages arrive while the rank
+// computes.
+Plan RankEndpoints::arrange(Plan plan) const {
+  return plan.with_transfers();
+}
+
+void RankEndpoints::refuse(std::exception_ptr error) {
+  throw AgreedRefusal{std::move(error)};
+}
+
+std::vector<torch::Tensor> RankEndpoints::targets(
+    const gpipe::detail::PassStart& start) {
+  if (!last_here()) {
+    return {};
+  }
+  int64_t total = 0;
+  for (auto s : start.rows) {
+    total += s;
+  }
+  TORCH_CHECK_TYPE(
+      target.defined(),
+      "train_step expects the target on the last rank (",
+      ranks_ - 1,
+      "), but got an undefined tensor");
+  TORCH_CHECK_VALUE(
+      target.dim() > 0 && target.size(0) == total,
+      "train_step expects a target with the input's batch size ",
+      total,
+      " (rank 0's) in dimension 0, but got shape ",
+      target.sizes());
+  std::vector<torch::Tensor> pieces;
+  for (auto& piece : scatter({target.to(device)}, chunks)) {
+    pieces.push_back(piece[0]);
+  }
+  TORCH_CHECK_VALUE(
+      pieces.size() == start.rows.size(),
+      "train_step: the target splits into ",
+      pieces.size(),
+      " micro-batches but the input into ",
+      start.rows.size());
+  return pieces;
+}
+
+void RankEndpoints::prepare(gpipe::detail::Pass& pass) {
+  if (local_.kind != PassKind::Train) {
+    return;
+  }
+  // A rank whose stages have nothing to train still passes gradients on.
+  pass.grad = true;
+  if (buckets_.empty()) {
+    return;
+  }
+  // Partition j is this rank's (j / ranks)-th. Buckets whose gradients are
+  // all accumulated during the stage's last backward start before it ends;
+  // the rest when it has. See Note [Gradient buckets].
+  auto* buckets = &buckets_;
+  const auto ranks = ranks_;
+  pass.before_final_gradients = [buckets, ranks](int64_t j) {
+    buckets->at(j / ranks)->arm();
+  };
+  pass.on_gradients_final = [buckets, ranks](int64_t j) {
+    buckets->at(j / ranks)->start();
+  };
+}
+
+// The last rank's loss, on every rank.
+torch::Tensor RankEndpoints::loss(gpipe::detail::Pass& pass) {
+  connection_.check();
+  auto& transport = dynamic_cast<C10dTransport&>(pass.transport());
+  const MessageId loss_id{MessageKind::Loss, 0, 0};
+  if (last_here()) {
+    auto loss = Endpoints::loss(pass);
+    for (const auto r : c10::irange(ranks_ - 1)) {
+      transport.send_message(r, loss_id, Message{{loss}, true});
+    }
+    return loss;
+  }
+  auto message = transport.recv_message(ranks_ - 1, loss_id);
+  TORCH_CHECK(
+      message.tensors.size() == 1, "gpipe::dist: malformed loss message");
+  return message.tensors[0].clone();
+}
+
+void RankEndpoints::end(gpipe::detail::Pass& pass) {
+  connection_.check();
+  dynamic_cast<C10dTransport&>(pass.transport()).finish();
+  connection_.wait_sends(begin_sends_);
+}
+
+}  // namespace gpipe::dist::detail

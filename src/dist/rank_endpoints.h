@@ -1,0 +1,80 @@
+#pragma once
+
+// The ends of a pass as one rank of a PipelineStage sees them: what the
+// pipeline's own driver (Pipeline::forward, Pipeline::train) asks of a pass
+// whose stages live in several processes. Rank 0 holds the first stage: it
+// feeds the micro-batches in and starts the pass with a begin message
+// carrying what every rank must agree on (the pass's kind, schedule,
+// micro-batch rows and step seed). The last rank computes the loss and
+// sends it to the others.
+
+#include <gpipe/plan.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dist/agreement.h"
+#include "dist/collective_pass.h"
+#include "engine/endpoints.h"
+
+namespace gpipe::detail {
+class Pipeline;
+}  // namespace gpipe::detail
+
+namespace gpipe::dist::detail {
+
+class Connection;
+class GradientBuckets;
+
+class RankEndpoints final : public gpipe::detail::Endpoints {
+ public:
+  /// `local` is this rank's view of the pass (its kind, and a training
+  /// step's schedule or plan hash); `current` names the pass whose
+  /// transport is made next; `buckets` are the local stages' gradient
+  /// buckets (none without replicas).
+  RankEndpoints(
+      Connection& connection,
+      gpipe::detail::Pipeline& pipeline,
+      int64_t& current,
+      std::vector<std::unique_ptr<GradientBuckets>>& buckets,
+      int64_t pass_id,
+      Sends& begin_sends,
+      Begin local,
+      int64_t ranks);
+
+  /// A training step's own: a plan the user gave (else one of the agreed
+  /// schedule), and the last rank's target, cut into `chunks` on `device`.
+  const Plan* user_plan = nullptr;
+  int64_t stages_per_lane = 1;
+  torch::Tensor target;
+  int64_t chunks = 1;
+  torch::Device device = torch::kCPU;
+
+  void begin(gpipe::detail::PassStart& start) override;
+  const Plan& plan(const gpipe::detail::PassStart& start) override;
+  Plan arrange(Plan plan) const override;
+  [[noreturn]] void refuse(std::exception_ptr error) override;
+  std::vector<torch::Tensor> targets(
+      const gpipe::detail::PassStart& start) override;
+  void prepare(gpipe::detail::Pass& pass) override;
+  torch::Tensor loss(gpipe::detail::Pass& pass) override;
+  void end(gpipe::detail::Pass& pass) override;
+
+ private:
+  bool last_here() const;
+
+  Connection& connection_;
+  gpipe::detail::Pipeline& pipeline_;
+  int64_t& current_;
+  std::vector<std::unique_ptr<GradientBuckets>>& buckets_;
+  const int64_t pass_id_;
+  Sends& begin_sends_;
+  Begin local_;
+  Begin agreed_;
+  const int64_t ranks_;
+  Plan made_;
+};
+
+}  // namespace gpipe::dist::detail

@@ -1,0 +1,112 @@
+// GPipe and PipelineStage check their model and options with one function:
+// the same mistake gets the same error from both (naming which of the two
+// refused it), before anything is built.
+
+#include <gpipe/dist.h>
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dist/ranks.h"
+
+namespace gpipe {
+namespace {
+
+using dist::World;
+using dist::testing::run_ranks;
+
+// The message of what `make` throws, with the first mention of the class
+// that refused it replaced by "<who>"; fails the test when nothing is thrown or the type is
+// not c10::ValueError.
+std::string refusal(const std::function<void()>& make, const std::string& who) {
+  try {
+    make();
+  } catch (const c10::ValueError& e) {
+    std::string message = e.what_without_backtrace();
+    const auto at = message.find(who);
+    if (at != std::string::npos) {
+      message.replace(at, who.size(), "<who>");
+    }
+    return message;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << who << " threw another type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << who << " accepted what it should refuse";
+  return {};
+}
+
+// A layer holding a GPipe (a GPipe's forward is overloaded, so it cannot
+// be a Sequential's layer itself).
+struct WrapperImpl : torch::nn::Module {
+  explicit WrapperImpl(GPipe inner)
+      : inner(register_module("inner", std::move(inner))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    return inner->forward(x);
+  }
+  GPipe inner;
+};
+TORCH_MODULE(Wrapper);
+
+struct BadCase {
+  std::string what;
+  std::function<torch::nn::Sequential()> net;
+  std::function<GPipeOptions()> options;
+};
+
+TEST(StageOptionsTest, GPipeAndPipelineStageRefuseTheSameMistakesAlike) {
+  auto two_layers = [] {
+    return torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::Tanh());
+  };
+  std::vector<BadCase> cases{
+      {"negative threads_per_lane",
+       two_layers,
+       [] { return GPipeOptions({2}).threads_per_lane(-1); }},
+      {"stages_per_lane 0",
+       two_layers,
+       [] { return GPipeOptions({2}).stages_per_lane(0); }},
+      {"stages_per_lane that does not divide",
+       two_layers,
+       [] { return GPipeOptions({1, 1}).stages_per_lane(3); }},
+      {"no chunks", two_layers, [] { return GPipeOptions({2}).chunks(0); }},
+      {"a balance that misses a layer",
+       two_layers,
+       [] { return GPipeOptions({1}); }},
+      {"a nested GPipe",
+       [] {
+         torch::nn::Sequential inner(torch::nn::Linear(3, 3));
+         return torch::nn::Sequential(
+             Wrapper(GPipe(inner, GPipeOptions({1}).devices({torch::kCPU}))),
+             torch::nn::Tanh());
+       },
+       [] { return GPipeOptions({2}); }},
+      {"a layer used twice",
+       [] {
+         torch::nn::Linear shared(3, 3);
+         return torch::nn::Sequential(shared, shared);
+       },
+       [] { return GPipeOptions({2}); }},
+  };
+  run_ranks(1, [&](World world) {
+    for (const auto& c : cases) {
+      SCOPED_TRACE(c.what);
+      const auto local = refusal(
+          [&] {
+            GPipe(c.net(), c.options().devices({torch::kCPU}));
+          },
+          "gpipe::GPipe");
+      const auto stage = refusal(
+          [&] { dist::PipelineStage(c.net(), c.options(), world); },
+          "gpipe::dist::PipelineStage");
+      EXPECT_FALSE(local.empty());
+      EXPECT_EQ(local, stage);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace gpipe
