@@ -230,6 +230,20 @@ uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage) {
       (static_cast<uint64_t>(stage) << 32));
 }
 
+torch::Tensor cpu_generator_state() {
+  Exclusive hold;
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_generator_state(const torch::Tensor& state) {
+  Exclusive hold;
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
 StepSeed::StepSeed(const std::vector<torch::Device>& devices, bool draw) {
   devices_.push_back(torch::kCPU);
   for (const auto& d : devices) {

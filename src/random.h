@@ -146,6 +146,11 @@ void replay_seeded(
 /// Mixes a step seed with a cell's coordinates.
 uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage);
 
+/// The default CPU generator's state, and setting it, under the exclusive
+/// lease (so never in the middle of a cell's draws).
+torch::Tensor cpu_generator_state();
+void set_cpu_generator_state(const torch::Tensor& state);
+
 /// Under the exclusive lease: saves the default generators of the CPU and
 /// of `devices` and, when `draw`, draws a step seed from the CPU one; on
 /// destruction puts the saved states back (see the Note above).

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_state.h"
+
 namespace gpipe {
 
 namespace {
@@ -202,6 +204,19 @@ void plan_copies(
 }
 
 void load_layers(const Layers& layers, const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    // A training checkpoint (gpipe/checkpoint_io.h): its layers by index.
+    detail::CheckpointReader reader(path);
+    detail::IndexedLayers indexed;
+    for (const auto& layer : layers) {
+      indexed.push_back(detail::IndexedLayer{
+          static_cast<int64_t>(indexed.size()), layer.first, layer.second});
+    }
+    detail::plan_load(
+        reader, indexed, static_cast<int64_t>(indexed.size()), nullptr)();
+    return;
+  }
   auto archived = archived_layers(path, layers);
   std::vector<Copy> copies;
   for (const auto& layer : layers) {

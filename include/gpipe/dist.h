@@ -19,6 +19,7 @@
 // ```
 
 #include <c10/util/intrusive_ptr.h>
+#include <gpipe/checkpoint_io.h>
 #include <gpipe/options.h>
 #include <gpipe/schedule.h>
 #include <torch/nn/module.h>
@@ -323,5 +324,30 @@ TORCH_MODULE(PipelineStage);
 /// each replica's first stage gets its replica's. Other ranks get nullptr.
 /// Call between passes.
 std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
+
+/// Collective over the stage's whole World (every rank of every replica
+/// calls it, between steps): a training checkpoint as
+/// gpipe::save_checkpoint writes it (gpipe/checkpoint_io.h), each pipeline
+/// rank of the first replica writing its own partitions' file (replicas
+/// hold the same and write nothing), rank 0 the manifest once every file is
+/// on disk. `dir` must be one directory for every rank (one host, or a
+/// shared file system). Every rank returns once the checkpoint is whole,
+/// or throws the first rank's error.
+void save_checkpoint(
+    const std::string& dir,
+    const PipelineStage& stage,
+    const torch::optim::Optimizer& optimizer,
+    const TrainingState& state);
+
+/// Collective over the stage's whole World: loads the newest checkpoint in
+/// `dir` (as rank 0 finds it), whatever layout wrote it, into every rank's
+/// partitions and optimizer, and returns its TrainingState (its CPU
+/// generator state also put into the default generator). When any rank
+/// cannot load (a missing file, another model), every rank throws before
+/// anything changes.
+TrainingState load_checkpoint(
+    const std::string& dir,
+    PipelineStage& stage,
+    torch::optim::Optimizer& optimizer);
 
 }  // namespace gpipe::dist

@@ -5,6 +5,7 @@
 #include <gpipe/balance.h>
 #include <gpipe/batchnorm.h>
 #include <gpipe/checkpoint.h>
+#include <gpipe/checkpoint_io.h>
 #include <gpipe/microbatch.h>
 #include <gpipe/module.h>
 #include <gpipe/options.h>

@@ -33,7 +33,9 @@ namespace gpipe {
 class GPipe;
 
 /// Loads the archive at `path` into `net`: an archive of a GPipe (written
-/// by `torch::save(model, path)`, any balance) or of a plain Sequential.
+/// by `torch::save(model, path)`, any balance), of a plain Sequential, or a
+/// training checkpoint's directory (gpipe/checkpoint_io.h: its newest
+/// checkpoint's parameters and buffers, whatever layout wrote it).
 /// Every parameter and buffer of `net` must be in the archive with its
 /// shape; otherwise `c10::ValueError` names the first one that is not (and
 /// `net` is left unchanged). Tensors in the archive that `net` lacks are an

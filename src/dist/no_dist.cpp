@@ -163,4 +163,17 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage&) {
   unavailable("gather_trace");
 }
 
+void save_checkpoint(
+    const std::string&,
+    const PipelineStage&,
+    const torch::optim::Optimizer&,
+    const TrainingState&) {
+  unavailable("save_checkpoint");
+}
+
+TrainingState load_checkpoint(
+    const std::string&, PipelineStage&, torch::optim::Optimizer&) {
+  unavailable("load_checkpoint");
+}
+
 }  // namespace gpipe::dist

@@ -1,0 +1,91 @@
+#pragma once
+
+// Training checkpoints that move between layouts: a model's parameters and
+// buffers, its optimizer's state and where the run stands, saved by a GPipe
+// (or, with gpipe::dist::save_checkpoint, by the ranks of a PipelineStage)
+// and loaded into any other layout: another balance, another number of
+// stages or processes, another data-parallel size, or the plain Sequential
+// (gpipe::load_into_sequential reads a checkpoint directory too).
+//
+// ```
+// gpipe::TrainingState state;
+// state.step = step;
+// gpipe::save_checkpoint("ckpt", model, optimizer, state);
+// ...
+// auto resumed = gpipe::load_checkpoint("ckpt", model, optimizer);
+// ```
+//
+// `dir` holds checkpoints, one directory each (`dir/step-<step>`): a
+// manifest (`manifest.json`: the layers, the layout that wrote it, the
+// training state, a checksum per file) and files of tensors keyed by global
+// layer index and name (`layers.<i>.<name>`, the optimizer's
+// `optimizer.layers.<i>.<name>.<field>`). A checkpoint is written into a
+// temporary directory, every file flushed to disk, the manifest last, and
+// then renamed into place: a crash at any moment leaves the previous
+// checkpoint whole. The two newest are kept. Loading takes the newest (or
+// `dir` itself when it holds a manifest), checks every file it reads
+// against its checksum, and checks the model and optimizer against the
+// manifest before anything changes: a mismatch is a c10::ValueError naming
+// the first difference.
+//
+// The optimizer's state of SGD, Adam, AdamW, RMSprop and Adagrad is saved
+// per parameter; its options (learning rate and so on) are the program's
+// own, as when it was built (keep a scheduled rate in `TrainingState::user`).
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
+namespace gpipe {
+
+class GPipe;
+
+/// Where a training run stands, saved with its checkpoint.
+struct TrainingState {
+  /// Optimizer steps done.
+  int64_t step = 0;
+  /// Epochs done.
+  int64_t epoch = 0;
+  /// Position in the data within the epoch (say, batches read), so that a
+  /// resumed run reads the same next batch.
+  int64_t position = 0;
+  /// The default CPU generator's state (`torch::make_generator`-compatible
+  /// byte tensor). save_checkpoint takes the generator's state now when
+  /// this is undefined; load_checkpoint gives the saved one back and puts it
+  /// into the generator.
+  torch::Tensor cpu_generator;
+  /// The program's own entries (a learning rate schedule's position, the
+  /// data's shuffle seed, ...).
+  std::map<std::string, std::string> user;
+};
+
+/// Saves `model`'s parameters and buffers, `optimizer`'s state (its
+/// parameters must be the model's) and `state` as a new checkpoint in
+/// `dir` (made when missing), named by `state.step`. A c10::Error says why
+/// it could not; the previous checkpoints stay as they were.
+void save_checkpoint(
+    const std::string& dir,
+    const GPipe& model,
+    const torch::optim::Optimizer& optimizer,
+    const TrainingState& state);
+
+/// Loads the newest checkpoint in `dir` (or `dir` itself, when it holds a
+/// manifest) into `model` and `optimizer`, whatever layout wrote it, puts
+/// the saved CPU generator state into the default generator, and returns
+/// the saved TrainingState. Nothing changes when it throws.
+TrainingState load_checkpoint(
+    const std::string& dir, GPipe& model, torch::optim::Optimizer& optimizer);
+
+/// The checkpoint directory load_checkpoint would read in `dir` (itself
+/// when it holds a manifest, else its newest whole checkpoint), or an empty
+/// string when there is none.
+std::string latest_checkpoint(const std::string& dir);
+
+}  // namespace gpipe

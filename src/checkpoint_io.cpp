@@ -1,0 +1,450 @@
+// Training checkpoints on disk: see checkpoint_io.h.
+
+#include "checkpoint_io.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+namespace gpipe::detail {
+
+namespace fs = std::filesystem;
+
+// Note [Writing a checkpoint]
+// A checkpoint must appear whole or not at all, whenever the writer dies.
+// Its files go into a temporary directory in the same parent; each file is
+// flushed to disk (fsync) before the manifest, which names every file with
+// its size and checksum, is written and flushed last; then one rename
+// makes the directory visible under its final name, and the parent is
+// flushed so that the rename survives a power cut. Readers only look at
+// `step-<n>` directories, so a crash before the rename leaves nothing they
+// see but the older checkpoints, and the next writer removes the leftover.
+// A file damaged later (truncated, overwritten) fails its checksum when
+// read, by name.
+
+namespace {
+
+std::atomic<int64_t> writes_left{-1};
+
+// A step of writing; a test may make it fail there as a crash would.
+void crash_point(const std::string& what) {
+  auto left = writes_left.load();
+  while (left > 0 && !writes_left.compare_exchange_weak(left, left - 1)) {
+  }
+  TORCH_CHECK(left != 0, "simulated crash before ", what);
+}
+
+// Tensors start at multiples of this in their file, so that a file's bytes
+// can be viewed as any dtype.
+constexpr int64_t kAlign = 64;
+
+uint64_t fnv1a(const uint8_t* data, size_t n, uint64_t hash) {
+  for (size_t k = 0; k < n; ++k) {
+    hash ^= data[k];
+    hash *= 1099511628211ULL;
+  }
+  return hash;
+}
+constexpr uint64_t kFnvBasis = 14695981039346656037ULL;
+
+std::string hex(uint64_t x) {
+  std::ostringstream out;
+  out << std::hex << x;
+  return out.str();
+}
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+void sync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0, "cannot open '", path, "' to flush it: ", errno_text());
+  const int rc = ::fsync(fd);
+  const auto why = errno_text();
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "cannot flush '", path, "' to disk: ", why);
+}
+
+const std::vector<c10::ScalarType>& saved_dtypes() {
+  static const std::vector<c10::ScalarType> dtypes{
+      c10::kFloat,
+      c10::kDouble,
+      c10::kHalf,
+      c10::kBFloat16,
+      c10::kLong,
+      c10::kInt,
+      c10::kShort,
+      c10::kChar,
+      c10::kByte,
+      c10::kBool};
+  return dtypes;
+}
+
+c10::ScalarType dtype_named(const std::string& name, const std::string& key) {
+  for (auto t : saved_dtypes()) {
+    if (name == c10::toString(t)) {
+      return t;
+    }
+  }
+  TORCH_CHECK_VALUE(
+      false, "the checkpoint's tensor '", key, "' has unknown dtype ", name);
+}
+
+// `step-<n>` as n, or -1 for any other name.
+int64_t step_of(const std::string& name) {
+  constexpr const char* kPrefix = "step-";
+  if (name.rfind(kPrefix, 0) != 0 || name.size() == 5 ||
+      !std::all_of(name.begin() + 5, name.end(), ::isdigit) ||
+      name.size() > 5 + 18) {
+    return -1;
+  }
+  return std::stoll(name.substr(5));
+}
+
+std::string step_name(int64_t step) {
+  std::ostringstream out;
+  out << "step-" << std::setw(8) << std::setfill('0') << step;
+  return out.str();
+}
+
+}  // namespace
+
+// The whole checkpoints in `root`, oldest first.
+std::vector<std::pair<int64_t, fs::path>> checkpoints_in(
+    const std::string& root) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    const auto step = step_of(entry.path().filename().string());
+    if (step >= 0 && fs::is_regular_file(entry.path() / kManifest, error)) {
+      found.emplace_back(step, entry.path());
+    }
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+void add_file(
+    nlohmann::json& manifest,
+    const std::string& name,
+    const nlohmann::json& written) {
+  manifest["files"][name] = {
+      {"bytes", written.at("bytes")}, {"fnv1a64", written.at("fnv1a64")}};
+  for (const auto& item : written.at("tensors").items()) {
+    TORCH_CHECK(
+        !manifest["tensors"].contains(item.key()),
+        "two files of one checkpoint hold tensor '",
+        item.key(),
+        "'");
+    auto entry = item.value();
+    entry["file"] = name;
+    manifest["tensors"][item.key()] = std::move(entry);
+  }
+}
+
+void fail_checkpoint_after(int64_t writes) {
+  writes_left = writes;
+}
+
+nlohmann::json write_tensor_file(
+    const std::string& dir,
+    const std::string& name,
+    const NamedTensors& tensors) {
+  const auto path = (fs::path(dir) / name).string();
+  crash_point("writing " + path);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", errno_text());
+  nlohmann::json entries = nlohmann::json::object();
+  uint64_t hash = kFnvBasis;
+  int64_t offset = 0;
+  auto put = [&](const void* data, size_t n) {
+    const auto* bytes = static_cast<const uint8_t*>(data);
+    hash = fnv1a(bytes, n, hash);
+    size_t done = 0;
+    while (done < n) {
+      const auto wrote = ::write(fd, bytes + done, n - done);
+      if (wrote < 0 && errno == EINTR) {
+        continue;
+      }
+      if (wrote <= 0) {
+        const auto why = errno_text();
+        ::close(fd);
+        TORCH_CHECK(false, "cannot write '", path, "': ", why);
+      }
+      done += static_cast<size_t>(wrote);
+    }
+    offset += static_cast<int64_t>(n);
+  };
+  const std::vector<uint8_t> zeros(kAlign, 0);
+  for (const auto& [key, tensor] : tensors) {
+    TORCH_CHECK_VALUE(
+        std::find(
+            saved_dtypes().begin(),
+            saved_dtypes().end(),
+            tensor.scalar_type()) != saved_dtypes().end(),
+        "cannot save '",
+        key,
+        "' of dtype ",
+        tensor.scalar_type());
+    if (offset % kAlign != 0) {
+      put(zeros.data(), static_cast<size_t>(kAlign - offset % kAlign));
+    }
+    const auto cpu = tensor.detach().to(torch::kCPU).contiguous();
+    entries[key] = {
+        {"offset", offset},
+        {"dtype", c10::toString(cpu.scalar_type())},
+        {"shape", cpu.sizes().vec()}};
+    put(cpu.data_ptr(), cpu.nbytes());
+  }
+  const int rc = ::fsync(fd);
+  const auto why = errno_text();
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "cannot flush '", path, "' to disk: ", why);
+  return {{"bytes", offset}, {"fnv1a64", hex(hash)}, {"tensors", entries}};
+}
+
+std::string begin_checkpoint(const std::string& root, int64_t step) {
+  TORCH_CHECK_VALUE(
+      step >= 0, "a checkpoint's step must be 0 or more, but got ", step);
+  std::error_code error;
+  fs::create_directories(root, error);
+  TORCH_CHECK(
+      fs::is_directory(root),
+      "cannot make the checkpoint directory '",
+      root,
+      "'",
+      error ? ": " + error.message() : "");
+  // Leftovers of writers that died (see Note [Writing a checkpoint]).
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    const auto name = entry.path().filename().string();
+    if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0) {
+      fs::remove_all(entry.path(), error);
+    }
+  }
+  const auto tmp = (fs::path(root) / (".tmp-" + step_name(step))).string();
+  crash_point("making " + tmp);
+  TORCH_CHECK(
+      fs::create_directory(tmp, error),
+      "cannot make '",
+      tmp,
+      "'",
+      error ? ": " + error.message() : "");
+  return tmp;
+}
+
+void commit_checkpoint(
+    const std::string& root,
+    const std::string& tmp,
+    int64_t step,
+    nlohmann::json manifest) {
+  manifest["format"] = kCheckpointFormat;
+  manifest["version"] = kCheckpointVersion;
+  const auto path = (fs::path(tmp) / kManifest).string();
+  crash_point("writing " + path);
+  {
+    std::ofstream out(path, std::ios::trunc);
+    out << manifest.dump(1) << "\n";
+    out.close();
+    TORCH_CHECK(out, "cannot write '", path, "'");
+  }
+  crash_point("flushing " + path);
+  sync_path(path);
+  sync_path(tmp);
+  const auto final_path = fs::path(root) / step_name(step);
+  const auto old = fs::path(root) / (".old-" + step_name(step));
+  std::error_code error;
+  if (fs::exists(final_path, error)) {
+    crash_point("moving the older " + final_path.string() + " aside");
+    fs::rename(final_path, old, error);
+    TORCH_CHECK(
+        !error, "cannot move '", final_path.string(), "': ", error.message());
+  }
+  crash_point("renaming " + tmp);
+  fs::rename(tmp, final_path, error);
+  TORCH_CHECK(
+      !error,
+      "cannot rename '",
+      tmp,
+      "' to '",
+      final_path.string(),
+      "': ",
+      error.message());
+  sync_path(root);
+  fs::remove_all(old, error);
+  auto all = checkpoints_in(root);
+  for (size_t k = 0; k + 2 < all.size(); ++k) {
+    fs::remove_all(all[k].second, error);
+  }
+}
+
+nlohmann::json state_to_json(const TrainingState& state) {
+  return {
+      {"step", state.step},
+      {"epoch", state.epoch},
+      {"position", state.position},
+      {"user", state.user}};
+}
+
+TrainingState state_from_json(const nlohmann::json& json) {
+  TrainingState state;
+  state.step = json.at("step").get<int64_t>();
+  state.epoch = json.at("epoch").get<int64_t>();
+  state.position = json.at("position").get<int64_t>();
+  state.user = json.at("user").get<std::map<std::string, std::string>>();
+  return state;
+}
+
+CheckpointReader::CheckpointReader(const std::string& dir) {
+  path_ = latest_checkpoint(dir);
+  TORCH_CHECK_VALUE(
+      !path_.empty(),
+      "there is no checkpoint in '",
+      dir,
+      "': expected a directory written by gpipe::save_checkpoint (holding ",
+      "step-<n>/",
+      kManifest,
+      ") or one checkpoint (holding ",
+      kManifest,
+      ")");
+  const auto path = (fs::path(path_) / kManifest).string();
+  std::ifstream in(path);
+  TORCH_CHECK_VALUE(in, "cannot read '", path, "'");
+  try {
+    manifest_ = nlohmann::json::parse(in);
+    TORCH_CHECK_VALUE(
+        manifest_.at("format").get<std::string>() == kCheckpointFormat,
+        "format is not ",
+        kCheckpointFormat);
+    const auto version = manifest_.at("version").get<int64_t>();
+    TORCH_CHECK_VALUE(
+        version == kCheckpointVersion,
+        "version ",
+        version,
+        ", but this gpipe reads version ",
+        kCheckpointVersion);
+    manifest_.at("files").get<nlohmann::json::object_t>();
+    manifest_.at("tensors").get<nlohmann::json::object_t>();
+    manifest_.at("layers").get<std::vector<std::string>>();
+    state_from_json(manifest_.at("state"));
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+      why = error->what_without_backtrace();
+    }
+    TORCH_CHECK_VALUE(
+        false,
+        "'",
+        path,
+        "' is not a gpipe checkpoint manifest (",
+        why,
+        "): the checkpoint is damaged");
+  }
+}
+
+bool CheckpointReader::has(const std::string& key) const {
+  return manifest_["tensors"].contains(key);
+}
+
+std::vector<std::string> CheckpointReader::keys_with_prefix(
+    const std::string& prefix) const {
+  std::vector<std::string> keys;
+  for (const auto& item : manifest_["tensors"].items()) {
+    if (item.key().rfind(prefix, 0) == 0) {
+      keys.push_back(item.key());
+    }
+  }
+  return keys;
+}
+
+torch::Tensor CheckpointReader::tensor(const std::string& key) {
+  TORCH_CHECK_VALUE(
+      has(key), "the checkpoint in '", path_, "' has no tensor '", key, "'");
+  const auto& entry = manifest_["tensors"][key];
+  const auto file = entry.at("file").get<std::string>();
+  auto it = files_.find(file);
+  if (it == files_.end()) {
+    const auto path = (fs::path(path_) / file).string();
+    TORCH_CHECK_VALUE(
+        manifest_["files"].contains(file),
+        "the checkpoint's manifest names file '",
+        file,
+        "' for tensor '",
+        key,
+        "' but does not list it");
+    const auto& listed = manifest_["files"][file];
+    const auto bytes = listed.at("bytes").get<int64_t>();
+    std::error_code error;
+    const auto size = fs::file_size(path, error);
+    TORCH_CHECK_VALUE(
+        !error, "the checkpoint's file '", path, "' is missing");
+    TORCH_CHECK_VALUE(
+        static_cast<int64_t>(size) == bytes,
+        "the checkpoint's file '",
+        path,
+        "' has ",
+        size,
+        " bytes, but its manifest says ",
+        bytes,
+        ": it is truncated or was overwritten");
+    auto data = torch::empty({bytes}, torch::kUInt8);
+    std::ifstream in(path, std::ios::binary);
+    in.read(reinterpret_cast<char*>(data.data_ptr()), bytes);
+    TORCH_CHECK_VALUE(in, "cannot read '", path, "'");
+    const auto sum =
+        hex(fnv1a(data.data_ptr<uint8_t>(), static_cast<size_t>(bytes), kFnvBasis));
+    TORCH_CHECK_VALUE(
+        sum == listed.at("fnv1a64").get<std::string>(),
+        "the checkpoint's file '",
+        path,
+        "' is corrupt: its checksum is ",
+        sum,
+        ", but its manifest says ",
+        listed.at("fnv1a64").get<std::string>());
+    it = files_.emplace(file, data).first;
+  }
+  const auto dtype = dtype_named(entry.at("dtype").get<std::string>(), key);
+  const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+  const auto offset = entry.at("offset").get<int64_t>();
+  int64_t numel = 1;
+  for (auto s : shape) {
+    numel *= s;
+  }
+  const auto nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK_VALUE(
+      offset >= 0 && offset % kAlign == 0 &&
+          offset + nbytes <= it->second.numel(),
+      "the checkpoint's tensor '",
+      key,
+      "' lies outside its file '",
+      file,
+      "'");
+  return it->second.narrow(0, offset, nbytes).view(dtype).view(shape);
+}
+
+}  // namespace gpipe::detail
+
+namespace gpipe {
+
+namespace fs = std::filesystem;
+
+std::string latest_checkpoint(const std::string& dir) {
+  std::error_code error;
+  if (fs::is_regular_file(fs::path(dir) / detail::kManifest, error)) {
+    return dir;
+  }
+  auto all = detail::checkpoints_in(dir);
+  return all.empty() ? std::string() : all.back().second.string();
+}
+
+}  // namespace gpipe

@@ -1,0 +1,63 @@
+#pragma once
+
+// What a training checkpoint holds of a model and its optimizer, keyed so
+// that any layout reads it: each layer by its global index (its place in
+// the Sequential the pipeline was cut from), its parameters and buffers as
+// `layers.<i>.<name>`, and the optimizer's state of each parameter as
+// `optimizer.layers.<i>.<name>.<field>`. GPipe's save_checkpoint and
+// load_checkpoint are here too; the distributed ones are
+// src/dist/checkpoint.cpp's.
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoint_io.h"
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
+namespace gpipe::detail {
+
+/// A layer of the model at its global index.
+struct IndexedLayer {
+  int64_t index = 0;
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;
+};
+using IndexedLayers = std::vector<IndexedLayer>;
+
+/// The layers of `partition`, the first at global index `first`.
+void add_layers(
+    IndexedLayers& layers,
+    const torch::nn::Sequential& partition,
+    int64_t first);
+
+/// The name under which `optimizer`'s state is saved ("SGD", "Adam",
+/// "AdamW", "RMSprop", "Adagrad"); a c10::ValueError for another kind.
+std::string optimizer_kind(const torch::optim::Optimizer& optimizer);
+
+/// Every defined parameter and buffer of `layers`, and (with an optimizer)
+/// the optimizer's state of their parameters. A c10::ValueError when the
+/// optimizer holds a parameter that is none of theirs.
+NamedTensors tensors_of(
+    const IndexedLayers& layers, const torch::optim::Optimizer* optimizer);
+
+/// Checks `layers` (of a model of `total_layers`) and `optimizer` against
+/// the checkpoint (the layers' names, every tensor's presence and shape,
+/// the optimizer's kind and state) and returns what loading changes, to be
+/// called once nothing can fail any more. A c10::ValueError names the first
+/// difference.
+std::function<void()> plan_load(
+    CheckpointReader& reader,
+    const IndexedLayers& layers,
+    int64_t total_layers,
+    torch::optim::Optimizer* optimizer);
+
+}  // namespace gpipe::detail

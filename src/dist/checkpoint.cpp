@@ -1,0 +1,272 @@
+// Training checkpoints of a PipelineStage: every rank calls, the first
+// replica's pipeline ranks write their partitions, rank 0 the manifest.
+// The format is the one-process one (src/checkpoint_io.h), so that any
+// layout reads any other's.
+
+#include <c10/util/irange.h>
+#include <gpipe/dist.h>
+#include <torch/optim/optimizer.h>
+
+#include <exception>
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <vector>
+
+#include "checkpoint_io.h"
+#include "checkpoint_state.h"
+#include "dist/agreement.h"
+#include "dist/connection.h"
+#include "random.h"
+
+namespace gpipe::dist {
+
+namespace {
+
+// The store's bytes as a string, and back.
+std::vector<uint8_t> bytes_of(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+std::string string_of(const std::vector<uint8_t>& b) {
+  return std::string(b.begin(), b.end());
+}
+
+// Results travel through the store as "ok:<value>" or "error:<message>".
+std::string ok(const std::string& value) {
+  return "ok:" + value;
+}
+std::string failed(const std::string& message) {
+  return "error:" + message;
+}
+bool is_ok(const std::string& result) {
+  return result.rfind("ok:", 0) == 0;
+}
+std::string value_of(const std::string& result) {
+  return result.substr(result.find(':') + 1);
+}
+
+// Every rank says how it fared (`error` empty when it did); each returns
+// when all have said, throwing the first failing rank's error on every
+// rank.
+void agree(
+    const World& world,
+    const std::string& prefix,
+    const std::string& what,
+    const std::string& error) {
+  auto& store = *world.store();
+  store.set(
+      prefix + "rank" + std::to_string(world.rank()),
+      bytes_of(error.empty() ? ok("") : failed(error)));
+  for (const auto r : c10::irange(world.size())) {
+    const auto result =
+        string_of(store.get(prefix + "rank" + std::to_string(r)));
+    TORCH_CHECK_VALUE(
+        is_ok(result),
+        "gpipe::dist::",
+        what,
+        ": rank ",
+        r,
+        " failed: ",
+        value_of(result));
+  }
+}
+
+// This rank's layers by global index: partition j is
+// stage.partitions()[k] for j = pipeline rank + k * pipeline size.
+gpipe::detail::IndexedLayers layers_of(const PipelineStage& stage) {
+  const auto& balance = stage->balance();
+  std::vector<int64_t> first(balance.size() + 1, 0);
+  for (const auto j : c10::irange(balance.size())) {
+    first[j + 1] = first[j] + balance[j];
+  }
+  gpipe::detail::IndexedLayers layers;
+  const auto size = stage->world().size();
+  int64_t j = stage->world().rank();
+  for (const auto& part : stage->partitions()) {
+    gpipe::detail::add_layers(layers, part, first.at(j));
+    j += size;
+  }
+  return layers;
+}
+
+int64_t total_layers(const PipelineStage& stage) {
+  int64_t total = 0;
+  for (auto b : stage->balance()) {
+    total += b;
+  }
+  return total;
+}
+
+// A prefix of store keys that no other collective of this World uses.
+std::string unique_prefix(const World& world, const char* what) {
+  return std::string("checkpoint/") + what +
+      std::to_string(world.connection()->next_stage_id()) + "/";
+}
+
+}  // namespace
+
+void save_checkpoint(
+    const std::string& dir,
+    const PipelineStage& stage,
+    const torch::optim::Optimizer& optimizer,
+    const TrainingState& state) {
+  TORCH_CHECK_VALUE(
+      !stage.is_empty(),
+      "gpipe::dist::save_checkpoint expects a non-null PipelineStage");
+  const auto& mesh = stage->mesh();
+  const auto& world = mesh.world();
+  auto& store = *world.store();
+  const auto prefix = unique_prefix(world, "save");
+  const auto pipeline_rank = mesh.pipeline_rank();
+  const bool writer = mesh.data_rank() == 0;
+
+  // Rank 0 makes the temporary directory every writer writes into.
+  std::string tmp;
+  if (world.rank() == 0) {
+    try {
+      tmp = gpipe::detail::begin_checkpoint(dir, state.step);
+      store.set(prefix + "tmp", bytes_of(ok(tmp)));
+    } catch (...) {
+      store.set(
+          prefix + "tmp",
+          bytes_of(failed(detail::message_of(std::current_exception()))));
+      throw;
+    }
+  } else {
+    const auto result = string_of(store.get(prefix + "tmp"));
+    TORCH_CHECK(
+        is_ok(result),
+        "gpipe::dist::save_checkpoint: rank 0 could not begin the "
+        "checkpoint: ",
+        value_of(result));
+    tmp = value_of(result);
+  }
+
+  // Each pipeline rank of the first replica writes its partitions' file and
+  // tells rank 0 what is in it.
+  if (writer) {
+    std::string part;
+    try {
+      const auto layers = layers_of(stage);
+      auto tensors = gpipe::detail::tensors_of(layers, &optimizer);
+      if (world.rank() == 0) {
+        tensors.emplace_back(
+            "random.cpu",
+            state.cpu_generator.defined()
+                ? state.cpu_generator
+                : gpipe::detail::cpu_generator_state());
+      }
+      const auto file = "rank-" + std::to_string(pipeline_rank) + ".bin";
+      nlohmann::json names = nlohmann::json::object();
+      for (const auto& layer : layers) {
+        names[std::to_string(layer.index)] = layer.name;
+      }
+      part = ok(nlohmann::json{
+          {"file", file},
+          {"written", gpipe::detail::write_tensor_file(tmp, file, tensors)},
+          {"layers", names},
+          {"optimizer", gpipe::detail::optimizer_kind(optimizer)}}
+                    .dump());
+    } catch (...) {
+      part = failed(detail::message_of(std::current_exception()));
+    }
+    store.set(
+        prefix + "part" + std::to_string(pipeline_rank), bytes_of(part));
+  }
+
+  // Rank 0 writes the manifest once every file is on disk.
+  if (world.rank() == 0) {
+    std::string done = ok("");
+    try {
+      nlohmann::json manifest;
+      std::vector<std::string> names(total_layers(stage));
+      manifest["files"] = nlohmann::json::object();
+      manifest["tensors"] = nlohmann::json::object();
+      for (const auto r : c10::irange(mesh.pipeline_size())) {
+        const auto result =
+            string_of(store.get(prefix + "part" + std::to_string(r)));
+        TORCH_CHECK(
+            is_ok(result),
+            "pipeline rank ",
+            r,
+            " could not write its partitions: ",
+            value_of(result));
+        const auto part = nlohmann::json::parse(value_of(result));
+        for (const auto& item : part.at("layers").items()) {
+          names.at(std::stoll(item.key())) = item.value().get<std::string>();
+        }
+        manifest["optimizer"] = part.at("optimizer");
+        gpipe::detail::add_file(
+            manifest, part.at("file").get<std::string>(), part.at("written"));
+      }
+      manifest["layers"] = names;
+      manifest["layout"] = {
+          {"writer", "gpipe::dist::PipelineStage"},
+          {"balance", stage->balance()},
+          {"stages_per_lane", stage->stages_per_lane()},
+          {"chunks", stage->chunks()},
+          {"processes", world.size()},
+          {"pipeline_size", mesh.pipeline_size()},
+          {"data_size", mesh.data_size()}};
+      manifest["state"] = gpipe::detail::state_to_json(state);
+      gpipe::detail::commit_checkpoint(
+          dir, tmp, state.step, std::move(manifest));
+    } catch (...) {
+      done = failed(detail::message_of(std::current_exception()));
+    }
+    store.set(prefix + "done", bytes_of(done));
+  }
+  const auto done = string_of(store.get(prefix + "done"));
+  TORCH_CHECK(
+      is_ok(done),
+      "gpipe::dist::save_checkpoint: the checkpoint was not written: ",
+      value_of(done));
+}
+
+TrainingState load_checkpoint(
+    const std::string& dir,
+    PipelineStage& stage,
+    torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK_VALUE(
+      !stage.is_empty(),
+      "gpipe::dist::load_checkpoint expects a non-null PipelineStage");
+  const auto& world = stage->mesh().world();
+  auto& store = *world.store();
+  const auto prefix = unique_prefix(world, "load");
+  // Rank 0 says which checkpoint: a save may not be seen alike by all.
+  std::string path;
+  if (world.rank() == 0) {
+    path = latest_checkpoint(dir);
+    store.set(prefix + "path", bytes_of(ok(path.empty() ? dir : path)));
+  }
+  path = value_of(string_of(store.get(prefix + "path")));
+
+  TrainingState state;
+  std::function<void()> apply;
+  std::exception_ptr error;
+  try {
+    gpipe::detail::CheckpointReader reader(path);
+    apply = gpipe::detail::plan_load(
+        reader, layers_of(stage), total_layers(stage), &optimizer);
+    state = gpipe::detail::state_from_json(reader.manifest().at("state"));
+    state.cpu_generator = reader.tensor("random.cpu").clone();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  try {
+    agree(
+        world,
+        prefix,
+        "load_checkpoint",
+        error ? detail::message_of(error) : std::string());
+  } catch (...) {
+    if (error) {
+      std::rethrow_exception(error);  // this rank's own, with its type
+    }
+    throw;
+  }
+  apply();
+  gpipe::detail::set_cpu_generator_state(state.cpu_generator);
+  return state;
+}
+
+}  // namespace gpipe::dist

@@ -1,0 +1,365 @@
+// Training checkpoints in one process: saved by one layout and loaded into
+// another they go on exactly as a run that never stopped; a write that
+// dies leaves the previous checkpoint whole; damage and mismatches are
+// refused by name before anything changes.
+
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoint_io.h"
+
+namespace gpipe {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh directory for one test, removed afterwards.
+struct TempDir {
+  TempDir() {
+    path = (fs::temp_directory_path() /
+            ("gpipe-ckpt-" + std::to_string(::getpid()) + "-" +
+             std::to_string(counter()++)))
+               .string();
+    fs::remove_all(path);
+  }
+  ~TempDir() {
+    std::error_code error;
+    fs::remove_all(path, error);
+  }
+  static int& counter() {
+    static int n = 0;
+    return n;
+  }
+  std::string path;
+};
+
+// Six layers with a buffer (BatchNorm's statistics), in float64.
+torch::nn::Sequential make_net() {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 8),
+      torch::nn::Tanh(),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::Linear(8, 8),
+      torch::nn::Tanh(),
+      torch::nn::Linear(8, 3));
+  net->to(torch::kFloat64);
+  return net;
+}
+
+enum class Opt { SGDMomentum, Adam };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(
+    Opt kind, std::vector<torch::Tensor> params) {
+  if (kind == Opt::SGDMomentum) {
+    return std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::Adam>(
+      params, torch::optim::AdamOptions(0.01));
+}
+
+struct Layout {
+  const char* name;
+  std::vector<int64_t> balance;
+  int64_t stages_per_lane;
+};
+
+GPipe make_model(const Layout& layout) {
+  return GPipe(
+      make_net(),
+      GPipeOptions(layout.balance)
+          .chunks(2)
+          .stages_per_lane(layout.stages_per_lane)
+          .devices(std::vector<torch::Device>(
+              layout.balance.size() / layout.stages_per_lane, torch::kCPU)));
+}
+
+// Step s's batch, the same whatever the layout.
+std::pair<torch::Tensor, torch::Tensor> batch(int64_t s) {
+  auto g = torch::make_generator<at::CPUGeneratorImpl>(100 + s);
+  auto x = torch::randn({8, 6}, g, torch::kFloat64);
+  auto y = torch::randint(0, 3, {8}, g, torch::kLong);
+  return {x, y};
+}
+
+double train(GPipe& model, torch::optim::Optimizer& opt, int64_t s) {
+  auto [x, y] = batch(s);
+  opt.zero_grad();
+  auto loss = model->train_step(x, y, [](auto out, auto target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  });
+  opt.step();
+  return loss.item<double>();
+}
+
+void expect_same_state(
+    const torch::nn::Module& a, const torch::nn::Module& b, double tol) {
+  auto pa = a.named_parameters();
+  auto pb = b.named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t k = 0; k < pa.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(pa[k].value(), pb[k].value(), tol, tol))
+        << pa[k].key();
+  }
+  auto ba = a.named_buffers();
+  auto bb = b.named_buffers();
+  ASSERT_EQ(ba.size(), bb.size());
+  for (size_t k = 0; k < ba.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(
+        ba[k].value().to(torch::kFloat64),
+        bb[k].value().to(torch::kFloat64),
+        tol,
+        tol))
+        << ba[k].key();
+  }
+}
+
+const std::vector<Layout> kLayouts{
+    {"one stage", {6}, 1},
+    {"two stages", {3, 3}, 1},
+    {"four stages", {2, 1, 2, 1}, 1},
+    {"four stages on two lanes", {1, 2, 1, 2}, 2},
+};
+
+TEST(CheckpointIoTest, AnyLayoutGoesOnFromAnyOthersCheckpoint) {
+  for (const auto kind : {Opt::SGDMomentum, Opt::Adam}) {
+    // Eight steps without a stop.
+    auto whole = make_model(kLayouts[0]);
+    auto whole_opt = make_optimizer(kind, whole->parameters());
+    std::vector<double> losses;
+    for (int64_t s = 0; s < 8; ++s) {
+      losses.push_back(train(whole, *whole_opt, s));
+    }
+    for (const auto& a : kLayouts) {
+      for (const auto& b : kLayouts) {
+        SCOPED_TRACE(
+            std::string(kind == Opt::Adam ? "Adam" : "SGD") + ": " + a.name +
+            " -> " + b.name);
+        TempDir dir;
+        {
+          auto model = make_model(a);
+          auto opt = make_optimizer(kind, model->parameters());
+          for (int64_t s = 0; s < 4; ++s) {
+            EXPECT_NEAR(train(model, *opt, s), losses[s], 1e-10);
+          }
+          TrainingState state;
+          state.step = 4;
+          state.position = 4;
+          state.user["note"] = "halfway";
+          save_checkpoint(dir.path, model, *opt, state);
+        }
+        auto model = make_model(b);
+        auto opt = make_optimizer(kind, model->parameters());
+        const auto state = load_checkpoint(dir.path, model, *opt);
+        EXPECT_EQ(state.step, 4);
+        EXPECT_EQ(state.position, 4);
+        EXPECT_EQ(state.user.at("note"), "halfway");
+        for (int64_t s = 4; s < 8; ++s) {
+          EXPECT_NEAR(train(model, *opt, s), losses[s], 1e-10) << "step " << s;
+        }
+        expect_same_state(*model, *whole, 1e-10);
+      }
+    }
+  }
+}
+
+TEST(CheckpointIoTest, ThePlainSequentialReadsACheckpoint) {
+  TempDir dir;
+  auto model = make_model(kLayouts[2]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  train(model, *opt, 0);
+  save_checkpoint(dir.path, model, *opt, TrainingState{});
+  auto net = make_net();
+  load_into_sequential(net, dir.path);
+  expect_same_state(*net, *model->partitions(), 0);
+}
+
+TEST(CheckpointIoTest, TheRandomGeneratorGoesOnWhereItWas) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  torch::manual_seed(7);
+  save_checkpoint(dir.path, model, *opt, TrainingState{});
+  const auto expected = torch::rand({4});
+  torch::manual_seed(8);
+  const auto state = load_checkpoint(dir.path, model, *opt);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), expected));
+  EXPECT_TRUE(state.cpu_generator.defined());
+}
+
+// Step 4's checkpoint, then a write of step 8 that dies after each of its
+// steps in turn: every time, loading gives step 4's weights and state.
+TEST(CheckpointIoTest, AWriteThatDiesLeavesThePreviousCheckpointWhole) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::Adam, model->parameters());
+  for (int64_t s = 0; s < 4; ++s) {
+    train(model, *opt, s);
+  }
+  TrainingState state;
+  state.step = 4;
+  save_checkpoint(dir.path, model, *opt, state);
+  auto saved = make_model(kLayouts[0]);
+  auto saved_opt = make_optimizer(Opt::Adam, saved->parameters());
+  load_checkpoint(dir.path, saved, *saved_opt);
+  for (int64_t s = 4; s < 8; ++s) {
+    train(model, *opt, s);
+  }
+  state.step = 8;
+  int64_t crashes = 0;
+  for (int64_t after = 0;; ++after) {
+    detail::fail_checkpoint_after(after);
+    bool died = false;
+    try {
+      save_checkpoint(dir.path, model, *opt, state);
+    } catch (const c10::Error& e) {
+      died = std::string(e.what()).find("simulated crash") != std::string::npos;
+      EXPECT_TRUE(died) << e.what();
+    }
+    detail::fail_checkpoint_after(-1);
+    if (!died) {
+      break;  // the write got through
+    }
+    ++crashes;
+    auto loaded = make_model(kLayouts[0]);
+    auto loaded_opt = make_optimizer(Opt::Adam, loaded->parameters());
+    EXPECT_EQ(load_checkpoint(dir.path, loaded, *loaded_opt).step, 4);
+    expect_same_state(*loaded, *saved, 0);
+  }
+  EXPECT_GE(crashes, 4);  // made, written, manifest, flushed, renamed
+  auto loaded = make_model(kLayouts[0]);
+  auto loaded_opt = make_optimizer(Opt::Adam, loaded->parameters());
+  EXPECT_EQ(load_checkpoint(dir.path, loaded, *loaded_opt).step, 8);
+  expect_same_state(*loaded, *model, 0);
+  // The two newest are kept, the leftovers of the dead writes are gone.
+  state.step = 12;
+  save_checkpoint(dir.path, model, *opt, state);
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir.path)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-00000008", "step-00000012"}));
+}
+
+// Runs `load` and expects a c10::ValueError whose message holds every one
+// of `parts`; the model's parameters must not have changed.
+void expect_refused(
+    GPipe& model,
+    const std::function<void()>& load,
+    const std::vector<std::string>& parts) {
+  std::vector<torch::Tensor> before;
+  for (const auto& p : model->parameters()) {
+    before.push_back(p.clone());
+  }
+  try {
+    load();
+    ADD_FAILURE() << "accepted";
+  } catch (const c10::ValueError& e) {
+    const std::string what = e.what();
+    for (const auto& part : parts) {
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+    }
+  }
+  const auto after = model->parameters();
+  for (size_t k = 0; k < before.size(); ++k) {
+    EXPECT_TRUE(torch::equal(before[k], after[k]));
+  }
+}
+
+TEST(CheckpointIoTest, DamagedFilesAreRefusedByName) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  train(model, *opt, 0);
+  TrainingState state;
+  state.step = 1;
+  save_checkpoint(dir.path, model, *opt, state);
+  const auto ckpt = latest_checkpoint(dir.path);
+  ASSERT_EQ(fs::path(ckpt).filename().string(), "step-00000001");
+  const auto file = (fs::path(ckpt) / "rank-0.bin").string();
+  const auto size = fs::file_size(file);
+
+  auto other = make_model(kLayouts[2]);
+  auto other_opt = make_optimizer(Opt::SGDMomentum, other->parameters());
+  auto load = [&] { load_checkpoint(dir.path, other, *other_opt); };
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(size / 2));
+    f.put('\x5a');
+  }
+  expect_refused(other, load, {file, "corrupt", "checksum"});
+  fs::resize_file(file, size / 3);
+  expect_refused(other, load, {file, "truncated"});
+  {
+    std::ofstream manifest(fs::path(ckpt) / "manifest.json");
+    manifest << "{\"format\": \"gpipe-checkpoint\", ";
+  }
+  expect_refused(other, load, {"manifest.json", "damaged"});
+  fs::remove_all(ckpt);
+  expect_refused(other, load, {"no checkpoint", dir.path});
+}
+
+TEST(CheckpointIoTest, AnotherModelOrOptimizerIsRefusedBeforeAnythingChanges) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  train(model, *opt, 0);
+  save_checkpoint(dir.path, model, *opt, TrainingState{});
+
+  // A wider layer 3.
+  torch::manual_seed(0);
+  torch::nn::Sequential wider(
+      torch::nn::Linear(6, 8),
+      torch::nn::Tanh(),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::Linear(8, 9),
+      torch::nn::Tanh(),
+      torch::nn::Linear(9, 3));
+  wider->to(torch::kFloat64);
+  GPipe other(
+      wider,
+      GPipeOptions({3, 3}).chunks(2).devices({torch::kCPU, torch::kCPU}));
+  auto other_opt = make_optimizer(Opt::SGDMomentum, other->parameters());
+  expect_refused(
+      other,
+      [&] { load_checkpoint(dir.path, other, *other_opt); },
+      {"layers.3.weight", "[8, 8]", "[9, 8]"});
+
+  // Fewer layers.
+  torch::nn::Sequential shorter(torch::nn::Linear(6, 3));
+  shorter->to(torch::kFloat64);
+  GPipe short_model(shorter, GPipeOptions({1}).devices({torch::kCPU}));
+  auto short_opt = make_optimizer(Opt::SGDMomentum, short_model->parameters());
+  expect_refused(
+      short_model,
+      [&] { load_checkpoint(dir.path, short_model, *short_opt); },
+      {"6 layers", "the model has 1"});
+
+  // Adam's state is not SGD's.
+  auto same = make_model(kLayouts[0]);
+  auto adam = make_optimizer(Opt::Adam, same->parameters());
+  expect_refused(
+      same,
+      [&] { load_checkpoint(dir.path, same, *adam); },
+      {"holds the state of SGD", "the optimizer is Adam"});
+
+  // An optimizer of another model's parameters.
+  torch::optim::SGD foreign(
+      make_net()->parameters(), torch::optim::SGDOptions(0.1));
+  EXPECT_THROW(
+      save_checkpoint(dir.path, model, foreign, TrainingState{}),
+      c10::ValueError);
+}
+
+}  // namespace
+}  // namespace gpipe

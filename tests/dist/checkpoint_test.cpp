@@ -1,0 +1,315 @@
+// Training checkpoints across layouts with ranks as threads of this
+// process: four steps on one layout, saved, loaded into another, four more
+// steps, equal to eight steps of one GPipe that never stopped (float64,
+// 1e-10), for SGD with momentum and for Adam.
+
+#include <gpipe/dist.h>
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dist/ranks.h"
+
+namespace gpipe {
+namespace {
+
+namespace fs = std::filesystem;
+using dist::Mesh;
+using dist::World;
+using dist::testing::run_ranks;
+
+torch::nn::Sequential make_net() {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 8),
+      torch::nn::Tanh(),
+      torch::nn::Linear(8, 8),
+      torch::nn::Tanh(),
+      torch::nn::Linear(8, 8),
+      torch::nn::Linear(8, 3));
+  net->to(torch::kFloat64);
+  return net;
+}
+
+enum class Opt { SGDMomentum, Adam };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(
+    Opt kind, std::vector<torch::Tensor> params) {
+  if (kind == Opt::SGDMomentum) {
+    return std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::Adam>(
+      params, torch::optim::AdamOptions(0.01));
+}
+
+constexpr int64_t kRows = 8;
+
+std::pair<torch::Tensor, torch::Tensor> batch(int64_t s) {
+  auto g = torch::make_generator<at::CPUGeneratorImpl>(100 + s);
+  auto x = torch::randn({kRows, 6}, g, torch::kFloat64);
+  auto y = torch::randint(0, 3, {kRows}, g, torch::kLong);
+  return {x, y};
+}
+
+auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+  return torch::nn::functional::cross_entropy(out, target);
+};
+
+// A layout: one GPipe in this process (ranks 0), or D x P ranks.
+struct Layout {
+  const char* name;
+  int64_t data;
+  int64_t pipeline;
+  std::vector<int64_t> balance;
+  int64_t stages_per_lane;
+};
+
+const Layout kOneProcess{"one process", 0, 0, {6}, 1};
+const Layout kTwoStages{"2 stages", 1, 2, {3, 3}, 1};
+const Layout kFourStages{"4 stages", 1, 4, {2, 1, 2, 1}, 1};
+const Layout kMesh{"2x2 mesh", 2, 2, {3, 3}, 1};
+const Layout kInterleaved{"2 stages, 2 per lane", 1, 2, {1, 2, 1, 2}, 2};
+
+struct Reference {
+  std::vector<double> losses;  // of 8 steps
+  // After each step s, at [s + 1]: "<layer>.<name>" -> the parameter.
+  std::vector<std::map<std::string, torch::Tensor>> params;
+};
+
+Reference reference(Opt kind) {
+  GPipe model(make_net(), GPipeOptions({6}).chunks(2).devices({torch::kCPU}));
+  auto opt = make_optimizer(kind, model->parameters());
+  Reference ref;
+  for (int64_t s = 0; s < 8; ++s) {
+    auto [x, y] = batch(s);
+    opt->zero_grad();
+    if (s == 0) {
+      ref.params.emplace_back();  // unused: steps start at 0
+    }
+    ref.losses.push_back(model->train_step(x, y, loss_fn).item<double>());
+    opt->step();
+    ref.params.emplace_back();
+    for (const auto& p : model->partitions()->ptr(0)->named_parameters()) {
+      ref.params.back()[p.key()] = p.value().detach().clone();
+    }
+  }
+  return ref;
+}
+
+// Runs steps [from, to) on `layout` (loading `dir` first when `load`,
+// saving into it at the end when `save`), checking every loss against the
+// reference, and at the end every parameter.
+void run(
+    const Layout& layout,
+    Opt kind,
+    const std::string& dir,
+    bool load,
+    bool save,
+    int64_t from,
+    int64_t to,
+    const Reference& ref) {
+  SCOPED_TRACE(layout.name);
+  if (layout.data == 0) {
+    GPipe model(
+        make_net(), GPipeOptions(layout.balance).chunks(2).devices({torch::kCPU}));
+    auto opt = make_optimizer(kind, model->parameters());
+    if (load) {
+      EXPECT_EQ(load_checkpoint(dir, model, *opt).step, from);
+    }
+    for (int64_t s = from; s < to; ++s) {
+      auto [x, y] = batch(s);
+      opt->zero_grad();
+      EXPECT_NEAR(model->train_step(x, y, loss_fn).item<double>(), ref.losses[s], 1e-10);
+      opt->step();
+    }
+    for (const auto& p : model->partitions()->ptr(0)->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value(), ref.params.at(to).at(p.key()), 1e-10, 1e-12))
+          << p.key();
+    }
+    if (save) {
+      TrainingState state;
+      state.step = to;
+      save_checkpoint(dir, model, *opt, state);
+    }
+    return;
+  }
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  const auto n = layout.data * layout.pipeline;
+  // Each replica's shard; within it, micro-batches of 4 rows as the
+  // reference's.
+  const auto shard = kRows / layout.data;
+  const auto chunks = shard / 4;
+  // Made here: threads drawing initial weights from one generator at once
+  // would each get others' numbers.
+  std::vector<torch::nn::Sequential> nets;
+  for (int64_t r = 0; r < n; ++r) {
+    nets.push_back(make_net());
+  }
+  run_ranks(n, [&](World world) {
+    Mesh mesh(world, layout.pipeline);
+    dist::PipelineStage stage(
+        nets[world.rank()],
+        GPipeOptions(layout.balance)
+            .chunks(chunks)
+            .stages_per_lane(layout.stages_per_lane)
+            .threads_per_lane(1),
+        mesh);
+    auto opt = make_optimizer(kind, stage->parameters());
+    std::vector<std::string> mine;
+    auto fail = [&](const std::string& what) {
+      mine.push_back("rank " + std::to_string(world.rank()) + ": " + what);
+    };
+    if (load) {
+      const auto state = dist::load_checkpoint(dir, stage, *opt);
+      if (state.step != from) {
+        fail("loaded step " + std::to_string(state.step));
+      }
+    }
+    const auto d = mesh.data_rank();
+    const bool first = mesh.pipeline_rank() == 0;
+    const bool last = mesh.pipeline_rank() == layout.pipeline - 1;
+    for (int64_t s = from; s < to; ++s) {
+      auto [x, y] = batch(s);
+      opt->zero_grad();
+      const auto loss = stage
+                            ->train_step(
+                                first ? x.narrow(0, d * shard, shard)
+                                      : torch::Tensor(),
+                                last ? y.narrow(0, d * shard, shard)
+                                     : torch::Tensor(),
+                                loss_fn)
+                            .item<double>();
+      opt->step();
+      if (std::abs(loss - ref.losses[s]) > 1e-10) {
+        fail(
+            "step " + std::to_string(s) + ": loss " + std::to_string(loss) +
+            " but " + std::to_string(ref.losses[s]));
+      }
+    }
+    for (const auto& part : stage->partitions()) {
+      for (const auto& p : part->named_parameters()) {
+        if (!torch::allclose(
+                p.value(), ref.params.at(to).at(p.key()), 1e-10, 1e-12)) {
+          fail("parameter " + p.key() + " differs");
+        }
+      }
+    }
+    if (save) {
+      TrainingState state;
+      state.step = to;
+      dist::save_checkpoint(dir, stage, *opt, state);
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    failures.insert(failures.end(), mine.begin(), mine.end());
+  });
+  for (const auto& f : failures) {
+    ADD_FAILURE() << f;
+  }
+}
+
+struct TempDir {
+  TempDir() {
+    static int counter = 0;
+    path = (fs::temp_directory_path() /
+            ("gpipe-dist-ckpt-" + std::to_string(::getpid()) + "-" +
+             std::to_string(counter++)))
+               .string();
+    fs::remove_all(path);
+  }
+  ~TempDir() {
+    std::error_code error;
+    fs::remove_all(path, error);
+  }
+  std::string path;
+};
+
+TEST(DistCheckpointTest, EveryLayoutGoesOnFromAnothersCheckpoint) {
+  const std::vector<std::pair<Layout, Layout>> pairs{
+      {kOneProcess, kTwoStages},
+      {kTwoStages, kFourStages},
+      {kFourStages, kMesh},
+      {kMesh, kInterleaved},
+      {kInterleaved, kOneProcess},
+      {kMesh, kMesh},
+  };
+  for (const auto kind : {Opt::SGDMomentum, Opt::Adam}) {
+    const auto ref = reference(kind);
+    for (const auto& [a, b] : pairs) {
+      SCOPED_TRACE(
+          std::string(kind == Opt::Adam ? "Adam: " : "SGD: ") + a.name +
+          " -> " + b.name);
+      TempDir dir;
+      run(a, kind, dir.path, /*load=*/false, /*save=*/true, 0, 4, ref);
+      run(b, kind, dir.path, /*load=*/true, /*save=*/false, 4, 8, ref);
+    }
+  }
+}
+
+TEST(DistCheckpointTest, ReplicasWriteOnceAndTheManifestNamesTheLayout) {
+  TempDir dir;
+  const auto ref = reference(Opt::SGDMomentum);
+  run(kMesh, Opt::SGDMomentum, dir.path, false, true, 0, 2, ref);
+  const auto ckpt = latest_checkpoint(dir.path);
+  ASSERT_FALSE(ckpt.empty());
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(ckpt)) {
+    files.push_back(entry.path().filename().string());
+  }
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(
+      files,
+      (std::vector<std::string>{"manifest.json", "rank-0.bin", "rank-1.bin"}));
+}
+
+TEST(DistCheckpointTest, ARankThatCannotLoadFailsEveryRankBeforeAnythingChanges) {
+  TempDir dir;
+  const auto ref = reference(Opt::SGDMomentum);
+  run(kTwoStages, Opt::SGDMomentum, dir.path, false, true, 0, 1, ref);
+  // Damage pipeline rank 1's file only.
+  const auto file = fs::path(latest_checkpoint(dir.path)) / "rank-1.bin";
+  fs::resize_file(file, fs::file_size(file) - 8);
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  std::vector<torch::nn::Sequential> nets{make_net(), make_net()};
+  run_ranks(2, [&](World world) {
+    dist::PipelineStage stage(
+        nets[world.rank()],
+        GPipeOptions({3, 3}).chunks(2).threads_per_lane(1),
+        world);
+    auto opt = make_optimizer(Opt::SGDMomentum, stage->parameters());
+    std::vector<torch::Tensor> before;
+    for (const auto& p : stage->parameters()) {
+      before.push_back(p.detach().clone());
+    }
+    std::string what = "accepted";
+    try {
+      dist::load_checkpoint(dir.path, stage, *opt);
+    } catch (const c10::ValueError& e) {
+      what = e.what_without_backtrace();
+    }
+    const auto after = stage->parameters();
+    for (size_t k = 0; k < before.size(); ++k) {
+      EXPECT_TRUE(torch::equal(before[k], after[k]));
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    errors.push_back(what);
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& what : errors) {
+    EXPECT_NE(what.find("rank-1.bin"), std::string::npos) << what;
+    EXPECT_NE(what.find("truncated"), std::string::npos) << what;
+  }
+}
+
+}  // namespace
+}  // namespace gpipe
