@@ -2,6 +2,7 @@
 // gpipe/serialize.h.
 
 #include <c10/util/Exception.h>
+#include <gpipe/checkpoint_io.h>
 #include <gpipe/module.h>
 #include <gpipe/serialize.h>
 #include <torch/serialize/input-archive.h>
@@ -45,7 +46,8 @@ Layers layers_of(const GPipe& model) {
 
 constexpr const char* kExpected =
     "expected an archive written by torch::save of a gpipe::GPipe or of a "
-    "torch::nn::Sequential (or by gpipe::save_as_sequential)";
+    "torch::nn::Sequential (or by gpipe::save_as_sequential), or a "
+    "checkpoint directory written by gpipe::save_checkpoint";
 
 // `path` read into `archive`; LibTorch's own errors name neither the file
 // nor what it should have held.
@@ -207,6 +209,13 @@ void load_layers(const Layers& layers, const std::string& path) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) {
     // A training checkpoint (gpipe/checkpoint_io.h): its layers by index.
+    TORCH_CHECK_VALUE(
+        !latest_checkpoint(path).empty(),
+        "cannot read '",
+        path,
+        "': it is not a regular file, nor a directory holding a gpipe "
+        "checkpoint; ",
+        kExpected);
     detail::CheckpointReader reader(path);
     detail::IndexedLayers indexed;
     for (const auto& layer : layers) {
