@@ -162,8 +162,11 @@ if [[ $mode == bad ]]; then
   bad --devices "${d[@]}" --devices cuda:98,cuda:99
 
   # Saving and loading weights.
-  bad --save "${d[@]}" --save "$tmp/no-such-folder/m.pt"
-  bad --save "${d[@]}" --save "$tmp"
+  bad --save "${d[@]}" --save "$tmp/no-such-folder/m"
+  : >"$tmp/a-file"
+  bad "--save '$tmp/a-file' is a file" "${d[@]}" --save "$tmp/a-file"
+  bad --save-every-steps "${d[@]}" --save-every-steps 3
+  bad --save-every-steps "${d[@]}" --save "$tmp/m" --save-every-steps -1
   bad --load "${d[@]}" --load "$tmp/no-such-model.pt"
   # Files that are not archives: named, with what was expected, before the
   # data is read (the fake data set would fail first otherwise).
@@ -184,7 +187,6 @@ if [[ $mode == bad ]]; then
   bad --partitions "${d[@]}" --schedule interleaved --partitions 2
   bad --balance "${d[@]}" --stages-per-lane 2 --balance 6,7
   bad --stages-per-lane "${d[@]}" --stages-per-lane 0
-  bad --save "${d[@]}" --schedule 1f1b --save "$tmp/m.pt"
   bad --devices "${d[@]}" --schedule 1f1b --devices cpu,cpu
   bad "for 2 micro-batches, but --chunks is 8" "${d[@]}" --plan "$tmp/two.csv" --chunks 8
   export WORLD_SIZE=two
@@ -285,18 +287,19 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --lr-schedule cosine (last step's rate $lr) --deferred-batch-norm"
   fi
-  # --save after each epoch, and --load of it into another balance goes on
-  # from those weights (a lower loss than from scratch on the same steps).
-  run --data-dir "$data" --epochs 2 --limit 512 --test-limit 1000 --json --save "$tmp/m.pt"
-  if [[ $status -ne 0 ]] || ! grep -q "saved the model to $tmp/m.pt" "$tmp/err" ||
-    [[ ! -s $tmp/m.pt ]]; then
+  # --save after each epoch (a checkpoint directory), and --load of it into
+  # another balance goes on from those weights (a lower loss than from
+  # scratch on the same steps).
+  run --data-dir "$data" --epochs 2 --limit 512 --test-limit 1000 --json --save "$tmp/m"
+  if [[ $status -ne 0 ]] || ! grep -q "saved a checkpoint of step 16 to $tmp/m" "$tmp/err" ||
+    [[ ! -s $tmp/m/step-00000016/manifest.json ]]; then
     fail "--save exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
     echo "ok: --save"
   fi
-  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --balance 5,8 --load "$tmp/m.pt"
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --balance 5,8 --load "$tmp/m"
   loaded=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/out" | cut -d: -f2)
-  if [[ $status -ne 0 ]] || ! grep -q "loaded weights from $tmp/m.pt" "$tmp/err"; then
+  if [[ $status -ne 0 ]] || ! grep -q "loaded weights from $tmp/m" "$tmp/err"; then
     fail "--load exited $status: $(cat "$tmp/err") $(cat "$tmp/out")"
   else
     run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --balance 5,8
@@ -307,31 +310,49 @@ elif [[ $mode == run ]]; then
       echo "ok: --load: accuracy $loaded against $fresh from scratch"
     fi
   fi
-  # A file of another model: a bad --load, with the reason, before the
+  # A checkpoint of another model: a bad --load, with the reason, before the
   # balance is measured.
-  bad "--load '$tmp/m.pt': '$tmp/m.pt' has" --data-dir "$data" --epochs 1 \
-    --limit 256 --test-limit 1000 --model resnet --load "$tmp/m.pt"
+  bad "--load '$tmp/m': the checkpoint in '$tmp/m/step-00000016' has 13 layers, but the model has 39" \
+    --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --model resnet --load "$tmp/m"
 
-  # --resume: a run stopped after epoch 1 and resumed ends exactly as one
-  # that never stopped (weights, optimizer, random state and step count).
-  r=(--data-dir "$data" --limit 512 --test-limit 1000 --json --balance 6,7 --schedule 1f1b)
-  run "${r[@]}" --epochs 2 --save "$tmp/straight.pt"
+  # --resume: a run stopped after epoch 1, or in the middle of epoch 2, and
+  # resumed ends exactly as one that never stopped (weights, optimizer,
+  # random state, place in the data).
+  common=(--data-dir "$data" --limit 512 --test-limit 1000 --json)
+  r=("${common[@]}" --balance 6,7 --schedule 1f1b)
+  run "${r[@]}" --epochs 2 --save "$tmp/straight"
   ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$tmp/out" | tr '\n' ' '; }
   straight=$(ending)
-  run "${r[@]}" --epochs 1 --save "$tmp/r.pt" --resume
-  if [[ $status -ne 0 ]] || ! grep -q "nothing saved at $tmp/r.pt yet" "$tmp/err"; then
+  run "${r[@]}" --epochs 1 --save "$tmp/r" --resume
+  if [[ $status -ne 0 ]] || ! grep -q "nothing saved in $tmp/r yet" "$tmp/err"; then
     fail "--resume with nothing saved exited $status: $(cat "$tmp/err") $(head -2 "$tmp/out")"
   fi
-  run "${r[@]}" --epochs 2 --save "$tmp/r.pt" --resume
+  run "${r[@]}" --epochs 2 --save "$tmp/r" --resume
   resumed=$(ending)
-  if [[ $status -ne 0 ]] || ! grep -q "resumed from $tmp/r.pt after epoch 1 (step 8)" "$tmp/err" ||
+  if [[ $status -ne 0 ]] || ! grep -q "resumed from $tmp/r/step-00000008 at step 8 (epoch 2, batch 0)" "$tmp/err" ||
     [[ -z $straight || $resumed != "$straight" ]]; then
     fail "--resume exited $status, ended with '$resumed', straight '$straight': $(cat "$tmp/err")"
   else
     echo "ok: --resume ends as the run that never stopped: $resumed"
   fi
+  # Stopped after step 11 of 16, in epoch 2 (a checkpoint every 11 steps;
+  # the end's removed), and resumed with another balance and schedule: the
+  # same up to float rounding (fill-drain adds the micro-batches' gradients
+  # in another order).
+  run "${r[@]}" --epochs 2 --save "$tmp/mid" --save-every-steps 11
+  rm -rf "$tmp/mid/step-00000016"
+  run "${common[@]}" --balance 3,10 --schedule fill_drain --epochs 2 --save "$tmp/mid" --resume
+  resumed=$(ending)
+  a=$(grep -o '"final_loss":[0-9.e-]*' <<<"$straight" | cut -d: -f2)
+  b=$(grep -o '"final_loss":[0-9.e-]*' <<<"$resumed" | cut -d: -f2)
+  if [[ $status -ne 0 ]] || ! grep -q "resumed from $tmp/mid/step-00000011 at step 11 (epoch 2, batch 3)" "$tmp/err" ||
+    ! awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && b != "" && d <= 1e-6 * a) }'; then
+    fail "--resume in the middle of an epoch exited $status, ended with '$resumed', straight '$straight': $(cat "$tmp/err")"
+  else
+    echo "ok: --resume in the middle of epoch 2, with another balance and schedule: $resumed against $straight"
+  fi
   # Resuming a finished run trains nothing and still prints its JSON line.
-  run "${r[@]}" --epochs 2 --save "$tmp/r.pt" --resume
+  run "${r[@]}" --epochs 2 --save "$tmp/r" --resume
   if [[ $status -ne 0 ]] || ! grep -q '"nothing_left_to_train":true' "$tmp/out"; then
     fail "--resume of a finished run exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
   else
@@ -339,11 +360,11 @@ elif [[ $mode == run ]]; then
   fi
   # --trace-steps counts the steps left, not the whole run's: 1 epoch of 8
   # steps left cannot record 8 after the first.
-  bad --trace-steps "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume \
+  bad --trace-steps "${r[@]}" --epochs 3 --save "$tmp/r" --resume \
     --trace "$tmp/t.json" --trace-steps 8
-  # Other settings than the saved run's, or a weights file replaced: exit 1
+  # Other settings than the saved run's, or a damaged checkpoint: exit 1
   # with the reason.
-  run "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume --batch-size 32
+  run "${r[@]}" --epochs 3 --save "$tmp/r" --resume --batch-size 32
   if [[ $status -ne 1 ]] || ! grep -qF -- "with --batch-size 64, but this run has 32" "$tmp/err"; then
     fail "--resume with another --batch-size exited $status: $(cat "$tmp/err")"
   else
@@ -351,19 +372,19 @@ elif [[ $mode == run ]]; then
   fi
   # A cosine rate follows --epochs: resuming a cosine run with more epochs
   # would change the rate of the epochs already done.
-  run "${r[@]}" --epochs 1 --lr-schedule cosine --save "$tmp/c.pt"
-  run "${r[@]}" --epochs 2 --lr-schedule cosine --save "$tmp/c.pt" --resume
+  run "${r[@]}" --epochs 1 --lr-schedule cosine --save "$tmp/c"
+  run "${r[@]}" --epochs 2 --lr-schedule cosine --save "$tmp/c" --resume
   if [[ $status -ne 1 ]] || ! grep -qF -- "with --lr-schedule cosine over --epochs 1, but this run has cosine over --epochs 2" "$tmp/err"; then
     fail "--resume of a cosine run with other --epochs exited $status: $(cat "$tmp/err")"
   else
     echo "ok: --resume of a cosine run with other --epochs -> $(cat "$tmp/err")"
   fi
-  cp "$tmp/straight.pt" "$tmp/r.pt"
-  run "${r[@]}" --epochs 3 --save "$tmp/r.pt" --resume
-  if [[ $status -ne 1 ]] || ! grep -qF "is not the file saved with" "$tmp/err"; then
-    fail "--resume of a replaced weights file exited $status: $(cat "$tmp/err")"
+  printf 'XXXX' | dd of="$tmp/r/step-00000016/rank-0.bin" bs=1 seek=1000 conv=notrunc 2>/dev/null
+  run "${r[@]}" --epochs 3 --save "$tmp/r" --resume
+  if [[ $status -ne 1 ]] || ! grep -qF "rank-0.bin' is corrupt" "$tmp/err"; then
+    fail "--resume of a damaged checkpoint exited $status: $(cat "$tmp/err")"
   else
-    echo "ok: --resume of a replaced weights file -> $(cat "$tmp/err")"
+    echo "ok: --resume of a damaged checkpoint -> $(cat "$tmp/err")"
   fi
 
   # Too few steps to trace is known only once the data is read: still 2.

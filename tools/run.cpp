@@ -109,8 +109,6 @@ class Launcher {
   explicit Launcher(const Args& args) : args_(args) {}
 
   int run() {
-    const int port =
-        args_.master_port > 0 ? args_.master_port : find_free_port();
     int self_pipe[2];
     if (!make_pipe(self_pipe)) {
       fail_system("cannot create a pipe");
@@ -120,10 +118,39 @@ class Launcher {
     signal_read_ = self_pipe[0];
     signal_pipe_write = self_pipe[1];
     install_handlers();
-    start_ranks(port);
-    loop();
-    report_verdict();
-    return exit_status();
+    // Note [Restarts]: a failed start is followed by another of every rank,
+    // up to --max-restarts times, unless gpipe-run itself was stopped or
+    // could not start them. Each start has its own port (unless
+    // --master-port fixed one), so that no rank meets a leftover of the
+    // last start's rendezvous.
+    for (restart_ = 0;; ++restart_) {
+      const int port =
+          args_.master_port > 0 ? args_.master_port : find_free_port();
+      start_ranks(port);
+      loop();
+      report_verdict();
+      const bool failed_start = exit_status() != 0;
+      if (!failed_start || signal_ != 0 || launch_failed_ ||
+          restart_ >= args_.max_restarts) {
+        if (args_.max_restarts > 0) {
+          report(
+              std::string(failed_start ? "gave up" : "done") + " after " +
+              std::to_string(restart_) + " of at most " +
+              std::to_string(args_.max_restarts) + " restart" +
+              (args_.max_restarts == 1 ? "" : "s"));
+        }
+        return exit_status();
+      }
+      report(
+          "restarting every rank (restart " + std::to_string(restart_ + 1) +
+          " of at most " + std::to_string(args_.max_restarts) + ")");
+      ranks_.clear();
+      stopping_ = false;
+      killed_ = false;
+      exit_order_.clear();
+      failed_rank_ = -1;
+      failed_status_ = 0;
+    }
   }
 
  private:
@@ -166,7 +193,7 @@ class Launcher {
     const int64_t r = global_rank(args_, local);
     rank.rank = r;
     rank.prefix = "[" + std::to_string(r) + "] ";
-    auto env_text = rank_environment(args_, port, local);
+    auto env_text = rank_environment(args_, port, local, restart_);
     std::vector<char*> env;
     for (auto& entry : env_text) {
       env.push_back(entry.data());
@@ -500,6 +527,8 @@ class Launcher {
   int failed_status_ = 0;
   // The signal that gpipe-run got, if that is what stopped the ranks.
   int signal_ = 0;
+  // Which start of the ranks this is (0: the first).
+  int64_t restart_ = 0;
 };
 
 }  // namespace

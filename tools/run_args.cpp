@@ -111,8 +111,16 @@ constexpr const char* kFooter =
     "after the rank itself has exited, and then one last line naming the\n"
     "rank that failed first (the first to exit) and the ranks it stopped.\n"
     "\n"
+    "With --max-restarts R, a failure does not end the job at once: once\n"
+    "every rank has stopped, all of them start again (on a new free port\n"
+    "unless --master-port is given), at most R times; GPIPE_RESTART_COUNT\n"
+    "(also TORCHELASTIC_RESTART_COUNT) tells them which start they are.\n"
+    "A program that saves checkpoints resumes from them (gpipe-train\n"
+    "--save DIR --resume). The last line says how many restarts were used.\n"
+    "\n"
     "Exit status: 0 when every rank exits 0; the first failing rank's exit\n"
-    "code, or 128 + its signal; 128 + the signal gpipe-run got; 127 when\n"
+    "code, or 128 + its signal (of the last start); 128 + the signal\n"
+    "gpipe-run got; 127 when\n"
     "PROGRAM cannot be executed; 2 for a bad command line; 1 when gpipe-run\n"
     "itself fails.\n"
     "\n"
@@ -155,6 +163,7 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
   std::string node_rank_text;
   std::string port_text;
   std::string grace_text;
+  std::string restarts_text;
   app.add_option(
          "-n",
          processes_text,
@@ -197,6 +206,15 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
          "Seconds the ranks get between SIGTERM and SIGKILL when stopping, "
          "0 to 3600. Default: 5")
       ->type_name("SECONDS");
+  // Also torchrun's spelling.
+  app.add_option(
+         "--max-restarts,--max_restarts",
+         restarts_text,
+         "Start every rank again after a rank fails, at most this many times, "
+         "0 to " +
+             std::to_string(kMaxRestarts) +
+             ". Default: 0 (a failure ends the job)")
+      ->type_name("R");
 
   try {
     app.parse(split, argv);
@@ -246,6 +264,14 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
   }
   if (app.count("--grace") > 0) {
     args.grace_seconds = parse_seconds("--grace", grace_text);
+  }
+  if (app.count("--max-restarts") > 0) {
+    args.max_restarts = parse_integer(
+        "--max-restarts",
+        restarts_text,
+        0,
+        kMaxRestarts,
+        "how many times to restart the ranks");
   }
   // Every host's ranks must meet at one address and port, which the hosts
   // cannot agree on by themselves: a free port found here is free only

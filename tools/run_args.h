@@ -45,6 +45,9 @@ constexpr int64_t kMaxNodes = 4096;
 constexpr double kDefaultGraceSeconds = 5.0;
 constexpr double kMaxGraceSeconds = 3600.0;
 
+// The most --max-restarts may say.
+constexpr int64_t kMaxRestarts = 1000;
+
 struct Args {
   // The ranks on this host (-n): LOCAL_WORLD_SIZE.
   int64_t processes = 0;
@@ -58,6 +61,9 @@ struct Args {
   // 0: pick a free port at run time (only with nnodes 1).
   int master_port = 0;
   double grace_seconds = kDefaultGraceSeconds;
+  // How many times every rank is started again after a rank failed
+  // (--max-restarts); each start's ranks get GPIPE_RESTART_COUNT.
+  int64_t max_restarts = 0;
   // The program and its arguments: everything after the first `--`.
   std::vector<std::string> command;
 };

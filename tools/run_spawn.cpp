@@ -19,8 +19,10 @@ namespace gpipe_run {
 // The environment of this host's rank `local_rank`: gpipe-run's own, less
 // any variables that it sets, plus those.
 std::vector<std::string> rank_environment(
-    const Args& args, int port, int64_t local_rank) {
+    const Args& args, int port, int64_t local_rank, int64_t restart) {
   const std::pair<const char*, std::string> ours[] = {
+      {"GPIPE_RESTART_COUNT", std::to_string(restart)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
       {"MASTER_ADDR", args.master_addr},
       {"MASTER_PORT", std::to_string(port)},
       {"RANK", std::to_string(global_rank(args, local_rank))},

@@ -22,9 +22,10 @@ constexpr int kHandledSignals[] = {SIGCHLD, SIGHUP, SIGINT, SIGTERM};
 
 /// The environment of this host's rank `local_rank`: gpipe-run's own, less
 /// any variables that it sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
-/// LOCAL_RANK, LOCAL_WORLD_SIZE), plus those.
+/// LOCAL_RANK, LOCAL_WORLD_SIZE, GPIPE_RESTART_COUNT and
+/// TORCHELASTIC_RESTART_COUNT: `restart`), plus those.
 std::vector<std::string> rank_environment(
-    const Args& args, int port, int64_t local_rank);
+    const Args& args, int port, int64_t local_rank, int64_t restart);
 
 /// kHandledSignals as a set.
 sigset_t handled_set();

@@ -163,26 +163,26 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
   }
   torch::optim::SGD optimizer(
       module->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
-  // --resume: the epochs and steps done, with the weights, the optimizer
-  // and the random generator as they were then (so that the data comes in
-  // the same order as in a run that never stopped).
-  const auto resumed =
-      args.resume ? resume_training(args, model, optimizer) : Resumed{};
-  if (resumed.epochs_done >= epochs) {
+  // --resume: where the run stood, with the weights, the optimizer and the
+  // random generator as they were then.
+  const auto resumed = args.resume
+      ? resume_training(args, model, stage, optimizer, lead)
+      : gpipe::TrainingState{};
+  if (resumed.epoch >= epochs) {
     if (lead) {
       std::fprintf(
           out,
           "--resume: the saved run has done %lld epochs of --epochs %lld; "
           "nothing left to train\n",
-          static_cast<long long>(resumed.epochs_done),
+          static_cast<long long>(resumed.epoch),
           static_cast<long long>(epochs));
       if (args.json) {
         nlohmann::json summary = {
             {"model", args.model},
             {"balance", balance},
             {"epochs", epochs},
-            {"steps", resumed.steps_done},
-            {"resumed_after_epoch", resumed.epochs_done},
+            {"steps", resumed.step},
+            {"resumed_at_step", resumed.step},
             {"nothing_left_to_train", true}};
         std::cout << summary.dump() << std::endl;
       }
@@ -190,29 +190,29 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
     return 0;
   }
   // --trace-steps was checked against the whole run; a resumed run has
-  // only the epochs left.
-  if (tracing &&
-      epochs - resumed.epochs_done <= args.trace_steps / steps_per_epoch) {
+  // only the steps left.
+  const int64_t steps_left =
+      (epochs - resumed.epoch) * steps_per_epoch - resumed.position;
+  if (tracing && steps_left <= args.trace_steps) {
     throw UsageError(c10::str(
         "--trace-steps ",
         args.trace_steps,
         " needs more than ",
         count_of(args.trace_steps, "step", "steps"),
         " (the first one is not recorded), but --resume leaves ",
-        epochs - resumed.epochs_done,
+        steps_left,
         " of --epochs ",
         epochs,
-        ", ",
-        (epochs - resumed.epochs_done) * steps_per_epoch,
-        " steps; lower --trace-steps or raise --epochs"));
+        "; lower --trace-steps or raise --epochs"));
   }
-  if (args.resume && lead) {
+  if (lead && args.resume && resumed.step > 0) {
     std::fprintf(
         out,
-        "resumed from %s after epoch %lld (step %lld)\n",
-        args.save_path.c_str(),
-        static_cast<long long>(resumed.epochs_done),
-        static_cast<long long>(resumed.steps_done));
+        "resumed from %s at step %lld (epoch %lld, batch %lld)\n",
+        gpipe::latest_checkpoint(args.save_path).c_str(),
+        static_cast<long long>(resumed.step),
+        static_cast<long long>(resumed.epoch + 1),
+        static_cast<long long>(resumed.position));
   }
   const auto out_device = world ? stage->device() : model->devices().back();
   {
@@ -248,22 +248,45 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
 
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  int64_t step = resumed.steps_done;
+  int64_t step = resumed.step;
   int64_t skipped_batches = 0;
   double last_loss = 0;
   double lr = args.lr;
   double train_seconds = 0;
-  for (int64_t epoch = resumed.epochs_done; epoch < epochs; ++epoch) {
+  auto save = [&](int64_t epochs_done, int64_t position) {
+    gpipe::TrainingState state;
+    state.step = step;
+    state.epoch = epochs_done;
+    state.position = position;
+    save_training(args, model, stage, optimizer, state);
+    if (lead) {
+      std::fprintf(
+          out,
+          "saved a checkpoint of step %lld to %s\n",
+          static_cast<long long>(step),
+          args.save_path.c_str());
+    }
+  };
+  for (int64_t epoch = resumed.epoch; epoch < epochs; ++epoch) {
     module->train();
-    auto order = torch::randperm(n);
+    // Each epoch's order from its own generator: a resumed run reads the
+    // same batches whatever the default generator did.
+    auto order = torch::randperm(
+        n,
+        at::make_generator<at::CPUGeneratorImpl>(
+            static_cast<uint64_t>(args.seed) * 1000003u +
+            static_cast<uint64_t>(epoch)),
+        torch::kLong);
     auto window_start = Clock::now();
     int64_t window_samples = 0;
-    for (int64_t begin = 0; begin < n; begin += batch_size) {
+    const int64_t first_batch = epoch == resumed.epoch ? resumed.position : 0;
+    for (int64_t begin = first_batch * batch_size; begin < n;
+         begin += batch_size) {
       auto idx = order.narrow(0, begin, std::min(batch_size, n - begin));
       // Each replica its own shard (all of it without replicas).
       auto x = shard(train_x.index_select(0, idx));
       auto y = shard(train_y.index_select(0, idx)).to(out_device);
-      if (trace && step - resumed.steps_done == 1) {
+      if (trace && step - resumed.step == 1) {
         trace->clear();
         set_trace(trace);
       }
@@ -309,7 +332,7 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
       }
       optimizer.step();
       ++step;
-      if (trace && step - resumed.steps_done == 1 + args.trace_steps) {
+      if (trace && step - resumed.step == 1 + args.trace_steps) {
         if (world) {
           // One timeline with a row per rank, on rank 0.
           trace = gpipe::dist::gather_trace(stage);
@@ -319,7 +342,7 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
         }
         set_trace(nullptr);
       }
-      if (trace && step - resumed.steps_done == 1 + args.trace_steps) {
+      if (trace && step - resumed.step == 1 + args.trace_steps) {
         if (!args.trace_path.empty()) {
           trace->write_chrome_json(args.trace_path);
         }
@@ -366,6 +389,10 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
         window_start = Clock::now();
         window_samples = 0;
       }
+      if (!args.save_path.empty() && args.save_every_steps > 0 &&
+          step % args.save_every_steps == 0 && begin + batch_size < n) {
+        save(epoch, begin / batch_size + 1);  // the epoch's end saves below
+      }
     }
     train_seconds = std::chrono::duration<double>(Clock::now() - start).count();
 
@@ -394,6 +421,9 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
       correct = count.item<int64_t>();
     }
     const double accuracy = double(correct) / test_x.size(0);
+    if (!args.save_path.empty()) {
+      save(epoch + 1, 0);  // every rank: a collective under a launcher
+    }
     const double total =
         std::chrono::duration<double>(Clock::now() - start).count();
     if (!lead) {
@@ -406,14 +436,6 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
         accuracy,
         lr,
         total);
-    if (!args.save_path.empty()) {
-      save_training(args, model, optimizer, epoch + 1, step);
-      std::fprintf(
-          out,
-          "saved the model to %s (training state: %s)\n",
-          args.save_path.c_str(),
-          state_path(args).c_str());
-    }
     if (skipped_batches > 0) {
       std::fprintf(
           out,
@@ -450,9 +472,11 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
             {"final_loss", last_loss},
             {"test_accuracy", accuracy},
             {"train_seconds", train_seconds},
-            {"resumed_after_epoch", resumed.epochs_done},
+            {"resumed_at_step", resumed.step},
             {"train_samples_per_second",
-             double(n * (epochs - resumed.epochs_done)) / train_seconds},
+             double(n * (epochs - resumed.epoch) -
+                    resumed.position * batch_size) /
+                 train_seconds},
             {"total_seconds", total}};
         std::cout << summary.dump() << std::endl;
       }

@@ -19,10 +19,12 @@
 
 namespace gpipe {
 class GPipe;
+struct TrainingState;
 }  // namespace gpipe
 
 namespace gpipe::dist {
 class World;
+class PipelineStage;
 }  // namespace gpipe::dist
 
 namespace gpipe_train {
@@ -121,18 +123,14 @@ struct Args {
   // --devices as given, and the device of each lane (given or default).
   std::string devices_text;
   std::vector<torch::Device> devices;
-  // --save: written after each epoch; --load: read before training.
+  // --save: the checkpoints' directory; --load: weights read before
+  // training.
   std::string save_path;
   std::string load_path;
-  // --resume: go on from the last epoch --save wrote (its weights, and the
-  // training state beside them in <save>.state).
+  // --save-every-steps: a checkpoint every this many steps too (0: none).
+  int64_t save_every_steps = 0;
+  // --resume: go on from the newest checkpoint in --save.
   bool resume = false;
-};
-
-/// What --resume restores (train_save.cpp).
-struct Resumed {
-  int64_t epochs_done = 0;
-  int64_t steps_done = 0;
 };
 
 /// Where the run's text goes: standard output, or with --json standard
@@ -158,31 +156,32 @@ void read_plan(const CLI::App& app, Args& args);
 /// args.devices (throws UsageError); after verify_args.
 void add_devices_option(CLI::App& app, Args& args);
 void verify_devices_option(const CLI::App& app, Args& args);
-/// --save and --load (train_save.cpp): their flags, and their checks
-/// (throws UsageError): one process only, a writable --save path, an
-/// existing --load file.
+/// --save, --save-every-steps, --load and --resume (train_save.cpp): their
+/// flags, and their checks (throws UsageError): a --save directory that is
+/// one or can be made, an existing --load.
 void add_save_options(CLI::App& app, Args& args);
 void verify_save_options(const CLI::App& app, const Args& args);
-/// --save's file of training state: <save>.state.
-std::string state_path(const Args& args);
-/// After epoch `epochs_done` (counted from 1), step `steps_done`: writes
-/// the weights of `model` (a GPipe) to args.save_path and the optimizer,
-/// the random generator and the run's settings to state_path(args), each
-/// through a temporary file renamed into place, so that a run killed while
-/// saving leaves the previous epoch's files.
+/// Writes a checkpoint of `state` (its step, epochs done, batches done in
+/// the epoch) into args.save_path: of `stage` on every rank when it is not
+/// null, else of `model`. The run's settings go with it.
 void save_training(
     const Args& args,
     const gpipe::GPipe& model,
+    const gpipe::dist::PipelineStage& stage,
     const torch::optim::Optimizer& optimizer,
-    int64_t epochs_done,
-    int64_t steps_done);
-/// --resume: when args.save_path exists, loads the weights into `model`
-/// (a GPipe), and the optimizer and the random generator's state from
-/// state_path(args); throws c10::Error when the state is missing or was
-/// written by a run with other settings (naming the flag). Epochs and
-/// steps done: 0 when nothing was saved yet.
-Resumed resume_training(
-    const Args& args, gpipe::GPipe& model, torch::optim::Optimizer& optimizer);
+    gpipe::TrainingState state);
+/// --resume: loads the newest checkpoint in args.save_path (of any layout)
+/// into `stage` (when not null, on every rank) or `model`, with the
+/// optimizer and random state, and returns where the run stood; a
+/// default TrainingState when nothing was saved yet. Throws c10::Error
+/// when it was written by a run with other settings (naming the flag).
+/// `lead`: this process says when there is nothing to resume.
+gpipe::TrainingState resume_training(
+    const Args& args,
+    gpipe::GPipe& model,
+    gpipe::dist::PipelineStage& stage,
+    torch::optim::Optimizer& optimizer,
+    bool lead);
 /// The learning rate of step `step` (from 0) of `steps`, by
 /// args.lr_schedule.
 double lr_at(const Args& args, int64_t step, int64_t steps);

@@ -13,6 +13,11 @@
 #   dist_test.sh GPIPE_RUN GPIPE_TRAIN train [DATA_DIR]
 #                                            # gpipe-train on 2 ranks equals
 #                                            # one process (77: no data set)
+#   dist_test.sh GPIPE_RUN GPIPE_TRAIN restart [DATA_DIR]
+#                                            # a rank killed mid-run: the job
+#                                            # restarts, resumes from its
+#                                            # checkpoint and ends as one
+#                                            # that never stopped
 set -uo pipefail
 
 run_bin=$1
@@ -333,6 +338,73 @@ case $mode in
       fail "--pipeline-size 3 on 2 ranks: exit $code: $(tail -3 "$tmp/bad")"
     else
       echo "ok: --pipeline-size 3 on 2 ranks is refused"
+    fi
+    ;;
+  restart)
+    if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
+      echo "no Fashion-MNIST under $data: skipped"
+      exit 77
+    fi
+    base=(--data-dir "$data" --limit 1280 --test-limit 1000 --batch-size 64
+      --chunks 4 --schedule 1f1b --json --save-every-steps 2)
+    args=("${base[@]}" --epochs 3 --balance 6,7)
+    ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$1" | tr '\n' ' '; }
+    # The run that never stops.
+    timeout 300 "$run_bin" -n 2 -- "$prog" "${args[@]}" --save "$tmp/straight" >"$tmp/straight.out" 2>&1
+    code=$?
+    straight=$(ending "$tmp/straight.out")
+    if [[ $code -ne 0 || -z $straight ]]; then
+      fail "the uninterrupted run exited $code: $(tail -3 "$tmp/straight.out")"
+    fi
+    # The same under --max-restarts 2, rank 1 killed with SIGKILL once its
+    # checkpoint of step 6 is on disk.
+    timeout 300 "$run_bin" -n 2 --max-restarts 2 -- "$prog" "${args[@]}" \
+      --save "$tmp/ck" --resume >"$tmp/ck.out" 2>&1 &
+    launcher=$!
+    killed=
+    for _ in $(seq 1 1200); do
+      if [[ -d $tmp/ck/step-00000006 ]]; then
+        for pid in $(pgrep -P "$launcher") $(pgrep -P "$(pgrep -P "$launcher" | head -1)" 2>/dev/null); do
+          if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx RANK=1 &&
+            tr '\0' '\n' <"/proc/$pid/environ" | grep -qx GPIPE_RESTART_COUNT=0 &&
+            [[ $(cat "/proc/$pid/comm" 2>/dev/null) == gpipe-train ]]; then
+            kill -KILL "$pid" && killed=$pid
+          fi
+        done
+        break
+      fi
+      sleep 0.05
+    done
+    wait "$launcher"
+    code=$?
+    resumed=$(ending "$tmp/ck.out")
+    if [[ -z $killed ]]; then
+      fail "found no rank 1 to kill: $(tail -5 "$tmp/ck.out")"
+    elif [[ $code -ne 0 ]] || ! grep -q 'restarting every rank (restart 1 of at most 2)' "$tmp/ck.out" ||
+      ! grep -q 'done after 1 of at most 2 restarts' "$tmp/ck.out" ||
+      ! grep -q '^\[0\] resumed from .*step-0000000[68] at step' "$tmp/ck.out"; then
+      fail "the restarted job exited $code: $(grep -v '^\[.\] epoch' "$tmp/ck.out" | tail -8)"
+    elif [[ $resumed != "$straight" ]]; then
+      fail "the restarted job ended with '$resumed', the uninterrupted one with '$straight'"
+    else
+      echo "ok: rank 1 killed at step 6, restarted and resumed: $(grep -o 'resumed from .*' "$tmp/ck.out" | head -1); ends as the uninterrupted run: $resumed"
+    fi
+    # Another layout resumes from a 2-rank checkpoint of epoch 1: one
+    # process with the same two stages (the dropout layer stays on stage 1,
+    # so its masks are the same) ends within 1e-6 of the uninterrupted run.
+    timeout 300 "$run_bin" -n 2 -- "$prog" "${base[@]}" --epochs 1 --balance 6,7 \
+      --save "$tmp/other" >"$tmp/first.out" 2>&1
+    timeout 300 "$prog" "${base[@]}" --epochs 3 --balance 3,10 --save "$tmp/other" --resume \
+      >"$tmp/other.out" 2>&1
+    code=$?
+    other=$(ending "$tmp/other.out")
+    a=$(grep -o '"final_loss":[0-9.e-]*' <<<"$straight" | cut -d: -f2)
+    b=$(grep -o '"final_loss":[0-9.e-]*' <<<"$other" | cut -d: -f2)
+    if [[ $code -ne 0 ]] || ! grep -q 'resumed from .* at step 20 (epoch 2, batch 0)' "$tmp/other.out" ||
+      ! awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-6 * a) }'; then
+      fail "one process with --balance 3,10 resumed from the 2-rank checkpoint: exit $code, '$other' against '$straight': $(tail -3 "$tmp/other.out")"
+    else
+      echo "ok: one process (--balance 3,10) resumed from a 2-rank checkpoint ends with $other"
     fi
     ;;
   *)
