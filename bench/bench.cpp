@@ -124,11 +124,12 @@ int main(int argc, char** argv) {
          "inference, conv, trace, random, microbatch (the default: all of "
          "those); "
          "unet-speed, unet-memory, accuracy (minutes each: run only when "
-         "named); dist and unet-speed under gpipe-run -n N, mesh under "
+         "named); checkpoint (only when named); dist and unet-speed under gpipe-run -n N, mesh under "
          "gpipe-run -n 4")
       ->check(CLI::IsMember(
           {"dist",
            "mesh",
+           "checkpoint",
            "unet-speed",
            "unet-memory",
            "accuracy",
@@ -489,6 +490,9 @@ int main(int argc, char** argv) {
   if (want("microbatch")) {
     out["microbatch"] =
         gpipe::bench::microbatch_section(blocks, width, batch, iters);
+  }
+  if (named("checkpoint")) {
+    out["checkpoint"] = gpipe::bench::checkpoint_section(iters);
   }
   if (named("unet-speed")) {
     out["unet_speed"] = gpipe::bench::unet_speed_section(iters, svg_dir);

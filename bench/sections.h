@@ -63,6 +63,11 @@ nlohmann::json dist_section(
 nlohmann::json mesh_section(
     const gpipe::dist::World& world, int64_t width, int iters);
 
+/// A training checkpoint of the speed tables' U-Net with Adam's state:
+/// save_checkpoint and load_checkpoint per MiB against torch::save and
+/// torch::load of the weights. Prints a table and returns its rows.
+nlohmann::json checkpoint_section(int iters);
+
 /// Per-cell overhead: 16 x Linear(64) at chunks 32 through 1 and 2 lanes
 /// against the plain model on the same micro-batches. Prints a table and
 /// returns its rows.

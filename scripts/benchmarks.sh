@@ -58,6 +58,7 @@ section conv
 section microbatch
 section trace
 section random
+section checkpoint
 echo "== benchmarks.sh: dist" >&2
 start=$SECONDS
 (cd "$work" && "$launcher" -n 2 -- "$bench" --only dist \
@@ -383,5 +384,18 @@ its buckets' end), the part during which a lane of the replica computed.
 
 EOF
   table mesh
+  cat <<EOF
+
+## Training checkpoints (\`--only checkpoint\`, ${seconds[checkpoint]} s)
+
+The speed tables' U-Net (B = 2, C = 16) on 2 partitions with Adam's two
+moments: \`save_checkpoint\` (every file and the directory flushed to disk,
+a checksum per file) and \`load_checkpoint\` (every file read and checked
+against its checksum) per MiB of checkpoint, against \`torch::save\` and
+\`torch::load\` of the same GPipe's weights alone (a zip archive, not
+flushed); the median of gpipe-bench's --iters runs each.
+
+EOF
+  table checkpoint
 } > "$page"
 echo "== benchmarks.sh: wrote $page" >&2
