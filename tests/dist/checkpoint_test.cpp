@@ -234,14 +234,14 @@ struct TempDir {
 };
 
 TEST(DistCheckpointTest, EveryLayoutGoesOnFromAnothersCheckpoint) {
-  const std::vector<std::pair<Layout, Layout>> pairs{
-      {kOneProcess, kTwoStages},
-      {kTwoStages, kFourStages},
-      {kFourStages, kMesh},
-      {kMesh, kInterleaved},
-      {kInterleaved, kOneProcess},
-      {kMesh, kMesh},
-  };
+  const std::vector<Layout> layouts{
+      kOneProcess, kTwoStages, kFourStages, kMesh, kInterleaved};
+  std::vector<std::pair<Layout, Layout>> pairs;
+  for (const auto& a : layouts) {
+    for (const auto& b : layouts) {
+      pairs.emplace_back(a, b);
+    }
+  }
   for (const auto kind : {Opt::SGDMomentum, Opt::Adam}) {
     const auto ref = reference(kind);
     for (const auto& [a, b] : pairs) {
