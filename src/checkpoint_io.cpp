@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <sstream>
 
 namespace gpipe::detail {
@@ -29,6 +30,9 @@ namespace fs = std::filesystem;
 // flushed so that the rename survives a power cut. Readers only look at
 // `step-<n>` directories, so a crash before the rename leaves nothing they
 // see but the older checkpoints, and the next writer removes the leftover.
+// Writing a step again moves its older checkpoint aside first
+// (`.old-step-<n>`), which readers take while the new one is not in place
+// and the next writer puts back.
 // A file damaged later (truncated, overwritten) fails its checksum when
 // read, by name.
 
@@ -165,16 +169,20 @@ std::string step_name(int64_t step) {
 // The whole checkpoints in `root`, oldest first.
 std::vector<std::pair<int64_t, fs::path>> checkpoints_in(
     const std::string& root) {
-  std::vector<std::pair<int64_t, fs::path>> found;
+  std::map<int64_t, fs::path> found;
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(root, error)) {
-    const auto step = step_of(entry.path().filename().string());
-    if (step >= 0 && fs::is_regular_file(entry.path() / kManifest, error)) {
-      found.emplace_back(step, entry.path());
+    const auto name = entry.path().filename().string();
+    // An older checkpoint of a step being written again, moved aside, is
+    // that step's while the new one is not in place.
+    const bool aside = name.rfind(".old-", 0) == 0;
+    const auto step = step_of(aside ? name.substr(5) : name);
+    if (step >= 0 && fs::is_regular_file(entry.path() / kManifest, error) &&
+        (!aside || found.count(step) == 0)) {
+      found[step] = entry.path();
     }
   }
-  std::sort(found.begin(), found.end());
-  return found;
+  return {found.begin(), found.end()};
 }
 
 void add_file(
@@ -271,11 +279,20 @@ std::string begin_checkpoint(const std::string& root, int64_t step) {
       root,
       "'",
       error ? ": " + error.message() : "");
-  // Leftovers of writers that died (see Note [Writing a checkpoint]).
+  // Leftovers of writers that died (see Note [Writing a checkpoint]): an
+  // unfinished checkpoint goes; an older one moved aside goes back in place
+  // unless its successor got there.
   for (const auto& entry : fs::directory_iterator(root, error)) {
     const auto name = entry.path().filename().string();
-    if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0) {
+    if (name.rfind(".tmp-", 0) == 0) {
       fs::remove_all(entry.path(), error);
+    } else if (name.rfind(".old-", 0) == 0) {
+      const auto in_place = fs::path(root) / name.substr(5);
+      if (fs::exists(in_place, error)) {
+        fs::remove_all(entry.path(), error);
+      } else {
+        fs::rename(entry.path(), in_place, error);
+      }
     }
   }
   const auto tmp = (fs::path(root) / (".tmp-" + step_name(step))).string();

@@ -240,6 +240,33 @@ TEST(CheckpointIoTest, AWriteThatDiesLeavesThePreviousCheckpointWhole) {
   auto loaded_opt = make_optimizer(Opt::Adam, loaded->parameters());
   EXPECT_EQ(load_checkpoint(dir.path, loaded, *loaded_opt).step, 8);
   expect_same_state(*loaded, *model, 0);
+
+  // Step 8 written again (other weights), dying at each point: step 8's
+  // first checkpoint stays loadable, also once moved aside.
+  auto first8 = make_model(kLayouts[0]);
+  auto first8_opt = make_optimizer(Opt::Adam, first8->parameters());
+  load_checkpoint(dir.path, first8, *first8_opt);
+  train(model, *opt, 8);
+  for (int64_t after = 0;; ++after) {
+    detail::fail_checkpoint_after(after);
+    bool died = false;
+    try {
+      save_checkpoint(dir.path, model, *opt, state);
+    } catch (const c10::Error& e) {
+      died = std::string(e.what()).find("simulated crash") != std::string::npos;
+      EXPECT_TRUE(died) << e.what();
+    }
+    detail::fail_checkpoint_after(-1);
+    if (!died) {
+      break;
+    }
+    auto again = make_model(kLayouts[0]);
+    auto again_opt = make_optimizer(Opt::Adam, again->parameters());
+    EXPECT_EQ(load_checkpoint(dir.path, again, *again_opt).step, 8);
+    expect_same_state(*again, *first8, 0);
+  }
+  load_checkpoint(dir.path, loaded, *loaded_opt);
+  expect_same_state(*loaded, *model, 0);
   // The two newest are kept, the leftovers of the dead writes are gone.
   state.step = 12;
   save_checkpoint(dir.path, model, *opt, state);
