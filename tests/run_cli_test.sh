@@ -477,6 +477,32 @@ else
   done
 fi
 
+# --- Restarts -----------------------------------------------------------------
+
+# --max-restarts 2: rank 1 fails on the first start only; every rank starts
+# again, on a fresh port, told which start it is, and the job succeeds.
+limit=20 run -n 2 --max-restarts 2 -- sh -c '
+  echo "start $GPIPE_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT port $MASTER_PORT"
+  if [ "$GPIPE_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then exit 3; fi'
+ports=$(grep -o 'port [0-9]*' "$tmp/out" | sort -u | wc -l)
+if [[ $status -ne 0 ]] || ! grep -q '^\[1\] start 1 1 port' "$tmp/out" ||
+  ! grep -q 'restarting every rank (restart 1 of at most 2)' "$tmp/err" ||
+  [[ $(tail -1 "$tmp/err") != "gpipe-run: done after 1 of at most 2 restarts" ]] ||
+  [[ $ports -ne 2 ]]; then
+  fail "--max-restarts 2 with one failed start: exit status $status, $ports ports: $(cat "$tmp/out" "$tmp/err")"
+else
+  ok "--max-restarts 2: restarted once on a fresh port and succeeded"
+fi
+# A rank that always fails: R restarts, then the failing rank's status.
+limit=20 run -n 2 --max-restarts 2 -- sh -c '[ "$RANK" = 0 ] || exit 4'
+starts=$(grep -c 'rank 1 exited with code 4' "$tmp/err")
+if [[ $status -ne 4 || $starts -ne 3 ]] ||
+  [[ $(tail -1 "$tmp/err") != "gpipe-run: gave up after 2 of at most 2 restarts" ]]; then
+  fail "--max-restarts 2, always failing: exit status $status after $starts starts: $(cat "$tmp/err")"
+else
+  ok "--max-restarts 2, always failing: 3 starts, exit status 4"
+fi
+
 # --- Bad command lines -----------------------------------------------------
 
 # bad WORD ARGS...: ARGS must exit 2, with nothing on stdout and one line on
@@ -537,6 +563,9 @@ bad --master-addr -n 2 --master-addr 127.0.0.1:29500 -- true
 bad --grace -n 2 --grace -1 -- true
 bad --grace -n 2 --grace soon -- true
 bad --grace -n 2 --grace 1e300 -- true
+bad --max-restarts -n 2 --max-restarts -1 -- true
+bad --max-restarts -n 2 --max-restarts many -- true
+bad --max-restarts -n 2 --max-restarts 1001 -- true
 
 # bad_host FLAG VALUE ARGS...: as bad, with a program that would leave a
 # file behind: the line also names VALUE, and no rank is started.

@@ -394,6 +394,8 @@ case $mode in
     # so its masks are the same) ends within 1e-6 of the uninterrupted run.
     timeout 300 "$run_bin" -n 2 -- "$prog" "${base[@]}" --epochs 1 --balance 6,7 \
       --save "$tmp/other" >"$tmp/first.out" 2>&1
+    mkdir -p "$tmp/mesh"
+    cp -r "$tmp/other/step-00000020" "$tmp/mesh/"  # for the 2 x 2 run below
     timeout 300 "$prog" "${base[@]}" --epochs 3 --balance 3,10 --save "$tmp/other" --resume \
       >"$tmp/other.out" 2>&1
     code=$?
@@ -405,6 +407,19 @@ case $mode in
       fail "one process with --balance 3,10 resumed from the 2-rank checkpoint: exit $code, '$other' against '$straight': $(tail -3 "$tmp/other.out")"
     else
       echo "ok: one process (--balance 3,10) resumed from a 2-rank checkpoint ends with $other"
+    fi
+    # And two replicas of the pipeline (4 ranks, --pipeline-size 2) resume
+    # from it too: smaller micro-batches and per-replica BatchNorm make
+    # another run, so only its start and its training are checked.
+    timeout 300 "$run_bin" -n 4 -- "$prog" "${base[@]}" --epochs 2 --balance 6,7 \
+      --pipeline-size 2 --save "$tmp/mesh" --resume >"$tmp/mesh.out" 2>&1
+    code=$?
+    accuracy=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/mesh.out" | cut -d: -f2)
+    if [[ $code -ne 0 ]] || ! grep -q '^\[0\] resumed from .*step-00000020 at step 20 (epoch 2, batch 0)' "$tmp/mesh.out" ||
+      ! awk -v a="$accuracy" 'BEGIN { exit !(a >= 0.5) }'; then
+      fail "2 x 2 ranks resumed from the 2-rank checkpoint: exit $code, accuracy '$accuracy': $(tail -3 "$tmp/mesh.out")"
+    else
+      echo "ok: 2 replicas x 2 stages resumed from the 2-rank checkpoint at step 20; test accuracy $accuracy"
     fi
     ;;
   *)
