@@ -151,7 +151,10 @@ c10::ScalarType dtype_named(const std::string& name, const std::string& key) {
 int64_t step_of(const std::string& name) {
   constexpr const char* kPrefix = "step-";
   if (name.rfind(kPrefix, 0) != 0 || name.size() == 5 ||
-      !std::all_of(name.begin() + 5, name.end(), ::isdigit) ||
+      !std::all_of(
+          name.begin() + 5,
+          name.end(),
+          [](char c) { return c >= '0' && c <= '9'; }) ||
       name.size() > 5 + 18) {
     return -1;
   }
@@ -208,36 +211,40 @@ void fail_checkpoint_after(int64_t writes) {
   writes_left = writes;
 }
 
+namespace {
+
+// A file descriptor closed when it goes, whatever is thrown.
+class OpenFile {
+ public:
+  explicit OpenFile(int fd) : fd_(fd) {}
+  ~OpenFile() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+    }
+  }
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+  int get() const {
+    return fd_;
+  }
+  // Closes it now; returns close's result.
+  int close() {
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    return rc;
+  }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
 nlohmann::json write_tensor_file(
     const std::string& dir,
     const std::string& name,
     const NamedTensors& tensors) {
   const auto path = (fs::path(dir) / name).string();
-  crash_point("writing " + path);
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", errno_text());
-  nlohmann::json entries = nlohmann::json::object();
-  Checksum checksum;
-  int64_t offset = 0;
-  auto put = [&](const void* data, size_t n) {
-    const auto* bytes = static_cast<const uint8_t*>(data);
-    checksum.add(bytes, n);
-    size_t done = 0;
-    while (done < n) {
-      const auto wrote = ::write(fd, bytes + done, n - done);
-      if (wrote < 0 && errno == EINTR) {
-        continue;
-      }
-      if (wrote <= 0) {
-        const auto why = errno_text();
-        ::close(fd);
-        TORCH_CHECK(false, "cannot write '", path, "': ", why);
-      }
-      done += static_cast<size_t>(wrote);
-    }
-    offset += static_cast<int64_t>(n);
-  };
-  const std::vector<uint8_t> zeros(kAlign, 0);
   for (const auto& [key, tensor] : tensors) {
     TORCH_CHECK_VALUE(
         std::find(
@@ -248,6 +255,29 @@ nlohmann::json write_tensor_file(
         key,
         "' of dtype ",
         tensor.scalar_type());
+  }
+  crash_point("writing " + path);
+  OpenFile file(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
+  TORCH_CHECK(file.get() >= 0, "cannot write '", path, "': ", errno_text());
+  nlohmann::json entries = nlohmann::json::object();
+  Checksum checksum;
+  int64_t offset = 0;
+  auto put = [&](const void* data, size_t n) {
+    const auto* bytes = static_cast<const uint8_t*>(data);
+    checksum.add(bytes, n);
+    size_t done = 0;
+    while (done < n) {
+      const auto wrote = ::write(file.get(), bytes + done, n - done);
+      if (wrote < 0 && errno == EINTR) {
+        continue;
+      }
+      TORCH_CHECK(wrote > 0, "cannot write '", path, "': ", errno_text());
+      done += static_cast<size_t>(wrote);
+    }
+    offset += static_cast<int64_t>(n);
+  };
+  const std::vector<uint8_t> zeros(kAlign, 0);
+  for (const auto& [key, tensor] : tensors) {
     if (offset % kAlign != 0) {
       put(zeros.data(), static_cast<size_t>(kAlign - offset % kAlign));
     }
@@ -258,10 +288,13 @@ nlohmann::json write_tensor_file(
         {"shape", cpu.sizes().vec()}};
     put(cpu.data_ptr(), cpu.nbytes());
   }
-  const int rc = ::fsync(fd);
-  const auto why = errno_text();
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "cannot flush '", path, "' to disk: ", why);
+  TORCH_CHECK(
+      ::fsync(file.get()) == 0,
+      "cannot flush '",
+      path,
+      "' to disk: ",
+      errno_text());
+  TORCH_CHECK(file.close() == 0, "cannot write '", path, "': ", errno_text());
   return {
       {"bytes", offset},
       {kChecksumKey, checksum.hex()},
@@ -345,9 +378,20 @@ void commit_checkpoint(
       error.message());
   sync_path(root);
   fs::remove_all(old, error);
+  // Checkpoints of later steps are of a run that went on from an older one
+  // and was given up (this one resumed from before them): they go, or a
+  // resume would take them. Of the earlier ones the newest stays.
+  bool kept_one = false;
   auto all = checkpoints_in(root);
-  for (size_t k = 0; k + 2 < all.size(); ++k) {
-    fs::remove_all(all[k].second, error);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (it->first == step) {
+      continue;
+    }
+    if (it->first < step && !kept_one) {
+      kept_one = true;
+      continue;
+    }
+    fs::remove_all(it->second, error);
   }
 }
 
@@ -383,24 +427,9 @@ CheckpointReader::CheckpointReader(const std::string& dir) {
   const auto path = (fs::path(path_) / kManifest).string();
   std::ifstream in(path);
   TORCH_CHECK_VALUE(in, "cannot read '", path, "'");
-  try {
-    manifest_ = nlohmann::json::parse(in);
-    TORCH_CHECK_VALUE(
-        manifest_.at("format").get<std::string>() == kCheckpointFormat,
-        "format is not ",
-        kCheckpointFormat);
-    const auto version = manifest_.at("version").get<int64_t>();
-    TORCH_CHECK_VALUE(
-        version == kCheckpointVersion,
-        "version ",
-        version,
-        ", but this gpipe reads version ",
-        kCheckpointVersion);
-    manifest_.at("files").get<nlohmann::json::object_t>();
-    manifest_.at("tensors").get<nlohmann::json::object_t>();
-    manifest_.at("layers").get<std::vector<std::string>>();
-    state_from_json(manifest_.at("state"));
-  } catch (const std::exception& e) {
+  // Whether it is a manifest of this format and version, then whether it
+  // is whole: every entry the reader will use is checked here.
+  const auto damaged = [&](const std::exception& e) {
     std::string why = e.what();
     if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
       why = error->what_without_backtrace();
@@ -409,9 +438,50 @@ CheckpointReader::CheckpointReader(const std::string& dir) {
         false,
         "'",
         path,
-        "' is not a gpipe checkpoint manifest (",
+        "' is not a whole gpipe checkpoint manifest (",
         why,
         "): the checkpoint is damaged");
+  };
+  int64_t version = 0;
+  try {
+    manifest_ = nlohmann::json::parse(in);
+    TORCH_CHECK_VALUE(
+        manifest_.at("format").get<std::string>() == kCheckpointFormat,
+        "format is not ",
+        kCheckpointFormat);
+    version = manifest_.at("version").get<int64_t>();
+  } catch (const std::exception& e) {
+    damaged(e);
+  }
+  TORCH_CHECK_VALUE(
+      version == kCheckpointVersion,
+      "'",
+      path,
+      "' is of checkpoint format version ",
+      version,
+      ", but this gpipe reads version ",
+      kCheckpointVersion);
+  try {
+    for (const auto& item : manifest_.at("files").items()) {
+      item.value().at("bytes").get<int64_t>();
+      item.value().at(kChecksumKey).get<std::string>();
+    }
+    for (const auto& item : manifest_.at("tensors").items()) {
+      const auto& entry = item.value();
+      TORCH_CHECK_VALUE(
+          manifest_["files"].contains(entry.at("file").get<std::string>()),
+          "tensor '",
+          item.key(),
+          "' is in a file the manifest does not list");
+      entry.at("offset").get<int64_t>();
+      dtype_named(entry.at("dtype").get<std::string>(), item.key());
+      entry.at("shape").get<std::vector<int64_t>>();
+    }
+    manifest_.at("layers").get<std::vector<std::string>>();
+    manifest_.at("state").at("user").get<std::map<std::string, std::string>>();
+    state_from_json(manifest_.at("state"));
+  } catch (const std::exception& e) {
+    damaged(e);
   }
 }
 

@@ -102,6 +102,31 @@ const Schema& schema_of(const std::string& kind) {
   return schemas.at(kind);
 }
 
+// The fields a parameter's state needs under its group's `options`: those
+// the kind always keeps, and those its options make it use (Adam's
+// amsgrad, RMSprop's momentum and centering).
+std::set<std::string> needed_fields(
+    const std::string& kind, const torch::optim::OptimizerOptions& options) {
+  using namespace torch::optim;
+  auto needed = schema_of(kind).required;
+  if (kind == "Adam" && static_cast<const AdamOptions&>(options).amsgrad()) {
+    needed.insert("max_exp_avg_sq");
+  }
+  if (kind == "AdamW" && static_cast<const AdamWOptions&>(options).amsgrad()) {
+    needed.insert("max_exp_avg_sq");
+  }
+  if (kind == "RMSprop") {
+    const auto& o = static_cast<const RMSpropOptions&>(options);
+    if (o.momentum() > 0) {
+      needed.insert("momentum_buffer");
+    }
+    if (o.centered()) {
+      needed.insert("grad_avg");
+    }
+  }
+  return needed;
+}
+
 template <typename State>
 std::unique_ptr<State> moments_from(Fields& f) {
   auto s = std::make_unique<State>();
@@ -165,6 +190,48 @@ std::unordered_map<const c10::TensorImpl*, std::string> parameter_keys(
 }
 
 }  // namespace
+
+void check_generator_state(const torch::Tensor& state, const char* what) {
+  bool ok = state.defined() && state.scalar_type() == torch::kByte &&
+      state.dim() == 1;
+  if (ok) {
+    // A throwaway generator takes it, or the default one would not.
+    auto trial = at::make_generator<at::CPUGeneratorImpl>();
+    try {
+      trial.set_state(state.cpu());
+    } catch (const c10::Error&) {
+      ok = false;
+    }
+  }
+  TORCH_CHECK_VALUE(
+      ok,
+      what,
+      " is not a CPU generator's state (a byte tensor of the size "
+      "torch's CPU generator's get_state() gives), but ",
+      state.defined() ? state.toString() : std::string("undefined"),
+      state.defined() ? " of shape " + c10::str(state.sizes()) : "");
+}
+
+TrainingState read_state(CheckpointReader& reader) {
+  auto state = state_from_json(reader.manifest().at("state"));
+  state.cpu_generator = reader.tensor("random.cpu").clone();
+  check_generator_state(state.cpu_generator, "the checkpoint's random.cpu");
+  return state;
+}
+
+void write_random_file(
+    const std::string& tmp,
+    const TrainingState& state,
+    nlohmann::json& manifest) {
+  auto generator = state.cpu_generator.defined()
+      ? state.cpu_generator
+      : cpu_generator_state();
+  check_generator_state(generator, "TrainingState::cpu_generator");
+  detail::add_file(
+      manifest,
+      kRandomFile,
+      write_tensor_file(tmp, kRandomFile, {{"random.cpu", generator}}));
+}
 
 void add_layers(
     IndexedLayers& layers,
@@ -380,11 +447,13 @@ std::function<void()> plan_load(
           }
           fields[field] = from;
         }
-        if (fields.empty()) {
+        // No state: no step was taken for it (Adagrad, which keeps one for
+        // every parameter from the start, must have one).
+        if (fields.empty() && kind != "Adagrad") {
           placed->push_back(Placed{p, nullptr});
           continue;
         }
-        for (const auto& field : schema.required) {
+        for (const auto& field : needed_fields(kind, group.options())) {
           TORCH_CHECK_VALUE(
               fields.count(field) > 0,
               "the checkpoint in '",
@@ -393,7 +462,7 @@ std::function<void()> plan_load(
               prefix + field,
               "', which ",
               kind,
-              " needs");
+              " needs with the optimizer's options");
         }
         placed->push_back(Placed{p, state_from(kind, std::move(fields))});
       }
@@ -447,11 +516,7 @@ void save_checkpoint(
   TORCH_CHECK_VALUE(
       !model.is_empty(), "save_checkpoint expects a non-null GPipe");
   const auto layers = layers_of(model);
-  auto tensors = detail::tensors_of(layers, &optimizer);
-  tensors.emplace_back(
-      "random.cpu",
-      state.cpu_generator.defined() ? state.cpu_generator
-                                    : detail::cpu_generator_state());
+  const auto tensors = detail::tensors_of(layers, &optimizer);
   nlohmann::json manifest;
   std::vector<std::string> names;
   for (const auto& layer : layers) {
@@ -470,10 +535,15 @@ void save_checkpoint(
   manifest["state"] = detail::state_to_json(state);
   manifest["files"] = nlohmann::json::object();
   manifest["tensors"] = nlohmann::json::object();
+  if (state.cpu_generator.defined()) {
+    detail::check_generator_state(
+        state.cpu_generator, "TrainingState::cpu_generator");
+  }
   const auto tmp = detail::begin_checkpoint(dir, state.step);
   const std::string file = "rank-0.bin";
   detail::add_file(
       manifest, file, detail::write_tensor_file(tmp, file, tensors));
+  detail::write_random_file(tmp, state, manifest);
   detail::commit_checkpoint(dir, tmp, state.step, std::move(manifest));
 }
 
@@ -485,11 +555,15 @@ TrainingState load_checkpoint(
   const auto layers = layers_of(model);
   auto apply = detail::plan_load(
       reader, layers, static_cast<int64_t>(layers.size()), &optimizer);
-  auto state = detail::state_from_json(reader.manifest().at("state"));
-  state.cpu_generator = reader.tensor("random.cpu").clone();
+  auto state = detail::read_state(reader);
   apply();
   detail::set_cpu_generator_state(state.cpu_generator);
   return state;
+}
+
+TrainingState read_training_state(const std::string& dir) {
+  detail::CheckpointReader reader(dir);
+  return detail::read_state(reader);
 }
 
 }  // namespace gpipe

@@ -49,6 +49,24 @@ std::string optimizer_kind(const torch::optim::Optimizer& optimizer);
 NamedTensors tensors_of(
     const IndexedLayers& layers, const torch::optim::Optimizer* optimizer);
 
+/// The file of a checkpoint that holds the CPU generator's state
+/// ("random.cpu"), apart from the layers so that every rank reads little.
+constexpr const char* kRandomFile = "random.bin";
+
+/// Throws c10::ValueError naming `what` unless `state` is a CPU
+/// generator's state (a throwaway generator takes it).
+void check_generator_state(const torch::Tensor& state, const char* what);
+
+/// The checkpoint's TrainingState with its generator state, checked.
+TrainingState read_state(CheckpointReader& reader);
+
+/// Writes kRandomFile into `tmp`: `state`'s generator state (checked), or
+/// the default CPU generator's now when it has none; adds it to `manifest`.
+void write_random_file(
+    const std::string& tmp,
+    const TrainingState& state,
+    nlohmann::json& manifest);
+
 /// Checks `layers` (of a model of `total_layers`) and `optimizer` against
 /// the checkpoint (the layers' names, every tensor's presence and shape,
 /// the optimizer's kind and state) and returns what loading changes, to be

@@ -41,6 +41,15 @@ struct TempDir {
   std::string path;
 };
 
+std::vector<std::string> entries_of(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 // Six layers with a buffer (BatchNorm's statistics), in float64.
 torch::nn::Sequential make_net() {
   torch::manual_seed(0);
@@ -153,6 +162,7 @@ TEST(CheckpointIoTest, AnyLayoutGoesOnFromAnyOthersCheckpoint) {
           }
           TrainingState state;
           state.step = 4;
+          state.epoch = 1;
           state.position = 4;
           state.user["note"] = "halfway";
           save_checkpoint(dir.path, model, *opt, state);
@@ -161,6 +171,7 @@ TEST(CheckpointIoTest, AnyLayoutGoesOnFromAnyOthersCheckpoint) {
         auto opt = make_optimizer(kind, model->parameters());
         const auto state = load_checkpoint(dir.path, model, *opt);
         EXPECT_EQ(state.step, 4);
+        EXPECT_EQ(state.epoch, 1);
         EXPECT_EQ(state.position, 4);
         EXPECT_EQ(state.user.at("note"), "halfway");
         for (int64_t s = 4; s < 8; ++s) {
@@ -270,12 +281,9 @@ TEST(CheckpointIoTest, AWriteThatDiesLeavesThePreviousCheckpointWhole) {
   // The two newest are kept, the leftovers of the dead writes are gone.
   state.step = 12;
   save_checkpoint(dir.path, model, *opt, state);
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir.path)) {
-    names.push_back(entry.path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"step-00000008", "step-00000012"}));
+  EXPECT_EQ(
+      entries_of(dir.path),
+      (std::vector<std::string>{"step-00000008", "step-00000012"}));
 }
 
 // Runs `load` and expects a c10::ValueError whose message holds every one
@@ -386,6 +394,64 @@ TEST(CheckpointIoTest, AnotherModelOrOptimizerIsRefusedBeforeAnythingChanges) {
   EXPECT_THROW(
       save_checkpoint(dir.path, model, foreign, TrainingState{}),
       c10::ValueError);
+}
+
+// A checkpoint of a step below the newest is a run that went back to an
+// older one: the later ones go (a resume would take them), the newest
+// earlier one stays.
+TEST(CheckpointIoTest, SavingAnEarlierStepDropsTheLaterOnes) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  TrainingState state;
+  for (const int64_t step : {4, 8, 12}) {
+    state.step = step;
+    save_checkpoint(dir.path, model, *opt, state);
+  }
+  EXPECT_EQ(
+      entries_of(dir.path),
+      (std::vector<std::string>{"step-00000008", "step-00000012"}));
+  state.step = 6;
+  save_checkpoint(dir.path, model, *opt, state);
+  EXPECT_EQ(entries_of(dir.path), (std::vector<std::string>{"step-00000006"}));
+  EXPECT_EQ(read_training_state(dir.path).step, 6);
+  state.step = 7;
+  save_checkpoint(dir.path, model, *opt, state);
+  EXPECT_EQ(
+      entries_of(dir.path),
+      (std::vector<std::string>{"step-00000006", "step-00000007"}));
+}
+
+// What the optimizer's options need must be in the checkpoint (Adam with
+// amsgrad keeps a third moment), and a generator state must be one.
+TEST(CheckpointIoTest, OptionsAndGeneratorStatesAreChecked) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  torch::optim::Adam plain(model->parameters(), torch::optim::AdamOptions(0.01));
+  train(model, plain, 0);
+  save_checkpoint(dir.path, model, plain, TrainingState{});
+  auto other = make_model(kLayouts[1]);
+  torch::optim::Adam amsgrad(
+      other->parameters(), torch::optim::AdamOptions(0.01).amsgrad(true));
+  expect_refused(
+      other,
+      [&] { load_checkpoint(dir.path, other, amsgrad); },
+      {"max_exp_avg_sq", "which Adam needs with the optimizer's options"});
+
+  TrainingState bad;
+  bad.step = 1;
+  bad.cpu_generator = torch::zeros({7}, torch::kFloat);
+  try {
+    save_checkpoint(dir.path, model, plain, bad);
+    ADD_FAILURE() << "a float tensor was saved as a generator state";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("TrainingState::cpu_generator is not a CPU "
+                                   "generator's state"),
+        std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(latest_checkpoint(dir.path), dir.path + "/step-00000000");
 }
 
 }  // namespace

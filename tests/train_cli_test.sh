@@ -310,6 +310,10 @@ elif [[ $mode == run ]]; then
       echo "ok: --load: accuracy $loaded against $fresh from scratch"
     fi
   fi
+  # Another run's checkpoints in --save without --resume: refused, rather
+  # than mixed with this run's.
+  bad "--save '$tmp/m' already holds checkpoints (the newest: $tmp/m/step-00000016); give --resume" \
+    --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --save "$tmp/m"
   # A checkpoint of another model: a bad --load, with the reason, before the
   # balance is measured.
   bad "--load '$tmp/m': the checkpoint in '$tmp/m/step-00000016' has 13 layers, but the model has 39" \

@@ -258,3 +258,36 @@ TEST_F(TrainStepTest, MessagesReadWell) {
 
 }  // namespace
 }  // namespace gpipe
+
+namespace gpipe {
+namespace {
+
+// A step that is refused (a plan for other micro-batches, grad mode off)
+// runs nothing and leaves the user's random generator where it was; a step
+// that runs draws its one step seed.
+TEST(TrainStepRandomTest, ARefusedStepLeavesTheGeneratorAlone) {
+  torch::manual_seed(0);
+  GPipe model(
+      model_of(false),
+      GPipeOptions({4, 4}).chunks(2).devices({torch::kCPU, torch::kCPU}));
+  const auto x = torch::randn({4, 5});
+  const auto y = torch::randn({4, 4});
+  auto loss = [](torch::Tensor out, torch::Tensor target) {
+    return torch::mse_loss(out, target);
+  };
+  const auto plan = training_plan(Schedule::OneFOneB, 3, 2);  // not 2
+  const auto before = at::detail::getDefaultCPUGenerator().get_state();
+  EXPECT_THROW(model->train_step(x, y, loss, plan), c10::ValueError);
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_THROW(model->train_step(x, y, loss), c10::Error);
+  }
+  EXPECT_TRUE(
+      torch::equal(at::detail::getDefaultCPUGenerator().get_state(), before));
+  model->train_step(x, y, loss);
+  EXPECT_FALSE(
+      torch::equal(at::detail::getDefaultCPUGenerator().get_state(), before));
+}
+
+}  // namespace
+}  // namespace gpipe

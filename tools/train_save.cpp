@@ -75,6 +75,16 @@ void verify_save_options(const CLI::App& app, const Args& args) {
           "' does not exist");
     }
   }
+  if (save && !args.resume) {
+    const auto newest = gpipe::latest_checkpoint(args.save_path);
+    usage_check(
+        newest.empty(),
+        "--save '",
+        args.save_path,
+        "' already holds checkpoints (the newest: ",
+        newest,
+        "); give --resume to go on from them, or another directory");
+  }
   usage_check(
       args.save_every_steps >= 0,
       "--save-every-steps must be 0 or more, but got ",
@@ -164,8 +174,18 @@ gpipe::TrainingState resume_training(
     gpipe::dist::PipelineStage& stage,
     torch::optim::Optimizer& optimizer,
     bool lead) {
+  // Under a launcher every rank must take the same way, rank 0's: load
+  // together, or all start afresh.
   const auto newest = gpipe::latest_checkpoint(args.save_path);
-  if (newest.empty()) {
+  bool found = !newest.empty();
+  const gpipe::dist::World* world =
+      stage.is_empty() ? nullptr : &stage->mesh().world();
+  if (world != nullptr) {
+    auto flag = torch::tensor({found ? 1 : 0}, torch::kLong);
+    world->broadcast(flag, 0);
+    found = flag.item<int64_t>() != 0;
+  }
+  if (!found) {
     if (lead) {
       std::fprintf(
           text_out(args),
@@ -174,25 +194,43 @@ gpipe::TrainingState resume_training(
     }
     return {};
   }
-  const auto state = !stage.is_empty()
+  // The settings first, so that a checkpoint of another run is refused
+  // before anything is loaded; alike on every rank.
+  std::string mismatch;
+  try {
+    const auto saved = gpipe::read_training_state(args.save_path);
+    for (const auto& [flag, now] : settings_of(args)) {
+      auto it = saved.user.find(flag);
+      const auto then = it == saved.user.end() ? std::string("?") : it->second;
+      if (then != now) {
+        mismatch = c10::str(
+            "--resume: ",
+            newest,
+            " was saved by a run with ",
+            flag,
+            " ",
+            then,
+            ", but this run has ",
+            now,
+            "; resume with the same settings");
+        break;
+      }
+    }
+  } catch (const c10::Error& e) {
+    mismatch = e.what_without_backtrace();
+  }
+  if (world != nullptr) {
+    auto flag = torch::tensor({mismatch.empty() ? 0 : 1}, torch::kLong);
+    world->all_reduce(flag);
+    if (mismatch.empty() && flag.item<int64_t>() > 0) {
+      mismatch = "--resume: another rank could not resume from " + newest +
+          " (its message says why)";
+    }
+  }
+  TORCH_CHECK_VALUE(mismatch.empty(), mismatch);
+  return !stage.is_empty()
       ? gpipe::dist::load_checkpoint(args.save_path, stage, optimizer)
       : gpipe::load_checkpoint(args.save_path, model, optimizer);
-  for (const auto& [flag, now] : settings_of(args)) {
-    auto it = state.user.find(flag);
-    const auto then = it == state.user.end() ? std::string("?") : it->second;
-    TORCH_CHECK_VALUE(
-        then == now,
-        "--resume: ",
-        newest,
-        " was saved by a run with ",
-        flag,
-        " ",
-        then,
-        ", but this run has ",
-        now,
-        "; resume with the same settings");
-  }
-  return state;
 }
 
 }  // namespace gpipe_train

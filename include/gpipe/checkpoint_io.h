@@ -22,7 +22,9 @@
 // `optimizer.layers.<i>.<name>.<field>`). A checkpoint is written into a
 // temporary directory, every file flushed to disk, the manifest last, and
 // then renamed into place: a crash at any moment leaves the previous
-// checkpoint whole. The two newest are kept. Loading takes the newest (or
+// checkpoint whole. Of the earlier checkpoints the newest is kept; later
+// ones (of a run given up, this one having resumed from before them) go.
+// Loading takes the newest (or
 // `dir` itself when it holds a manifest), checks every file it reads
 // against its checksum, and checks the model and optimizer against the
 // manifest before anything changes: a mismatch is a c10::ValueError naming
@@ -82,6 +84,12 @@ void save_checkpoint(
 /// the saved TrainingState. Nothing changes when it throws.
 TrainingState load_checkpoint(
     const std::string& dir, GPipe& model, torch::optim::Optimizer& optimizer);
+
+/// The TrainingState of the checkpoint load_checkpoint would read in `dir`
+/// (its generator state included), loading nothing: to check a run's
+/// settings (kept in `user`) before loading. A c10::ValueError when there
+/// is none or it is damaged.
+TrainingState read_training_state(const std::string& dir);
 
 /// The checkpoint directory load_checkpoint would read in `dir` (itself
 /// when it holds a manifest, else its newest whole checkpoint), or an empty

@@ -96,6 +96,22 @@ int64_t total_layers(const PipelineStage& stage) {
   return total;
 }
 
+// Once every rank is past a collective's keys (`keys` under `prefix`), the
+// last one to get here removes them from the store, so that a long run's
+// checkpoints do not pile up there.
+void forget(
+    const World& world,
+    const std::string& prefix,
+    std::vector<std::string> keys) {
+  auto& store = *world.store();
+  if (store.add(prefix + "past", 1) == world.size()) {
+    keys.push_back("past");
+    for (const auto& key : keys) {
+      store.deleteKey(prefix + key);
+    }
+  }
+}
+
 // A prefix of store keys that no other collective of this World uses.
 std::string unique_prefix(const World& world, const char* what) {
   return std::string("checkpoint/") + what +
@@ -118,43 +134,33 @@ void save_checkpoint(
   const auto prefix = unique_prefix(world, "save");
   const auto pipeline_rank = mesh.pipeline_rank();
   const bool writer = mesh.data_rank() == 0;
+  // This rank's own error, rethrown with its type once every rank knows.
+  std::exception_ptr own;
+  auto fail_here = [&own]() {
+    own = std::current_exception();
+    return failed(detail::message_of(own));
+  };
 
   // Rank 0 makes the temporary directory every writer writes into.
-  std::string tmp;
   if (world.rank() == 0) {
+    std::string begun;
     try {
-      tmp = gpipe::detail::begin_checkpoint(dir, state.step);
-      store.set(prefix + "tmp", bytes_of(ok(tmp)));
+      begun = ok(gpipe::detail::begin_checkpoint(dir, state.step));
     } catch (...) {
-      store.set(
-          prefix + "tmp",
-          bytes_of(failed(detail::message_of(std::current_exception()))));
-      throw;
+      begun = fail_here();
     }
-  } else {
-    const auto result = string_of(store.get(prefix + "tmp"));
-    TORCH_CHECK(
-        is_ok(result),
-        "gpipe::dist::save_checkpoint: rank 0 could not begin the "
-        "checkpoint: ",
-        value_of(result));
-    tmp = value_of(result);
+    store.set(prefix + "tmp", bytes_of(begun));
   }
+  const auto begun = string_of(store.get(prefix + "tmp"));
+  const auto tmp = value_of(begun);
 
   // Each pipeline rank of the first replica writes its partitions' file and
   // tells rank 0 what is in it.
-  if (writer) {
+  if (writer && is_ok(begun)) {
     std::string part;
     try {
       const auto layers = layers_of(stage);
-      auto tensors = gpipe::detail::tensors_of(layers, &optimizer);
-      if (world.rank() == 0) {
-        tensors.emplace_back(
-            "random.cpu",
-            state.cpu_generator.defined()
-                ? state.cpu_generator
-                : gpipe::detail::cpu_generator_state());
-      }
+      const auto tensors = gpipe::detail::tensors_of(layers, &optimizer);
       const auto file = "rank-" + std::to_string(pipeline_rank) + ".bin";
       nlohmann::json names = nlohmann::json::object();
       for (const auto& layer : layers) {
@@ -167,7 +173,7 @@ void save_checkpoint(
           {"optimizer", gpipe::detail::optimizer_kind(optimizer)}}
                     .dump());
     } catch (...) {
-      part = failed(detail::message_of(std::current_exception()));
+      part = fail_here();
     }
     store.set(
         prefix + "part" + std::to_string(pipeline_rank), bytes_of(part));
@@ -176,46 +182,60 @@ void save_checkpoint(
   // Rank 0 writes the manifest once every file is on disk.
   if (world.rank() == 0) {
     std::string done = ok("");
-    try {
-      nlohmann::json manifest;
-      std::vector<std::string> names(total_layers(stage));
-      manifest["files"] = nlohmann::json::object();
-      manifest["tensors"] = nlohmann::json::object();
-      for (const auto r : c10::irange(mesh.pipeline_size())) {
-        const auto result =
-            string_of(store.get(prefix + "part" + std::to_string(r)));
-        TORCH_CHECK(
-            is_ok(result),
-            "pipeline rank ",
-            r,
-            " could not write its partitions: ",
-            value_of(result));
-        const auto part = nlohmann::json::parse(value_of(result));
-        for (const auto& item : part.at("layers").items()) {
-          names.at(std::stoll(item.key())) = item.value().get<std::string>();
+    if (!is_ok(begun)) {
+      done = failed("rank 0 could not begin it: " + tmp);
+    } else {
+      try {
+        nlohmann::json manifest;
+        std::vector<std::string> names(total_layers(stage));
+        manifest["files"] = nlohmann::json::object();
+        manifest["tensors"] = nlohmann::json::object();
+        for (const auto r : c10::irange(mesh.pipeline_size())) {
+          const auto result =
+              string_of(store.get(prefix + "part" + std::to_string(r)));
+          TORCH_CHECK(
+              is_ok(result),
+              "pipeline rank ",
+              r,
+              " could not write its partitions: ",
+              value_of(result));
+          const auto part = nlohmann::json::parse(value_of(result));
+          for (const auto& item : part.at("layers").items()) {
+            names.at(std::stoll(item.key())) = item.value().get<std::string>();
+          }
+          manifest["optimizer"] = part.at("optimizer");
+          gpipe::detail::add_file(
+              manifest, part.at("file").get<std::string>(), part.at("written"));
         }
-        manifest["optimizer"] = part.at("optimizer");
-        gpipe::detail::add_file(
-            manifest, part.at("file").get<std::string>(), part.at("written"));
+        manifest["layers"] = names;
+        manifest["layout"] = {
+            {"writer", "gpipe::dist::PipelineStage"},
+            {"balance", stage->balance()},
+            {"stages_per_lane", stage->stages_per_lane()},
+            {"chunks", stage->chunks()},
+            {"processes", world.size()},
+            {"pipeline_size", mesh.pipeline_size()},
+            {"data_size", mesh.data_size()}};
+        manifest["state"] = gpipe::detail::state_to_json(state);
+        gpipe::detail::write_random_file(tmp, state, manifest);
+        gpipe::detail::commit_checkpoint(
+            dir, tmp, state.step, std::move(manifest));
+      } catch (...) {
+        done = own ? failed(detail::message_of(std::current_exception()))
+                   : fail_here();
       }
-      manifest["layers"] = names;
-      manifest["layout"] = {
-          {"writer", "gpipe::dist::PipelineStage"},
-          {"balance", stage->balance()},
-          {"stages_per_lane", stage->stages_per_lane()},
-          {"chunks", stage->chunks()},
-          {"processes", world.size()},
-          {"pipeline_size", mesh.pipeline_size()},
-          {"data_size", mesh.data_size()}};
-      manifest["state"] = gpipe::detail::state_to_json(state);
-      gpipe::detail::commit_checkpoint(
-          dir, tmp, state.step, std::move(manifest));
-    } catch (...) {
-      done = failed(detail::message_of(std::current_exception()));
     }
     store.set(prefix + "done", bytes_of(done));
   }
   const auto done = string_of(store.get(prefix + "done"));
+  std::vector<std::string> keys{"tmp", "done"};
+  for (const auto r : c10::irange(mesh.pipeline_size())) {
+    keys.push_back("part" + std::to_string(r));
+  }
+  forget(world, prefix, keys);
+  if (!is_ok(done) && own) {
+    std::rethrow_exception(own);
+  }
   TORCH_CHECK(
       is_ok(done),
       "gpipe::dist::save_checkpoint: the checkpoint was not written: ",
@@ -247,11 +267,11 @@ TrainingState load_checkpoint(
     gpipe::detail::CheckpointReader reader(path);
     apply = gpipe::detail::plan_load(
         reader, layers_of(stage), total_layers(stage), &optimizer);
-    state = gpipe::detail::state_from_json(reader.manifest().at("state"));
-    state.cpu_generator = reader.tensor("random.cpu").clone();
+    state = gpipe::detail::read_state(reader);
   } catch (...) {
     error = std::current_exception();
   }
+  std::exception_ptr agreed;
   try {
     agree(
         world,
@@ -259,10 +279,18 @@ TrainingState load_checkpoint(
         "load_checkpoint",
         error ? detail::message_of(error) : std::string());
   } catch (...) {
-    if (error) {
-      std::rethrow_exception(error);  // this rank's own, with its type
-    }
-    throw;
+    agreed = std::current_exception();
+  }
+  std::vector<std::string> keys{"path"};
+  for (const auto r : c10::irange(world.size())) {
+    keys.push_back("rank" + std::to_string(r));
+  }
+  forget(world, prefix, keys);
+  if (error) {
+    std::rethrow_exception(error);  // this rank's own, with its type
+  }
+  if (agreed) {
+    std::rethrow_exception(agreed);
   }
   apply();
   gpipe::detail::set_cpu_generator_state(state.cpu_generator);

@@ -52,6 +52,9 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   int64_t chunks = 1;
   torch::Device device = torch::kCPU;
 
+  bool seed_first() const override {
+    return true;  // rank 0's is every rank's
+  }
   void begin(gpipe::detail::PassStart& start) override;
   const Plan& plan(const gpipe::detail::PassStart& start) override;
   Plan arrange(Plan plan) const override;

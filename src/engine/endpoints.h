@@ -44,9 +44,16 @@ class Endpoints {
   /// gradient, joined from the micro-batches', goes on into their graph.
   Batch originals;
 
+  /// Whether begin() needs the step seed (drawn here, to be agreed on):
+  /// else it is drawn once the pass has passed its checks, so that a
+  /// refused pass leaves the user's generator as it was.
+  virtual bool seed_first() const {
+    return false;
+  }
+
   /// Makes the processes of a pass agree on `start` (filled from what is
-  /// here: the rows of `inputs`, a seed drawn here). Called with the
-  /// pipeline held, before the pass starts.
+  /// here: the rows of `inputs`, and with seed_first() a seed drawn here).
+  /// Called with the pipeline held, before the pass starts.
   virtual void begin(PassStart& start) {}
 
   /// The plan of a training step of `start.rows.size()` micro-batches;

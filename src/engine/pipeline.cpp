@@ -4,6 +4,8 @@
 #include <gpipe/plan.h>
 #include <torch/autograd.h>
 
+#include <optional>
+
 #include "device.h"
 #include "engine/autograd_node.h"
 #include "engine/in_process_transport.h"
@@ -218,16 +220,27 @@ Packet Pipeline::forward(
 namespace {
 
 // The pass's start as this process sees it: the rows of the micro-batches
-// it feeds in and a seed drawn from its generators (`seeds`).
-PassStart start_here(
-    const Endpoints& ends, const PassOptions& options, const StepSeed& seeds) {
+// it feeds in.
+PassStart start_here(const Endpoints& ends, const PassOptions& options) {
   PassStart start;
   start.options = options;
-  start.seed = seeds.seed();
   for (const auto& packet : ends.inputs) {
     start.rows.push_back(packet.tensors.at(0).size(0));
   }
   return start;
+}
+
+// The step seed: drawn before the pass begins where the processes agree on
+// it (`seeds` made there), else now. The seeds' holder puts the user's
+// generators back when the pass ends.
+void draw_seed(
+    std::optional<StepSeed>& seeds,
+    const std::vector<torch::Device>& devices,
+    PassStart& start) {
+  if (!seeds) {
+    seeds.emplace(devices, /*draw=*/true);
+    start.seed = seeds->seed();
+  }
 }
 
 }  // namespace
@@ -237,11 +250,15 @@ Pipeline::Forward Pipeline::forward(
   const auto n = size();
   Forward done;
   {
-    StepSeed seeds(devices_, /*draw=*/true);
-    auto start = start_here(ends, options, seeds);
+    auto start = start_here(ends, options);
+    std::optional<StepSeed> seeds;
+    if (ends.seed_first()) {
+      draw_seed(seeds, devices_, start);
+    }
     ends.begin(start);
     const auto m = static_cast<int64_t>(start.rows.size());
     done.pass = start_pass(m, ends.originals, start.options);
+    draw_seed(seeds, devices_, start);
     done.pass->step_seed = start.seed;
     ends.prepare(*done.pass);
     if (is_local(0)) {
@@ -302,8 +319,11 @@ torch::Tensor Pipeline::train(
   std::shared_ptr<Pass> pass;
   std::vector<int64_t> rows;
   {
-    StepSeed seeds(devices_, /*draw=*/true);
-    auto start = start_here(ends, options, seeds);
+    auto start = start_here(ends, options);
+    std::optional<StepSeed> seeds;
+    if (ends.seed_first()) {
+      draw_seed(seeds, devices_, start);
+    }
     ends.begin(start);
     const auto m = static_cast<int64_t>(start.rows.size());
     const auto& plan = ends.plan(start);
@@ -321,12 +341,13 @@ torch::Tensor Pipeline::train(
     }
     auto targets = ends.targets(start);
     pass = start_pass(m, ends.originals, start.options);
-    pass->step_seed = start.seed;
     ends.prepare(*pass);
     TORCH_CHECK(
         pass->grad,
         "train_step needs grad mode on and something that requires grad (a "
         "parameter or the input)");
+    draw_seed(seeds, devices_, start);
+    pass->step_seed = start.seed;
     if (is_local(n - 1)) {
       pass->train_with(loss_fn, std::move(targets), start.rows);
     }

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -255,7 +256,9 @@ TEST(DistCheckpointTest, EveryLayoutGoesOnFromAnothersCheckpoint) {
   }
 }
 
-TEST(DistCheckpointTest, ReplicasWriteOnceAndTheManifestNamesTheLayout) {
+// A file per pipeline rank (the replicas hold the same), the generator's
+// state apart, and the layout in the manifest.
+TEST(DistCheckpointTest, TheManifestNamesTheMeshLayout) {
   TempDir dir;
   const auto ref = reference(Opt::SGDMomentum);
   run(kMesh, Opt::SGDMomentum, dir.path, false, true, 0, 2, ref);
@@ -268,7 +271,56 @@ TEST(DistCheckpointTest, ReplicasWriteOnceAndTheManifestNamesTheLayout) {
   std::sort(files.begin(), files.end());
   EXPECT_EQ(
       files,
-      (std::vector<std::string>{"manifest.json", "rank-0.bin", "rank-1.bin"}));
+      (std::vector<std::string>{
+          "manifest.json", "random.bin", "rank-0.bin", "rank-1.bin"}));
+  std::ifstream in(fs::path(ckpt) / "manifest.json");
+  const std::string text(
+      (std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const auto* part :
+       {"\"processes\": 4", "\"pipeline_size\": 2", "\"data_size\": 2",
+        "\"writer\": \"gpipe::dist::PipelineStage\"", "\"optimizer\": \"SGD\"",
+        "\"step\": 2"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << part << " in " << text;
+  }
+}
+
+// A rank whose part cannot be written (its optimizer holds a parameter of
+// another model) fails the save on every rank, none left waiting, and the
+// checkpoint before stays the newest.
+TEST(DistCheckpointTest, ARankThatCannotSaveFailsEveryRank) {
+  TempDir dir;
+  const auto ref = reference(Opt::SGDMomentum);
+  run(kTwoStages, Opt::SGDMomentum, dir.path, false, true, 0, 1, ref);
+  std::vector<torch::nn::Sequential> nets{make_net(), make_net()};
+  auto foreign = make_net();
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  run_ranks(2, [&](World world) {
+    dist::PipelineStage stage(
+        nets[world.rank()],
+        GPipeOptions({3, 3}).chunks(2).threads_per_lane(1),
+        world);
+    auto params = stage->parameters();
+    if (world.rank() == 1) {
+      params.push_back(foreign->parameters()[0]);
+    }
+    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+    TrainingState state;
+    state.step = 5;
+    std::string what = "saved";
+    try {
+      dist::save_checkpoint(dir.path, stage, opt, state);
+    } catch (const c10::Error& e) {
+      what = e.what_without_backtrace();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    errors.push_back(what);
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& what : errors) {
+    EXPECT_NE(what.find("not one of the model's"), std::string::npos) << what;
+  }
+  EXPECT_EQ(read_training_state(dir.path).step, 1);
 }
 
 TEST(DistCheckpointTest, ARankThatCannotLoadFailsEveryRankBeforeAnythingChanges) {
