@@ -124,7 +124,8 @@ int main(int argc, char** argv) {
          "inference, conv, trace, random, microbatch (the default: all of "
          "those); "
          "unet-speed, unet-memory, accuracy (minutes each: run only when "
-         "named); checkpoint (only when named); dist and unet-speed under gpipe-run -n N, mesh under "
+         "named); checkpoint (only when named); dist and unet-speed under "
+         "gpipe-run -n N, mesh under "
          "gpipe-run -n 4")
       ->check(CLI::IsMember(
           {"dist",

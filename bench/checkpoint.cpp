@@ -83,8 +83,7 @@ nlohmann::json checkpoint_section(int iters) {
       "partitions\n",
       static_cast<long long>(UNetSpeedCase::B),
       static_cast<long long>(UNetSpeedCase::C));
-  std::printf(
-      "%-40s %9s %10s %10s\n", "what", "MiB", "seconds", "ms/MiB");
+  std::printf("%-40s %9s %10s %10s\n", "what", "MiB", "seconds", "ms/MiB");
   auto row = [](const char* what, double mib, double seconds) {
     std::printf(
         "%-40s %9.2f %10.4f %10.2f\n", what, mib, seconds, 1e3 * seconds / mib);

@@ -108,7 +108,6 @@ class Checksum {
 };
 constexpr const char* kChecksumKey = "fnv1a64_words";
 
-
 std::string errno_text() {
   return std::strerror(errno);
 }
@@ -193,8 +192,7 @@ void add_file(
     const std::string& name,
     const nlohmann::json& written) {
   manifest["files"][name] = {
-      {"bytes", written.at("bytes")},
-      {kChecksumKey, written.at(kChecksumKey)}};
+      {"bytes", written.at("bytes")}, {kChecksumKey, written.at(kChecksumKey)}};
   for (const auto& item : written.at("tensors").items()) {
     TORCH_CHECK(
         !manifest["tensors"].contains(item.key()),
@@ -296,9 +294,7 @@ nlohmann::json write_tensor_file(
       errno_text());
   TORCH_CHECK(file.close() == 0, "cannot write '", path, "': ", errno_text());
   return {
-      {"bytes", offset},
-      {kChecksumKey, checksum.hex()},
-      {"tensors", entries}};
+      {"bytes", offset}, {kChecksumKey, checksum.hex()}, {"tensors", entries}};
 }
 
 std::string begin_checkpoint(const std::string& root, int64_t step) {
@@ -519,8 +515,7 @@ torch::Tensor CheckpointReader::tensor(const std::string& key) {
     const auto bytes = listed.at("bytes").get<int64_t>();
     std::error_code error;
     const auto size = fs::file_size(path, error);
-    TORCH_CHECK_VALUE(
-        !error, "the checkpoint's file '", path, "' is missing");
+    TORCH_CHECK_VALUE(!error, "the checkpoint's file '", path, "' is missing");
     TORCH_CHECK_VALUE(
         static_cast<int64_t>(size) == bytes,
         "the checkpoint's file '",

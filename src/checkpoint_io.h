@@ -34,7 +34,9 @@ constexpr const char* kManifest = "manifest.json";
 /// Returns the file's manifest entry: its size, checksum and, per tensor,
 /// its offset, dtype and shape.
 nlohmann::json write_tensor_file(
-    const std::string& dir, const std::string& name, const NamedTensors& tensors);
+    const std::string& dir,
+    const std::string& name,
+    const NamedTensors& tensors);
 
 /// Adds the file `name`, as write_tensor_file described it (`written`),
 /// and its tensors to `manifest`.

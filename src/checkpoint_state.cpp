@@ -193,7 +193,7 @@ std::unordered_map<const c10::TensorImpl*, std::string> parameter_keys(
 
 void check_generator_state(const torch::Tensor& state, const char* what) {
   bool ok = state.defined() && state.scalar_type() == torch::kByte &&
-      state.dim() == 1;
+            state.dim() == 1;
   if (ok) {
     // A throwaway generator takes it, or the default one would not.
     auto trial = at::make_generator<at::CPUGeneratorImpl>();
@@ -223,9 +223,8 @@ void write_random_file(
     const std::string& tmp,
     const TrainingState& state,
     nlohmann::json& manifest) {
-  auto generator = state.cpu_generator.defined()
-      ? state.cpu_generator
-      : cpu_generator_state();
+  auto generator = state.cpu_generator.defined() ? state.cpu_generator
+                                                 : cpu_generator_state();
   check_generator_state(generator, "TrainingState::cpu_generator");
   detail::add_file(
       manifest,
@@ -420,8 +419,7 @@ std::function<void()> plan_load(
         for (const auto& name : reader.keys_with_prefix(prefix)) {
           const auto field = name.substr(prefix.size());
           TORCH_CHECK_VALUE(
-              schema.required.count(field) + schema.optional.count(field) >
-                  0,
+              schema.required.count(field) + schema.optional.count(field) > 0,
               "the checkpoint in '",
               where,
               "' has '",

@@ -3,6 +3,8 @@
 // dies leaves the previous checkpoint whole; damage and mismatches are
 // refused by name before anything changes.
 
+#include "checkpoint_io.h"
+
 #include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -13,8 +15,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include "checkpoint_io.h"
 
 namespace gpipe {
 namespace {
@@ -427,7 +427,8 @@ TEST(CheckpointIoTest, SavingAnEarlierStepDropsTheLaterOnes) {
 TEST(CheckpointIoTest, OptionsAndGeneratorStatesAreChecked) {
   TempDir dir;
   auto model = make_model(kLayouts[1]);
-  torch::optim::Adam plain(model->parameters(), torch::optim::AdamOptions(0.01));
+  torch::optim::Adam plain(
+      model->parameters(), torch::optim::AdamOptions(0.01));
   train(model, plain, 0);
   save_checkpoint(dir.path, model, plain, TrainingState{});
   auto other = make_model(kLayouts[1]);

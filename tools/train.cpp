@@ -165,9 +165,9 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
       module->parameters(), torch::optim::SGDOptions(args.lr).momentum(0.9));
   // --resume: where the run stood, with the weights, the optimizer and the
   // random generator as they were then.
-  const auto resumed = args.resume
-      ? resume_training(args, model, stage, optimizer, lead)
-      : gpipe::TrainingState{};
+  const auto resumed =
+      args.resume ? resume_training(args, model, stage, optimizer, lead)
+                  : gpipe::TrainingState{};
   if (resumed.epoch >= epochs) {
     if (lead) {
       std::fprintf(
@@ -474,8 +474,8 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
             {"train_seconds", train_seconds},
             {"resumed_at_step", resumed.step},
             {"train_samples_per_second",
-             double(n * (epochs - resumed.epoch) -
-                    resumed.position * batch_size) /
+             double(
+                 n * (epochs - resumed.epoch) - resumed.position * batch_size) /
                  train_seconds},
             {"total_seconds", total}};
         std::cout << summary.dump() << std::endl;

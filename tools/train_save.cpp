@@ -224,13 +224,13 @@ gpipe::TrainingState resume_training(
     world->all_reduce(flag);
     if (mismatch.empty() && flag.item<int64_t>() > 0) {
       mismatch = "--resume: another rank could not resume from " + newest +
-          " (its message says why)";
+                 " (its message says why)";
     }
   }
   TORCH_CHECK_VALUE(mismatch.empty(), mismatch);
   return !stage.is_empty()
-      ? gpipe::dist::load_checkpoint(args.save_path, stage, optimizer)
-      : gpipe::load_checkpoint(args.save_path, model, optimizer);
+             ? gpipe::dist::load_checkpoint(args.save_path, stage, optimizer)
+             : gpipe::load_checkpoint(args.save_path, model, optimizer);
 }
 
 }  // namespace gpipe_train

@@ -115,7 +115,7 @@ void forget(
 // A prefix of store keys that no other collective of this World uses.
 std::string unique_prefix(const World& world, const char* what) {
   return std::string("checkpoint/") + what +
-      std::to_string(world.connection()->next_stage_id()) + "/";
+         std::to_string(world.connection()->next_stage_id()) + "/";
 }
 
 }  // namespace
@@ -175,8 +175,7 @@ void save_checkpoint(
     } catch (...) {
       part = fail_here();
     }
-    store.set(
-        prefix + "part" + std::to_string(pipeline_rank), bytes_of(part));
+    store.set(prefix + "part" + std::to_string(pipeline_rank), bytes_of(part));
   }
 
   // Rank 0 writes the manifest once every file is on disk.

@@ -44,7 +44,6 @@ using detail::MessageId;
 using detail::MessageKind;
 using detail::PassKind;
 
-
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential module, GPipeOptions options_, World world)
     : PipelineStageImpl(
@@ -173,8 +172,8 @@ PipelineStageImpl::~PipelineStageImpl() = default;
 
 using detail::AgreedRefusal;
 using detail::collective_pass;
-using detail::scatter_input;
 using detail::RankEndpoints;
+using detail::scatter_input;
 using detail::Sends;
 
 torch::Tensor PipelineStageImpl::train_step(

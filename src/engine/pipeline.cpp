@@ -272,8 +272,7 @@ Pipeline::Forward Pipeline::forward(
   }
   if (is_local(n - 1)) {
     for (const auto i : c10::irange(done.rows.size())) {
-      done.outputs.push_back(
-          done.pass->transport().recv(Phase::Forward, i, n));
+      done.outputs.push_back(done.pass->transport().recv(Phase::Forward, i, n));
     }
   }
   ends.end(*done.pass);

@@ -121,7 +121,8 @@ void run(
   SCOPED_TRACE(layout.name);
   if (layout.data == 0) {
     GPipe model(
-        make_net(), GPipeOptions(layout.balance).chunks(2).devices({torch::kCPU}));
+        make_net(),
+        GPipeOptions(layout.balance).chunks(2).devices({torch::kCPU}));
     auto opt = make_optimizer(kind, model->parameters());
     if (load) {
       EXPECT_EQ(load_checkpoint(dir, model, *opt).step, from);
@@ -129,11 +130,15 @@ void run(
     for (int64_t s = from; s < to; ++s) {
       auto [x, y] = batch(s);
       opt->zero_grad();
-      EXPECT_NEAR(model->train_step(x, y, loss_fn).item<double>(), ref.losses[s], 1e-10);
+      EXPECT_NEAR(
+          model->train_step(x, y, loss_fn).item<double>(),
+          ref.losses[s],
+          1e-10);
       opt->step();
     }
     for (const auto& p : model->partitions()->ptr(0)->named_parameters()) {
-      EXPECT_TRUE(torch::allclose(p.value(), ref.params.at(to).at(p.key()), 1e-10, 1e-12))
+      EXPECT_TRUE(torch::allclose(
+          p.value(), ref.params.at(to).at(p.key()), 1e-10, 1e-12))
           << p.key();
     }
     if (save) {
@@ -182,14 +187,13 @@ void run(
     for (int64_t s = from; s < to; ++s) {
       auto [x, y] = batch(s);
       opt->zero_grad();
-      const auto loss = stage
-                            ->train_step(
-                                first ? x.narrow(0, d * shard, shard)
-                                      : torch::Tensor(),
-                                last ? y.narrow(0, d * shard, shard)
-                                     : torch::Tensor(),
-                                loss_fn)
-                            .item<double>();
+      const auto loss =
+          stage
+              ->train_step(
+                  first ? x.narrow(0, d * shard, shard) : torch::Tensor(),
+                  last ? y.narrow(0, d * shard, shard) : torch::Tensor(),
+                  loss_fn)
+              .item<double>();
       opt->step();
       if (std::abs(loss - ref.losses[s]) > 1e-10) {
         fail(
@@ -277,8 +281,11 @@ TEST(DistCheckpointTest, TheManifestNamesTheMeshLayout) {
   const std::string text(
       (std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   for (const auto* part :
-       {"\"processes\": 4", "\"pipeline_size\": 2", "\"data_size\": 2",
-        "\"writer\": \"gpipe::dist::PipelineStage\"", "\"optimizer\": \"SGD\"",
+       {"\"processes\": 4",
+        "\"pipeline_size\": 2",
+        "\"data_size\": 2",
+        "\"writer\": \"gpipe::dist::PipelineStage\"",
+        "\"optimizer\": \"SGD\"",
         "\"step\": 2"}) {
     EXPECT_NE(text.find(part), std::string::npos) << part << " in " << text;
   }
@@ -323,7 +330,9 @@ TEST(DistCheckpointTest, ARankThatCannotSaveFailsEveryRank) {
   EXPECT_EQ(read_training_state(dir.path).step, 1);
 }
 
-TEST(DistCheckpointTest, ARankThatCannotLoadFailsEveryRankBeforeAnythingChanges) {
+TEST(
+    DistCheckpointTest,
+    ARankThatCannotLoadFailsEveryRankBeforeAnythingChanges) {
   TempDir dir;
   const auto ref = reference(Opt::SGDMomentum);
   run(kTwoStages, Opt::SGDMomentum, dir.path, false, true, 0, 1, ref);

@@ -20,8 +20,8 @@ using dist::World;
 using dist::testing::run_ranks;
 
 // The message of what `make` throws, with the first mention of the class
-// that refused it replaced by "<who>"; fails the test when nothing is thrown or the type is
-// not c10::ValueError.
+// that refused it replaced by "<who>"; fails the test when nothing is thrown or
+// the type is not c10::ValueError.
 std::string refusal(const std::function<void()>& make, const std::string& who) {
   try {
     make();
@@ -71,7 +71,9 @@ TEST(StageOptionsTest, GPipeAndPipelineStageRefuseTheSameMistakesAlike) {
        [] { return GPipeOptions({2}).stages_per_lane(0); }},
       {"stages_per_lane that does not divide",
        two_layers,
-       [] { return GPipeOptions({1, 1}).stages_per_lane(3); }},
+       [] {
+         return GPipeOptions({1, 1}).stages_per_lane(3);
+       }},
       {"no chunks", two_layers, [] { return GPipeOptions({2}).chunks(0); }},
       {"a balance that misses a layer",
        two_layers,
@@ -95,9 +97,7 @@ TEST(StageOptionsTest, GPipeAndPipelineStageRefuseTheSameMistakesAlike) {
     for (const auto& c : cases) {
       SCOPED_TRACE(c.what);
       const auto local = refusal(
-          [&] {
-            GPipe(c.net(), c.options().devices({torch::kCPU}));
-          },
+          [&] { GPipe(c.net(), c.options().devices({torch::kCPU})); },
           "gpipe::GPipe");
       const auto stage = refusal(
           [&] { dist::PipelineStage(c.net(), c.options(), world); },
