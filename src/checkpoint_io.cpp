@@ -4,12 +4,8 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -21,105 +17,7 @@ namespace gpipe::detail {
 
 namespace fs = std::filesystem;
 
-// Note [Writing a checkpoint]
-// A checkpoint must appear whole or not at all, whenever the writer dies.
-// Its files go into a temporary directory in the same parent; each file is
-// flushed to disk (fsync) before the manifest, which names every file with
-// its size and checksum, is written and flushed last; then one rename
-// makes the directory visible under its final name, and the parent is
-// flushed so that the rename survives a power cut. Readers only look at
-// `step-<n>` directories, so a crash before the rename leaves nothing they
-// see but the older checkpoints, and the next writer removes the leftover.
-// Writing a step again moves its older checkpoint aside first
-// (`.old-step-<n>`), which readers take while the new one is not in place
-// and the next writer puts back.
-// A file damaged later (truncated, overwritten) fails its checksum when
-// read, by name.
-
 namespace {
-
-std::atomic<int64_t> writes_left{-1};
-
-// A step of writing; a test may make it fail there as a crash would.
-void crash_point(const std::string& what) {
-  auto left = writes_left.load();
-  while (left > 0 && !writes_left.compare_exchange_weak(left, left - 1)) {
-  }
-  TORCH_CHECK(left != 0, "simulated crash before ", what);
-}
-
-// Tensors start at multiples of this in their file, so that a file's bytes
-// can be viewed as any dtype.
-constexpr int64_t kAlign = 64;
-
-// A file's checksum: FNV-1a over its bytes taken 8 at a time as
-// little-endian 64-bit words (the last, short word padded with zeros),
-// then the byte count mixed in. A word at a time keeps it well under the
-// cost of reading the file; fed in pieces of any size.
-class Checksum {
- public:
-  void add(const uint8_t* data, size_t n) {
-    count_ += n;
-    while (n > 0 && filled_ > 0) {
-      carry_[filled_++] = *data++;
-      --n;
-      if (filled_ == 8) {
-        mix(carry_);
-        filled_ = 0;
-      }
-    }
-    for (; n >= 8; n -= 8, data += 8) {
-      mix(data);
-    }
-    while (n-- > 0) {
-      carry_[filled_++] = *data++;
-    }
-  }
-  std::string hex() const {
-    uint64_t hash = hash_;
-    if (filled_ > 0) {
-      uint8_t last[8] = {0};
-      std::memcpy(last, carry_, filled_);
-      hash = step(hash, last);
-    }
-    hash = (hash ^ count_) * kPrime;
-    std::ostringstream out;
-    out << std::hex << std::setw(16) << std::setfill('0') << hash;
-    return out.str();
-  }
-
- private:
-  static constexpr uint64_t kPrime = 1099511628211ULL;
-  static uint64_t step(uint64_t hash, const uint8_t* bytes) {
-    uint64_t word = 0;
-    std::memcpy(&word, bytes, sizeof(word));
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    word = __builtin_bswap64(word);
-#endif
-    return (hash ^ word) * kPrime;
-  }
-  void mix(const uint8_t* bytes) {
-    hash_ = step(hash_, bytes);
-  }
-  uint64_t hash_ = 14695981039346656037ULL;
-  uint64_t count_ = 0;
-  uint8_t carry_[8] = {0};
-  size_t filled_ = 0;
-};
-constexpr const char* kChecksumKey = "fnv1a64_words";
-
-std::string errno_text() {
-  return std::strerror(errno);
-}
-
-void sync_path(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  TORCH_CHECK(fd >= 0, "cannot open '", path, "' to flush it: ", errno_text());
-  const int rc = ::fsync(fd);
-  const auto why = errno_text();
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "cannot flush '", path, "' to disk: ", why);
-}
 
 const std::vector<c10::ScalarType>& saved_dtypes() {
   static const std::vector<c10::ScalarType> dtypes{
@@ -160,13 +58,58 @@ int64_t step_of(const std::string& name) {
   return std::stoll(name.substr(5));
 }
 
-std::string step_name(int64_t step) {
+}  // namespace
+
+std::string checkpoint_dir_name(int64_t step) {
   std::ostringstream out;
   out << "step-" << std::setw(8) << std::setfill('0') << step;
   return out.str();
 }
 
-}  // namespace
+bool is_saved_dtype(c10::ScalarType dtype) {
+  const auto& all = saved_dtypes();
+  return std::find(all.begin(), all.end(), dtype) != all.end();
+}
+
+void Checksum::add(const uint8_t* data, size_t n) {
+  count_ += n;
+  while (n > 0 && filled_ > 0) {
+    carry_[filled_++] = *data++;
+    --n;
+    if (filled_ == 8) {
+      hash_ = step(hash_, carry_);
+      filled_ = 0;
+    }
+  }
+  for (; n >= 8; n -= 8, data += 8) {
+    hash_ = step(hash_, data);
+  }
+  while (n-- > 0) {
+    carry_[filled_++] = *data++;
+  }
+}
+
+std::string Checksum::hex() const {
+  uint64_t hash = hash_;
+  if (filled_ > 0) {
+    uint8_t last[8] = {0};
+    std::memcpy(last, carry_, filled_);
+    hash = step(hash, last);
+  }
+  hash = (hash ^ count_) * kPrime;
+  std::ostringstream out;
+  out << std::hex << std::setw(16) << std::setfill('0') << hash;
+  return out.str();
+}
+
+uint64_t Checksum::step(uint64_t hash, const uint8_t* bytes) {
+  uint64_t word = 0;
+  std::memcpy(&word, bytes, sizeof(word));
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  word = __builtin_bswap64(word);
+#endif
+  return (hash ^ word) * kPrime;
+}
 
 // The whole checkpoints in `root`, oldest first.
 std::vector<std::pair<int64_t, fs::path>> checkpoints_in(
@@ -202,192 +145,6 @@ void add_file(
     auto entry = item.value();
     entry["file"] = name;
     manifest["tensors"][item.key()] = std::move(entry);
-  }
-}
-
-void fail_checkpoint_after(int64_t writes) {
-  writes_left = writes;
-}
-
-namespace {
-
-// A file descriptor closed when it goes, whatever is thrown.
-class OpenFile {
- public:
-  explicit OpenFile(int fd) : fd_(fd) {}
-  ~OpenFile() {
-    if (fd_ >= 0) {
-      ::close(fd_);
-    }
-  }
-  OpenFile(const OpenFile&) = delete;
-  OpenFile& operator=(const OpenFile&) = delete;
-  int get() const {
-    return fd_;
-  }
-  // Closes it now; returns close's result.
-  int close() {
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    return rc;
-  }
-
- private:
-  int fd_;
-};
-
-}  // namespace
-
-nlohmann::json write_tensor_file(
-    const std::string& dir,
-    const std::string& name,
-    const NamedTensors& tensors) {
-  const auto path = (fs::path(dir) / name).string();
-  for (const auto& [key, tensor] : tensors) {
-    TORCH_CHECK_VALUE(
-        std::find(
-            saved_dtypes().begin(),
-            saved_dtypes().end(),
-            tensor.scalar_type()) != saved_dtypes().end(),
-        "cannot save '",
-        key,
-        "' of dtype ",
-        tensor.scalar_type());
-  }
-  crash_point("writing " + path);
-  OpenFile file(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644));
-  TORCH_CHECK(file.get() >= 0, "cannot write '", path, "': ", errno_text());
-  nlohmann::json entries = nlohmann::json::object();
-  Checksum checksum;
-  int64_t offset = 0;
-  auto put = [&](const void* data, size_t n) {
-    const auto* bytes = static_cast<const uint8_t*>(data);
-    checksum.add(bytes, n);
-    size_t done = 0;
-    while (done < n) {
-      const auto wrote = ::write(file.get(), bytes + done, n - done);
-      if (wrote < 0 && errno == EINTR) {
-        continue;
-      }
-      TORCH_CHECK(wrote > 0, "cannot write '", path, "': ", errno_text());
-      done += static_cast<size_t>(wrote);
-    }
-    offset += static_cast<int64_t>(n);
-  };
-  const std::vector<uint8_t> zeros(kAlign, 0);
-  for (const auto& [key, tensor] : tensors) {
-    if (offset % kAlign != 0) {
-      put(zeros.data(), static_cast<size_t>(kAlign - offset % kAlign));
-    }
-    const auto cpu = tensor.detach().to(torch::kCPU).contiguous();
-    entries[key] = {
-        {"offset", offset},
-        {"dtype", c10::toString(cpu.scalar_type())},
-        {"shape", cpu.sizes().vec()}};
-    put(cpu.data_ptr(), cpu.nbytes());
-  }
-  TORCH_CHECK(
-      ::fsync(file.get()) == 0,
-      "cannot flush '",
-      path,
-      "' to disk: ",
-      errno_text());
-  TORCH_CHECK(file.close() == 0, "cannot write '", path, "': ", errno_text());
-  return {
-      {"bytes", offset}, {kChecksumKey, checksum.hex()}, {"tensors", entries}};
-}
-
-std::string begin_checkpoint(const std::string& root, int64_t step) {
-  TORCH_CHECK_VALUE(
-      step >= 0, "a checkpoint's step must be 0 or more, but got ", step);
-  std::error_code error;
-  fs::create_directories(root, error);
-  TORCH_CHECK(
-      fs::is_directory(root),
-      "cannot make the checkpoint directory '",
-      root,
-      "'",
-      error ? ": " + error.message() : "");
-  // Leftovers of writers that died (see Note [Writing a checkpoint]): an
-  // unfinished checkpoint goes; an older one moved aside goes back in place
-  // unless its successor got there.
-  for (const auto& entry : fs::directory_iterator(root, error)) {
-    const auto name = entry.path().filename().string();
-    if (name.rfind(".tmp-", 0) == 0) {
-      fs::remove_all(entry.path(), error);
-    } else if (name.rfind(".old-", 0) == 0) {
-      const auto in_place = fs::path(root) / name.substr(5);
-      if (fs::exists(in_place, error)) {
-        fs::remove_all(entry.path(), error);
-      } else {
-        fs::rename(entry.path(), in_place, error);
-      }
-    }
-  }
-  const auto tmp = (fs::path(root) / (".tmp-" + step_name(step))).string();
-  crash_point("making " + tmp);
-  TORCH_CHECK(
-      fs::create_directory(tmp, error),
-      "cannot make '",
-      tmp,
-      "'",
-      error ? ": " + error.message() : "");
-  return tmp;
-}
-
-void commit_checkpoint(
-    const std::string& root,
-    const std::string& tmp,
-    int64_t step,
-    nlohmann::json manifest) {
-  manifest["format"] = kCheckpointFormat;
-  manifest["version"] = kCheckpointVersion;
-  const auto path = (fs::path(tmp) / kManifest).string();
-  crash_point("writing " + path);
-  {
-    std::ofstream out(path, std::ios::trunc);
-    out << manifest.dump(1) << "\n";
-    out.close();
-    TORCH_CHECK(out, "cannot write '", path, "'");
-  }
-  crash_point("flushing " + path);
-  sync_path(path);
-  sync_path(tmp);
-  const auto final_path = fs::path(root) / step_name(step);
-  const auto old = fs::path(root) / (".old-" + step_name(step));
-  std::error_code error;
-  if (fs::exists(final_path, error)) {
-    crash_point("moving the older " + final_path.string() + " aside");
-    fs::rename(final_path, old, error);
-    TORCH_CHECK(
-        !error, "cannot move '", final_path.string(), "': ", error.message());
-  }
-  crash_point("renaming " + tmp);
-  fs::rename(tmp, final_path, error);
-  TORCH_CHECK(
-      !error,
-      "cannot rename '",
-      tmp,
-      "' to '",
-      final_path.string(),
-      "': ",
-      error.message());
-  sync_path(root);
-  fs::remove_all(old, error);
-  // Checkpoints of later steps are of a run that went on from an older one
-  // and was given up (this one resumed from before them): they go, or a
-  // resume would take them. Of the earlier ones the newest stays.
-  bool kept_one = false;
-  auto all = checkpoints_in(root);
-  for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    if (it->first == step) {
-      continue;
-    }
-    if (it->first < step && !kept_one) {
-      kept_one = true;
-      continue;
-    }
-    fs::remove_all(it->second, error);
   }
 }
 

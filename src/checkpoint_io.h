@@ -30,6 +30,37 @@ constexpr const char* kCheckpointFormat = "gpipe-checkpoint";
 constexpr int64_t kCheckpointVersion = 1;
 constexpr const char* kManifest = "manifest.json";
 
+/// Tensors start at multiples of this in their file, so that a file's
+/// bytes can be viewed as any dtype.
+constexpr int64_t kAlign = 64;
+
+/// The manifest's key of a file's checksum, and the checksum: FNV-1a over
+/// the file's bytes taken 8 at a time as little-endian 64-bit words (the
+/// last, short word padded with zeros), then the byte count mixed in. A
+/// word at a time keeps it well under the cost of reading the file. Fed in
+/// pieces of any size.
+constexpr const char* kChecksumKey = "fnv1a64_words";
+class Checksum {
+ public:
+  void add(const uint8_t* data, size_t n);
+  std::string hex() const;
+
+ private:
+  static constexpr uint64_t kPrime = 1099511628211ULL;
+  static uint64_t step(uint64_t hash, const uint8_t* bytes);
+  uint64_t hash_ = 14695981039346656037ULL;
+  uint64_t count_ = 0;
+  uint8_t carry_[8] = {0};
+  size_t filled_ = 0;
+};
+
+/// Whether tensors of `dtype` can be saved.
+bool is_saved_dtype(c10::ScalarType dtype);
+
+/// The directory name of the checkpoint of `step` (`step-<n>`, n in at
+/// least 8 digits).
+std::string checkpoint_dir_name(int64_t step);
+
 /// Writes `tensors` (any device) into `dir/name` and flushes it to disk.
 /// Returns the file's manifest entry: its size, checksum and, per tensor,
 /// its offset, dtype and shape.

@@ -39,10 +39,6 @@ void add_layers(
     const torch::nn::Sequential& partition,
     int64_t first);
 
-/// The name under which `optimizer`'s state is saved ("SGD", "Adam",
-/// "AdamW", "RMSprop", "Adagrad"); a c10::ValueError for another kind.
-std::string optimizer_kind(const torch::optim::Optimizer& optimizer);
-
 /// Every defined parameter and buffer of `layers`, and (with an optimizer)
 /// the optimizer's state of their parameters. A c10::ValueError when the
 /// optimizer holds a parameter that is none of theirs.

@@ -207,6 +207,26 @@ TEST(CheckpointIoTest, TheRandomGeneratorGoesOnWhereItWas) {
   EXPECT_TRUE(state.cpu_generator.defined());
 }
 
+// Saves `state` with the writer made to die after `after` of its steps;
+// whether it died.
+bool save_dies(
+    int64_t after,
+    const std::string& dir,
+    GPipe& model,
+    torch::optim::Optimizer& opt,
+    const TrainingState& state) {
+  detail::fail_checkpoint_after(after);
+  bool died = false;
+  try {
+    save_checkpoint(dir, model, opt, state);
+  } catch (const c10::Error& e) {
+    died = std::string(e.what()).find("simulated crash") != std::string::npos;
+    EXPECT_TRUE(died) << e.what();
+  }
+  detail::fail_checkpoint_after(-1);
+  return died;
+}
+
 // Step 4's checkpoint, then a write of step 8 that dies after each of its
 // steps in turn: every time, loading gives step 4's weights and state.
 TEST(CheckpointIoTest, AWriteThatDiesLeavesThePreviousCheckpointWhole) {
@@ -228,15 +248,7 @@ TEST(CheckpointIoTest, AWriteThatDiesLeavesThePreviousCheckpointWhole) {
   state.step = 8;
   int64_t crashes = 0;
   for (int64_t after = 0;; ++after) {
-    detail::fail_checkpoint_after(after);
-    bool died = false;
-    try {
-      save_checkpoint(dir.path, model, *opt, state);
-    } catch (const c10::Error& e) {
-      died = std::string(e.what()).find("simulated crash") != std::string::npos;
-      EXPECT_TRUE(died) << e.what();
-    }
-    detail::fail_checkpoint_after(-1);
+    const bool died = save_dies(after, dir.path, model, *opt, state);
     if (!died) {
       break;  // the write got through
     }
@@ -259,15 +271,7 @@ TEST(CheckpointIoTest, AWriteThatDiesLeavesThePreviousCheckpointWhole) {
   load_checkpoint(dir.path, first8, *first8_opt);
   train(model, *opt, 8);
   for (int64_t after = 0;; ++after) {
-    detail::fail_checkpoint_after(after);
-    bool died = false;
-    try {
-      save_checkpoint(dir.path, model, *opt, state);
-    } catch (const c10::Error& e) {
-      died = std::string(e.what()).find("simulated crash") != std::string::npos;
-      EXPECT_TRUE(died) << e.what();
-    }
-    detail::fail_checkpoint_after(-1);
+    const bool died = save_dies(after, dir.path, model, *opt, state);
     if (!died) {
       break;
     }

@@ -48,35 +48,6 @@ constexpr int kDrainReads = 16;
 // ranks]).
 constexpr int kLeftoverCheckMs = 100;
 
-// The write end of the self-pipe. A signal handler can reach only static
-// storage, so this one descriptor is global; main writes it once, before any
-// handler is installed.
-int signal_pipe_write = -1;
-
-// What the handler writes to the self-pipe for each signal: its number and,
-// for SIGCHLD, the process that ended. SIGCHLD comes as a child ends, so the
-// order of these records is the order in which the ranks ended, which
-// waitpid does not tell (it reports zombies in the order they were forked).
-// A write of 8 bytes is atomic (less than PIPE_BUF): the loop reads whole
-// records.
-struct SignalRecord {
-  int32_t signo = 0;
-  int32_t pid = 0;
-};
-
-void on_signal(int signo, siginfo_t* info, void* /*context*/) {
-  const int saved = errno;
-  SignalRecord record;
-  record.signo = signo;
-  record.pid = signo == SIGCHLD && info != nullptr ? info->si_pid : 0;
-  // Non-blocking: when the pipe is full, the records already in it wake the
-  // loop all the same (the record is lost; reap() then falls back to rank
-  // order).
-  [[maybe_unused]] const auto ignored =
-      ::write(signal_pipe_write, &record, sizeof(record));
-  errno = saved;
-}
-
 // Note [Stopping the ranks]
 // The first rank to fail (exit code other than 0, or a signal) is reported
 // on one line and decides gpipe-run's exit status; so does a SIGINT, SIGTERM
@@ -116,8 +87,7 @@ class Launcher {
     set_non_blocking(self_pipe[0]);
     set_non_blocking(self_pipe[1]);
     signal_read_ = self_pipe[0];
-    signal_pipe_write = self_pipe[1];
-    install_handlers();
+    install_signal_handlers(self_pipe[1]);
     // Note [Restarts]: a failed start is followed by another of every rank,
     // up to --max-restarts times, unless gpipe-run itself was stopped or
     // could not start them. Each start has its own port (unless
@@ -154,18 +124,6 @@ class Launcher {
   }
 
  private:
-  void install_handlers() {
-    struct sigaction action {};
-    action.sa_sigaction = on_signal;
-    sigemptyset(&action.sa_mask);
-    for (const int signo : kHandledSignals) {
-      action.sa_flags =
-          SA_SIGINFO | SA_RESTART | (signo == SIGCHLD ? SA_NOCLDSTOP : 0);
-      ::sigaction(signo, &action, nullptr);
-    }
-    ::signal(SIGPIPE, SIG_IGN);
-  }
-
   // The handled signals are blocked from before the first fork to after the
   // last: a new process must not run gpipe-run's handler (which writes to
   // gpipe-run's self-pipe) before it resets it.
@@ -468,10 +426,6 @@ class Launcher {
     report(verdict);
   }
 
-  static bool failed(int status) {
-    return !WIFEXITED(status) || WEXITSTATUS(status) != 0;
-  }
-
   // Whether a process is left in the group that `rank` leads (a zombie
   // leader counts).
   static bool group_alive(const Rank& rank) {
@@ -506,12 +460,6 @@ class Launcher {
       return 128 + signal_;
     }
     return 0;
-  }
-
-  static std::string format_seconds(double seconds) {
-    std::ostringstream text;
-    text << seconds << " s";
-    return text.str();
   }
 
   const Args& args_;

@@ -208,4 +208,14 @@ std::string describe_status(int status) {
   return text;
 }
 
+bool failed(int status) {
+  return !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+}
+
+std::string format_seconds(double seconds) {
+  std::ostringstream text;
+  text << seconds << " s";
+  return text.str();
+}
+
 }  // namespace gpipe_run

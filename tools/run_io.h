@@ -63,5 +63,10 @@ void print_lines(
     bool flush);
 void read_stream(const Rank& rank, Stream& stream, int reads);
 std::string describe_status(int status);
+/// Whether a wait status is a failure: an exit code other than 0, or a
+/// signal.
+bool failed(int status);
+/// `seconds` as "<seconds> s".
+std::string format_seconds(double seconds);
 
 }  // namespace gpipe_run

@@ -16,6 +16,41 @@ extern char** environ;
 
 namespace gpipe_run {
 
+namespace {
+
+// The write end of the self-pipe. A signal handler can reach only static
+// storage, so this one descriptor is global; it is written once, before
+// any handler is installed.
+int signal_pipe_write = -1;
+
+void on_signal(int signo, siginfo_t* info, void* /*context*/) {
+  const int saved = errno;
+  SignalRecord record;
+  record.signo = signo;
+  record.pid = signo == SIGCHLD && info != nullptr ? info->si_pid : 0;
+  // Non-blocking: when the pipe is full, the records already in it wake the
+  // loop all the same (the record is lost; reap() then falls back to rank
+  // order).
+  [[maybe_unused]] const auto ignored =
+      ::write(signal_pipe_write, &record, sizeof(record));
+  errno = saved;
+}
+
+}  // namespace
+
+void install_signal_handlers(int pipe_write) {
+  signal_pipe_write = pipe_write;
+  struct sigaction action {};
+  action.sa_sigaction = on_signal;
+  sigemptyset(&action.sa_mask);
+  for (const int signo : kHandledSignals) {
+    action.sa_flags =
+        SA_SIGINFO | SA_RESTART | (signo == SIGCHLD ? SA_NOCLDSTOP : 0);
+    ::sigaction(signo, &action, nullptr);
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+}
+
 // The environment of this host's rank `local_rank`: gpipe-run's own, less
 // any variables that it sets, plus those.
 std::vector<std::string> rank_environment(

@@ -13,6 +13,21 @@
 
 namespace gpipe_run {
 
+// What gpipe-run's signal handler writes to its self-pipe for each signal:
+// its number and, for SIGCHLD, the process that ended. SIGCHLD comes as a
+// child ends, so the order of these records is the order in which the
+// ranks ended, which waitpid does not tell (it reports zombies in the order
+// they were forked). A write of 8 bytes is atomic (less than PIPE_BUF): the
+// loop reads whole records.
+struct SignalRecord {
+  int32_t signo = 0;
+  int32_t pid = 0;
+};
+
+// Installs the handler of kHandledSignals, which writes a SignalRecord to
+// `pipe_write` (non-blocking) for each, and ignores SIGPIPE. Call once.
+void install_signal_handlers(int pipe_write);
+
 // The exit status of a rank whose program cannot be executed, as in sh.
 constexpr int kCannotExecute = 127;
 

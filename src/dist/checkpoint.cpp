@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checkpoint_io.h"
+#include "checkpoint_optimizer.h"
 #include "checkpoint_state.h"
 #include "dist/agreement.h"
 #include "dist/connection.h"

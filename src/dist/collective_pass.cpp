@@ -40,21 +40,18 @@ torch::Tensor collective_pass(
   }
 }
 
-void scatter_input(
-    const torch::Tensor& input,
-    int64_t chunks,
-    const char* call,
-    std::vector<Batch>& micro,
-    std::vector<int64_t>& sizes) {
+std::vector<gpipe::detail::Packet> scatter_input(
+    const torch::Tensor& input, int64_t chunks, const char* call) {
   TORCH_CHECK_TYPE(
       input.defined(),
       call,
       " expects the input on rank 0, but got an undefined tensor");
   verify_batch({input});
-  micro = scatter({input}, chunks);
-  for (const auto& b : micro) {
-    sizes.push_back(b[0].size(0));
+  std::vector<gpipe::detail::Packet> packets;
+  for (auto& b : scatter({input}, chunks)) {
+    packets.push_back(gpipe::detail::Packet{std::move(b), /*atomic=*/true});
   }
+  return packets;
 }
 
 }  // namespace gpipe::dist::detail

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dist/connection.h"
+#include "packet.h"
 
 namespace gpipe::detail {
 class Pipeline;
@@ -43,13 +44,9 @@ torch::Tensor collective_pass(
     const std::function<
         torch::Tensor(int64_t, Sends&, std::unique_lock<std::mutex>&)>& body);
 
-/// Rank 0's input cut into micro-batches (`call` names the caller in the
-/// error for an undefined input), and the rows of each.
-void scatter_input(
-    const torch::Tensor& input,
-    int64_t chunks,
-    const char* call,
-    std::vector<Batch>& micro,
-    std::vector<int64_t>& sizes);
+/// Rank 0's input cut into micro-batches, as the packets a pass feeds in
+/// (`call` names the caller in the error for an undefined input).
+std::vector<gpipe::detail::Packet> scatter_input(
+    const torch::Tensor& input, int64_t chunks, const char* call);
 
 }  // namespace gpipe::dist::detail

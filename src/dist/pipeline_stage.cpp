@@ -241,13 +241,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         ends.chunks = options.chunks();
         ends.device = device_;
         if (first) {
-          std::vector<Batch> micro;
-          std::vector<int64_t> rows;
-          scatter_input(input, options.chunks(), "train_step", micro, rows);
-          for (auto& b : micro) {
-            ends.inputs.push_back(
-                gpipe::detail::Packet{std::move(b), /*atomic=*/true});
-          }
+          ends.inputs = scatter_input(input, options.chunks(), "train_step");
           ends.originals = {input};
         }
         return engine_->pipeline->train(
@@ -278,13 +272,7 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
             local,
             world_.size());
         if (first) {
-          std::vector<Batch> micro;
-          std::vector<int64_t> rows;
-          scatter_input(input, options.chunks(), "forward", micro, rows);
-          for (auto& b : micro) {
-            ends.inputs.push_back(
-                gpipe::detail::Packet{std::move(b), /*atomic=*/true});
-          }
+          ends.inputs = scatter_input(input, options.chunks(), "forward");
         }
         auto done = engine_->pipeline->forward(
             ends, gpipe::detail::PassOptions{is_training(), 0});

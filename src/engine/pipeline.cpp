@@ -230,9 +230,10 @@ PassStart start_here(const Endpoints& ends, const PassOptions& options) {
   return start;
 }
 
-// The step seed: drawn before the pass begins where the processes agree on
-// it (`seeds` made there), else now. The seeds' holder puts the user's
-// generators back when the pass ends.
+// The step seed, drawn into `seeds` unless it was already: before the pass
+// begins where the processes agree on it (see first_seed), else once the
+// pass has passed its checks. The seeds' holder puts the user's generators
+// back when the pass ends.
 void draw_seed(
     std::optional<StepSeed>& seeds,
     const std::vector<torch::Device>& devices,
@@ -240,6 +241,18 @@ void draw_seed(
   if (!seeds) {
     seeds.emplace(devices, /*draw=*/true);
     start.seed = seeds->seed();
+  }
+}
+
+// At a pass's start: the seed drawn into `seeds` where `ends` must agree on
+// it in begin(), else nothing yet.
+void first_seed(
+    std::optional<StepSeed>& seeds,
+    const Endpoints& ends,
+    const std::vector<torch::Device>& devices,
+    PassStart& start) {
+  if (ends.seed_first()) {
+    draw_seed(seeds, devices, start);
   }
 }
 
@@ -252,9 +265,7 @@ Pipeline::Forward Pipeline::forward(
   {
     auto start = start_here(ends, options);
     std::optional<StepSeed> seeds;
-    if (ends.seed_first()) {
-      draw_seed(seeds, devices_, start);
-    }
+    first_seed(seeds, ends, devices_, start);
     ends.begin(start);
     const auto m = static_cast<int64_t>(start.rows.size());
     done.pass = start_pass(m, ends.originals, start.options);
@@ -320,9 +331,7 @@ torch::Tensor Pipeline::train(
   {
     auto start = start_here(ends, options);
     std::optional<StepSeed> seeds;
-    if (ends.seed_first()) {
-      draw_seed(seeds, devices_, start);
-    }
+    first_seed(seeds, ends, devices_, start);
     ends.begin(start);
     const auto m = static_cast<int64_t>(start.rows.size());
     const auto& plan = ends.plan(start);
