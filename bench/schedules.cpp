@@ -1,20 +1,20 @@
-// gpipe-bench's schedules section: the four schedules through train_step.
+// gpipe-bench's schedules section: the six schedules through train_step.
 //
 // First on layers whose cost is fixed (each a GELU and a
 // gpipe::models::TimedLayer, which waits a set time in forward and in each
 // part of backward), so that each step can be held against its own
 // simulation and the bubbles compared without the machine's noise: n = 4
-// lanes, m = 8 micro-batches, 8 layers (2 per stage; interleaved: 1 per
-// stage, 2 stages per lane). The bubble is read from a trace of the step
-// (Trace::summary: each lane's idle time between the step's first and last
-// interval), so that a layer's sleep running long counts as work and a lane
-// waiting for its input as bubble; the nominal bubble, the step's time less
-// the layers' set costs, is printed beside it. The memory is measured: the
-// most one lane (one device) allocated above what it held before the step.
-// The GELU gives the layers the memory that zero-bubble's claim rests on
-// (Qi et al.: a micro-batch waiting for its weight part holds no more than
-// one waiting for its backward, as in a transformer layer): per layer the
-// forward keeps the GELU's input (for the input part only) and the
+// lanes, m = 8 micro-batches, 8 layers (2 per stage; interleaved, looped
+// BFS and ZB-V: 1 per stage, 2 stages per lane, ZB-V's in a V). The bubble is
+// read from a trace of the step (Trace::summary: each lane's idle time between
+// the step's first and last interval), so that a layer's sleep running long
+// counts as work and a lane waiting for its input as bubble; the nominal
+// bubble, the step's time less the layers' set costs, is printed beside it. The
+// memory is measured: the most one lane (one device) allocated above what it
+// held before the step. The GELU gives the layers the memory that zero-bubble's
+// claim rests on (Qi et al.: a micro-batch waiting for its weight part holds no
+// more than one waiting for its backward, as in a transformer layer): per layer
+// the forward keeps the GELU's input (for the input part only) and the
 // TimedLayer's input, the waiting weight part the TimedLayer's input and
 // output gradient; per stage the forward also keeps the stage's output.
 // Then on real layers (16 x Linear(1024)+ReLU, 4 lanes of one thread sharing
@@ -49,10 +49,23 @@ const Schedule kSchedules[] = {
     Schedule::FillDrain,
     Schedule::OneFOneB,
     Schedule::Interleaved1F1B,
-    Schedule::ZeroBubble};
+    Schedule::ZeroBubble,
+    Schedule::ZeroBubbleV,
+    Schedule::LoopedBFS};
 
-int64_t stages_per_lane_of(Schedule s) {
-  return s == Schedule::Interleaved1F1B ? 2 : 1;
+// Where each schedule runs its stages on `lanes` lanes: two per lane for
+// interleaved and looped BFS (stage j on lane j % lanes) and in a V for
+// ZB-V, else one.
+Placement placement_of(Schedule s, int64_t lanes) {
+  switch (s) {
+    case Schedule::Interleaved1F1B:
+    case Schedule::LoopedBFS:
+      return Placement::modulo(lanes, 2);
+    case Schedule::ZeroBubbleV:
+      return Placement::v_shape(lanes);
+    default:
+      return Placement::modulo(lanes);
+  }
 }
 
 torch::Tensor mse(torch::Tensor y, torch::Tensor t) {
@@ -133,7 +146,7 @@ nlohmann::json timed_table(int iters) {
       (long long)layers,
       unit * 1e3);
   std::printf(
-      "%-12s %8s %8s %6s %8s %8s %8s %8s %8s %8s %8s %5s %8s %8s\n",
+      "%-14s %8s %8s %6s %8s %8s %8s %8s %8s %8s %8s %5s %8s %8s\n",
       "schedule",
       "step_ms",
       "sim_ms",
@@ -150,8 +163,9 @@ nlohmann::json timed_table(int iters) {
       "vs_1f1b");
   nlohmann::json rows = nlohmann::json::array();
   for (auto schedule : kSchedules) {
-    const auto v = stages_per_lane_of(schedule);
-    const auto stages = lanes * v;
+    const auto placement = placement_of(schedule, lanes);
+    const auto stages = placement.stages();
+    const auto v = stages / lanes;
     // Each stage: a LaneTag of its lane (which copies the stage's input,
     // as a device holds what it receives), its layers, each a GELU and a
     // TimedLayer, and a CopyGradient (which copies the gradient coming
@@ -159,7 +173,7 @@ nlohmann::json timed_table(int iters) {
     const auto layers_per_stage = layers / stages;
     torch::nn::Sequential net;
     for (int64_t j = 0; j < stages; ++j) {
-      net->push_back(LaneTag(static_cast<int>(j % lanes) + 1, true));
+      net->push_back(LaneTag(static_cast<int>(placement.lane_of(j)) + 1, true));
       for (int64_t k = 0; k < layers_per_stage; ++k) {
         net->push_back(torch::nn::GELU());
         net->push_back(
@@ -172,7 +186,7 @@ nlohmann::json timed_table(int iters) {
         GPipeOptions(std::vector<int64_t>(stages, 2 * layers_per_stage + 2))
             .chunks(m)
             .checkpoint(Checkpoint::Never)
-            .stages_per_lane(v)
+            .placement(placement)
             .threads_per_lane(1));
     // The input requires grad, so that every stage's backward has both
     // parts, each as costly as its forward.
@@ -221,7 +235,7 @@ nlohmann::json timed_table(int iters) {
     costs.backward = 2 * per_stage;
     costs.backward_input = per_stage;
     costs.backward_weight = per_stage;
-    const auto plan = make_plan(schedule, m, lanes, v);
+    const auto plan = make_plan(schedule, m, placement);
     const auto sim = simulate(plan, costs);
     double busy = 0;
     for (auto b : sim.busy) {
@@ -259,7 +273,7 @@ nlohmann::json timed_table(int iters) {
   for (auto& row : rows) {
     auto ms = [&](const char* key) { return row[key].get<double>() * 1e3; };
     std::printf(
-        "%-12s %8.1f %8.1f %6.3f %8.1f %8.1f %8.1f %8.1f %8.1f %8.3f %8.3f "
+        "%-14s %8.1f %8.1f %6.3f %8.1f %8.1f %8.1f %8.1f %8.1f %8.3f %8.3f "
         "%5lld %8.0f %8.3f\n",
         row["schedule"].get<std::string>().c_str(),
         ms("step_seconds"),
@@ -295,7 +309,7 @@ nlohmann::json real_table(int iters) {
       (long long)lanes,
       (long long)m);
   std::printf(
-      "%-12s %9s %10s %10s %10s %10s %10s\n",
+      "%-14s %9s %10s %10s %10s %10s %10s\n",
       "schedule",
       "step_ms",
       "vs_1f1b",
@@ -306,17 +320,19 @@ nlohmann::json real_table(int iters) {
   auto& counter = CountingAllocator::install();
   nlohmann::json rows = nlohmann::json::array();
   for (auto schedule : kSchedules) {
-    const auto v = stages_per_lane_of(schedule);
-    const auto stages = lanes * v;
+    const auto placement = placement_of(schedule, lanes);
+    const auto stages = placement.stages();
+    const auto v = stages / lanes;
     const auto per_stage = static_cast<int64_t>(net->size()) / stages;
-    // Each stage starts with a LaneTag of its lane (stage j runs on lane
-    // j % lanes), so that each lane's allocations count apart; it copies
-    // the stage's input, so that what a stage keeps of its input counts on
-    // its own lane. It ends with a CopyGradient, so that the gradient
-    // coming back counts on the lane that holds it too.
+    // Each stage starts with a LaneTag of its lane, so that each lane's
+    // allocations count apart; it copies the stage's input, so that what a
+    // stage keeps of its input counts on its own lane. It ends with a
+    // CopyGradient, so that the gradient coming back counts on the lane that
+    // holds it too.
     torch::nn::Sequential tagged;
     for (int64_t j = 0; j < stages; ++j) {
-      tagged->push_back(LaneTag(static_cast<int>(j % lanes) + 1, true));
+      tagged->push_back(
+          LaneTag(static_cast<int>(placement.lane_of(j)) + 1, true));
       for (int64_t k = 0; k < per_stage; ++k) {
         tagged->push_back(*(net->begin() + j * per_stage + k));
       }
@@ -327,7 +343,7 @@ nlohmann::json real_table(int iters) {
         GPipeOptions(std::vector<int64_t>(stages, per_stage + 2))
             .chunks(m)
             .checkpoint(Checkpoint::Never)
-            .stages_per_lane(v)
+            .placement(placement)
             .threads_per_lane(1));
     std::function<void()> step = [&] {
       model->zero_grad();
@@ -352,7 +368,7 @@ nlohmann::json real_table(int iters) {
        {"lane_peak_mib", "lane_memory_over_1f1b"}});
   for (const auto& row : rows) {
     std::printf(
-        "%-12s %9.1f %10.3f %10.1f %10.3f %10.1f %10.3f\n",
+        "%-14s %9.1f %10.3f %10.1f %10.3f %10.1f %10.3f\n",
         row["schedule"].get<std::string>().c_str(),
         row["step_seconds"].get<double>() * 1e3,
         row["time_over_1f1b"].get<double>(),

@@ -225,6 +225,7 @@ void save_checkpoint(
       {"writer", "gpipe::GPipe"},
       {"balance", model->options.balance()},
       {"stages_per_lane", model->options.stages_per_lane()},
+      {"placement", model->placement().lane_of_stage()},
       {"chunks", model->options.chunks()},
       {"processes", 1},
       {"pipeline_size", 1},

@@ -59,8 +59,8 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     module = convert_deferred_batch_norm(module, options.chunks());
   }
   const auto n = static_cast<int64_t>(options.balance().size());
-  const auto v = options.stages_per_lane();
-  const auto lanes = n / v;
+  const auto placement = detail::placement_of(options);
+  const auto lanes = placement.lanes();
   auto devices = options.devices().empty() ? detail::default_devices(lanes)
                                            : options.devices();
   verify_devices(devices, lanes);
@@ -71,7 +71,7 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
   threads_per_lane_ =
       detail::threads_per_lane(options.threads_per_lane(), devices);
   for (const auto j : c10::irange(n)) {
-    devices_.push_back(devices[j % std::max<int64_t>(lanes, 1)]);
+    devices_.push_back(devices[placement.lane_of(j)]);
   }
 
   // Split the layers; each keeps its name in the Sequential.
@@ -83,7 +83,11 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
   }
   if (n > 0) {
     pipeline_ = std::make_shared<Engine>(
-        std::move(parts), devices_, threads_per_lane_, std::vector<bool>{}, v);
+        std::move(parts),
+        devices_,
+        threads_per_lane_,
+        std::vector<bool>{},
+        placement);
   }
 }
 
@@ -201,8 +205,11 @@ torch::Tensor GPipeImpl::run_train_step(
 }
 
 int64_t GPipeImpl::lanes() const {
-  return static_cast<int64_t>(options.balance().size()) /
-         options.stages_per_lane();
+  return detail::placement_of(options).lanes();
+}
+
+Placement GPipeImpl::placement() const {
+  return detail::placement_of(options);
 }
 
 void GPipeImpl::to(
@@ -233,7 +240,9 @@ void GPipeImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::GPipe(balance=" << c10::IntArrayRef(options.balance())
          << ", chunks=" << options.chunks()
          << ", checkpoint=" << to_string(options.checkpoint());
-  if (options.stages_per_lane() > 1) {
+  if (!options.placement().empty()) {
+    stream << ", placement=" << to_string(options.placement());
+  } else if (options.stages_per_lane() > 1) {
     stream << ", stages_per_lane=" << options.stages_per_lane();
   }
   stream << ")";

@@ -189,7 +189,7 @@ TEST_F(PipelineTest, OnlyLocalPartitionsGetStages) {
       torch::nn::Sequential(torch::nn::Linear(3, 3)),
       torch::nn::Sequential(torch::nn::Linear(3, 3))};
   gpipe::detail::Pipeline pipeline(
-      parts, {torch::kCPU, torch::kCPU}, 1, {true, false}, 1);
+      parts, {torch::kCPU, torch::kCPU}, 1, {true, false}, gpipe::Placement());
   EXPECT_TRUE(pipeline.is_local(0));
   EXPECT_FALSE(pipeline.is_local(1));
   EXPECT_EQ(pipeline.stage(0).index(), 0);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 
 #include "common.h"
@@ -75,6 +76,7 @@ torch::Tensor loss_of(torch::Tensor y, torch::Tensor t) {
 struct Layout {
   std::vector<int64_t> balance;
   int64_t stages_per_lane;
+  Placement placement = {};
 };
 
 class SchedulesTrainTest : public SeededTest,
@@ -91,7 +93,8 @@ TEST_P(SchedulesTrainTest, GradientsEqualThePlainModel) {
       GPipeOptions(layout.balance)
           .chunks(5)
           .checkpoint(mode)
-          .stages_per_lane(layout.stages_per_lane));
+          .stages_per_lane(layout.stages_per_lane)
+          .placement(layout.placement));
   // 9 rows in 5 chunks: 2, 2, 2, 2, 1.
   auto x = torch::randn({9, 5}, torch::kFloat64).requires_grad_(true);
   auto x2 = x.detach().clone().requires_grad_(true);
@@ -114,7 +117,8 @@ TEST_P(SchedulesTrainTest, TrainingModeMatchesFillDrainWithDropout) {
                      .chunks(4)
                      .checkpoint(mode)
                      .deferred_batch_norm(true)
-                     .stages_per_lane(layout.stages_per_lane);
+                     .stages_per_lane(layout.stages_per_lane)
+                     .placement(layout.placement);
   GPipe reference(net, options);
   GPipe model(copy, options);
   auto x = torch::randn({8, 5}, torch::kFloat64);
@@ -153,6 +157,37 @@ INSTANTIATE_TEST_SUITE_P(
             Layout{{2, 2, 2, 2}, 1},
             Layout{{2, 2, 2, 2}, 2},
             Layout{{1, 1, 1, 1, 1, 1, 1, 1}, 4})));
+
+// Schedules on placements other than modulo: ZB-V on its V, looped BFS and
+// the others on a V and on a list whose skip (layer 1 to layer 6) crosses
+// lanes.
+INSTANTIATE_TEST_SUITE_P(
+    Placed,
+    SchedulesTrainTest,
+    ::testing::Combine(
+        ::testing::Values(
+            Schedule::ZeroBubbleV,
+            Schedule::LoopedBFS,
+            Schedule::FillDrain,
+            Schedule::ZeroBubble),
+        ::testing::Values(
+            Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never),
+        ::testing::Values(
+            Layout{{4, 4}, 1, Placement::v_shape(1)},
+            Layout{{2, 2, 2, 2}, 1, Placement::v_shape(2)},
+            Layout{{1, 1, 1, 1, 1, 1, 1, 1}, 1, Placement::v_shape(4)})));
+
+INSTANTIATE_TEST_SUITE_P(
+    Listed,
+    SchedulesTrainTest,
+    ::testing::Combine(
+        ::testing::Values(
+            Schedule::LoopedBFS, Schedule::OneFOneB, Schedule::ZeroBubble),
+        ::testing::Values(Checkpoint::ExceptLast),
+        ::testing::Values(
+            Layout{{2, 2, 2, 2}, 1, Placement({0, 0, 1, 1})},
+            Layout{{2, 2, 2, 2}, 2},
+            Layout{{2, 2, 1, 1, 1, 1}, 1, Placement({1, 0, 2, 2, 0, 1})})));
 
 TEST_F(SchedulesTrainTest, SplitBackwardRunsEachPartOncePerCell) {
   auto counts = std::make_shared<models::TimedCounts>();
@@ -348,8 +383,17 @@ TEST_F(SchedulesTrainTest, PlansThatDoNotFitAreRefused) {
       std::string::npos);
   auto swapped = make_plan(Schedule::OneFOneB, 2, 2, 2);
   std::swap(swapped.lanes[0], swapped.lanes[1]);
+  // The plan's own placement refuses its rows; without one, the pipeline's.
   EXPECT_NE(
-      error_of(swapped).find("on lane 0, but the pipeline runs it on lane 1"),
+      error_of(swapped).find("but the plan's placement modulo(2 lanes, 2 "
+                             "stages per lane) puts stage 1 on lane 1"),
+      std::string::npos)
+      << error_of(swapped);
+  swapped.placement = {};
+  EXPECT_NE(
+      error_of(swapped).find("on lane 0, but the pipeline's placement "
+                             "modulo(2 lanes, 2 stages per lane) runs it on "
+                             "lane 1"),
       std::string::npos)
       << error_of(swapped);
   EXPECT_NE(
@@ -371,6 +415,81 @@ TEST_F(SchedulesTrainTest, PlansThatDoNotFitAreRefused) {
   EXPECT_NO_THROW(model->train_step(
       x.narrow(0, 0, 1), t.narrow(0, 0, 1), loss_of, Schedule::OneFOneB));
   EXPECT_NO_THROW(model->train_step(x, t, loss_of, Schedule::OneFOneB));
+}
+
+TEST_F(SchedulesTrainTest, PlacementsThatDoNotFitAreRefused) {
+  auto net = model_of(false);
+  auto x = torch::randn({4, 5});
+  auto t = torch::randint(0, 4, {4});
+  auto error_of = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const c10::ValueError& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  GPipe v(
+      net,
+      GPipeOptions({2, 2, 2, 2}).chunks(2).placement(Placement::v_shape(2)));
+  EXPECT_EQ(v->lanes(), 2);
+  EXPECT_EQ(v->placement(), Placement::v_shape(2));
+  EXPECT_EQ(v->devices().size(), 4u);
+  EXPECT_NO_THROW(v->train_step(x, t, loss_of, Schedule::ZeroBubbleV));
+  GPipe modulo(net, GPipeOptions({2, 2, 2, 2}).chunks(2).stages_per_lane(2));
+  EXPECT_NE(
+      error_of([&] {
+        modulo->train_step(x, t, loss_of, Schedule::ZeroBubbleV);
+      }).find("zero_bubble_v runs on Placement::v_shape"),
+      std::string::npos);
+  // A plan made for another placement of as many stages and lanes.
+  EXPECT_NE(
+      error_of([&] {
+        modulo->train_step(
+            x, t, loss_of, make_plan(Schedule::FillDrain, 2, v->placement()));
+      })
+          .find("the plan's placement is v_shape(2 lanes), but the pipeline's "
+                "is modulo(2 lanes, 2 stages per lane)"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([&] {
+        v->train_step(
+            x, t, loss_of, make_plan(Schedule::Interleaved1F1B, 2, 2, 2));
+      }).find("but the pipeline's is v_shape(2 lanes)"),
+      std::string::npos);
+  // Both are still usable.
+  EXPECT_NO_THROW(modulo->train_step(x, t, loss_of, Schedule::LoopedBFS));
+  EXPECT_NO_THROW(v->train_step(x, t, loss_of, Schedule::LoopedBFS));
+  // Options: the placement must place every partition, and agree with
+  // stages_per_lane when that is given.
+  EXPECT_NE(
+      error_of([&] {
+        GPipe(net, GPipeOptions({4, 4}).placement(Placement({0, 1, 1})));
+      }).find("places 3 stages, but there are 2"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([&] {
+        GPipe(
+            net,
+            GPipeOptions({2, 2, 2, 2})
+                .placement(Placement::v_shape(2))
+                .stages_per_lane(4));
+      }).find("stages_per_lane is 4"),
+      std::string::npos);
+  EXPECT_NO_THROW(GPipe(
+      net,
+      GPipeOptions({2, 2, 2, 2})
+          .placement(Placement::v_shape(2))
+          .stages_per_lane(2)));
+  // One device per lane, whatever the placement.
+  GPipe listed(
+      net,
+      GPipeOptions({4, 2, 2})
+          .placement(Placement({0, 0, 1}))
+          .devices({torch::kCPU, torch::kCPU}));
+  EXPECT_EQ(listed->lanes(), 2);
+  EXPECT_EQ(listed->devices().size(), 3u);
+  EXPECT_NO_THROW(listed->train_step(x, t, loss_of, Schedule::OneFOneB));
 }
 
 TEST_F(SchedulesTrainTest, ForwardAndAutogradBackwardWithStagesPerLane) {

@@ -133,6 +133,8 @@ if [[ $mode == bad ]]; then
 
   # Schedules and plans.
   bad --stages-per-lane "${d[@]}" --schedule interleaved --stages-per-lane 3
+  bad --stages-per-lane "${d[@]}" --schedule zero_bubble_v --stages-per-lane 3
+  bad "needs an even number of partitions" "${d[@]}" --schedule zero_bubble_v --partitions 3
   bad --stages-per-lane "${d[@]}" --schedule 1f1b --stages-per-lane 0
   bad --stages-per-lane "${d[@]}" --stages-per-lane 2
   bad --plan "${d[@]}" --plan "$tmp/no-such-plan.csv"
@@ -237,7 +239,7 @@ elif [[ $mode == run ]]; then
   fi
   # The new schedules, and a plan written by hand (4 micro-batches on 2
   # lanes, zero-bubble style), run.
-  for schedule in interleaved zero_bubble; do
+  for schedule in interleaved zero_bubble zero_bubble_v looped_bfs; do
     run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --partitions 4 \
       --schedule "$schedule"
     if [[ $status -ne 0 ]] || ! grep -q '"steps":4' "$tmp/out"; then
@@ -246,6 +248,14 @@ elif [[ $mode == run ]]; then
       echo "ok: --schedule $schedule: $(grep -o '"stages_per_lane":[0-9]*' "$tmp/out")"
     fi
   done
+  # ZB-V runs its 4 partitions in a V on 2 lanes.
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --partitions 4 \
+    --schedule zero_bubble_v
+  if [[ $status -ne 0 ]] || ! grep -q '"placement":"v_shape(2 lanes)"' "$tmp/out"; then
+    fail "--schedule zero_bubble_v did not run on a V: $(cat "$tmp/out")"
+  else
+    echo "ok: --schedule zero_bubble_v on $(grep -o '"placement":"[^"]*"' "$tmp/out")"
+  fi
   {
     echo "0F0,0F1,0B0,0W0,0F2,0B1,0W1,0F3,0B2,0W2,0B3,0W3"
     echo "1F0,1B0,1F1,1B1,1W0,1F2,1B2,1W1,1F3,1B3,1W2,1W3"

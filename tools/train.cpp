@@ -64,8 +64,18 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
   const int64_t replicas = ranks / pipeline_size;
   const int64_t replica = rank / pipeline_size;
   const bool lead = rank == 0;
-  const bool first = rank % pipeline_size == 0;
-  const bool last = rank % pipeline_size == pipeline_size - 1;
+  // Under a launcher lane l of the pipeline is its rank l: the first and
+  // the last partition are on lane 0 and the last lane, or both on lane 0
+  // in a V.
+  const auto placement =
+      args.schedule == "zero_bubble_v"
+          ? gpipe::Placement::v_shape(args.partitions / 2)
+          : gpipe::Placement::modulo(
+                args.partitions / args.stages_per_lane, args.stages_per_lane);
+  // In one process every lane is here.
+  const bool first = !world || rank % pipeline_size == placement.lane_of(0);
+  const bool last =
+      !world || rank % pipeline_size == placement.lane_of(args.partitions - 1);
   // Replica d's rows of a batch of `rows`: [rows * d / D, rows * (d + 1) /
   // D).
   auto shard = [&](const torch::Tensor& t) {
@@ -146,6 +156,7 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
           .checkpoint(gpipe::checkpoint_from_string(args.checkpoint))
           .threads_per_lane(args.threads_per_lane)
           .stages_per_lane(args.stages_per_lane)
+          .placement(placement.is_modulo() ? gpipe::Placement() : placement)
           .deferred_batch_norm(args.deferred_batch_norm);
   auto lane_options = options;
   lane_options.devices(args.devices);
@@ -456,6 +467,7 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
             {"checkpoint", args.checkpoint},
             {"schedule", args.schedule},
             {"stages_per_lane", args.stages_per_lane},
+            {"placement", gpipe::to_string(placement)},
             {"deferred_batch_norm", args.deferred_batch_norm},
             {"lr_schedule", args.lr_schedule},
             {"final_lr", lr},

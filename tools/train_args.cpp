@@ -213,16 +213,23 @@ void add_options(CLI::App& app, Args& args) {
          "--schedule",
          args.schedule,
          "autograd: forward, then loss.backward(); fill_drain | 1f1b | "
-         "interleaved | zero_bubble: train_step with the loss inside the "
-         "pipeline")
+         "interleaved | zero_bubble | zero_bubble_v | looped_bfs: train_step "
+         "with the loss inside the pipeline (zero_bubble_v puts 2 "
+         "partitions on each lane in a V: j and 2 lanes - 1 - j on lane j)")
       ->check(CLI::IsMember(
-          {"autograd", "fill_drain", "1f1b", "interleaved", "zero_bubble"}));
+          {"autograd",
+           "fill_drain",
+           "1f1b",
+           "interleaved",
+           "zero_bubble",
+           "zero_bubble_v",
+           "looped_bfs"}));
   app.add_option(
          "--stages-per-lane",
          args.stages_per_lane,
          "Partitions per lane, partition j on lane j % lanes (default 1; "
-         "with --schedule interleaved, 2 when the partitions are an even "
-         "number of at least 4)")
+         "with --schedule interleaved or looped_bfs, 2 when the partitions "
+         "are an even number of at least 4; always 2 with zero_bubble_v)")
       ->check(int64);
   app.add_option(
          "--pipeline-size",
@@ -328,7 +335,9 @@ void verify_args(const CLI::App& app, Args& args) {
   const int64_t pipeline_ranks = args.pipeline_size;
   if (args.world_size > 1) {
     // The autograd schedule needs the whole pipeline in one process.
-    if (!per_lane && args.schedule == "interleaved") {
+    if (!per_lane &&
+        (args.schedule == "interleaved" || args.schedule == "looped_bfs" ||
+         args.schedule == "zero_bubble_v")) {
       args.stages_per_lane = 2;
     }
     ranks_partitions = pipeline_ranks * args.stages_per_lane;
@@ -354,7 +363,8 @@ void verify_args(const CLI::App& app, Args& args) {
     usage_check(
         args.schedule != "autograd",
         "--schedule autograd runs in one process; across ranks use "
-        "fill_drain, 1f1b, interleaved or zero_bubble");
+        "fill_drain, 1f1b, interleaved, zero_bubble, zero_bubble_v or "
+        "looped_bfs");
   }
   usage_check(
       args.partitions >= 1 && args.partitions <= spec.layers,
@@ -450,8 +460,24 @@ void verify_args(const CLI::App& app, Args& args) {
         "'; give them different files");
   }
 
-  if (!per_lane && args.schedule == "interleaved" && args.world_size == 1 &&
-      args.partitions >= 4 && args.partitions % 2 == 0) {
+  if (!per_lane &&
+      (args.schedule == "interleaved" || args.schedule == "looped_bfs") &&
+      args.world_size == 1 && args.partitions >= 4 &&
+      args.partitions % 2 == 0) {
+    args.stages_per_lane = 2;
+  }
+  if (args.schedule == "zero_bubble_v") {
+    usage_check(
+        !per_lane || args.stages_per_lane == 2,
+        "--schedule zero_bubble_v runs 2 partitions on each lane (a V: "
+        "partition j and 2 lanes - 1 - j on lane j), but --stages-per-lane "
+        "is ",
+        args.stages_per_lane);
+    usage_check(
+        args.partitions % 2 == 0,
+        "--schedule zero_bubble_v runs 2 partitions on each lane, so it "
+        "needs an even number of partitions, but there are ",
+        args.partitions);
     args.stages_per_lane = 2;
   }
   usage_check(
@@ -463,7 +489,8 @@ void verify_args(const CLI::App& app, Args& args) {
   usage_check(
       !per_lane || args.schedule != "autograd",
       "--stages-per-lane needs a train_step schedule (fill_drain, 1f1b, "
-      "interleaved or zero_bubble), but --schedule is autograd");
+      "interleaved, zero_bubble, zero_bubble_v or looped_bfs), but "
+      "--schedule is autograd");
   read_plan(app, args);
 
   // Last, so that an uninstalled data set does not hide other mistakes.

@@ -175,7 +175,10 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 /// `options.balance()` that fall on `world.rank()`. With `stages_per_lane`
 /// v, balance has `world.size() * v` partitions and partition j runs on rank
 /// `j % world.size()` (the layout interleaved schedules need); with v = 1,
-/// the default, rank r holds partition r.
+/// the default, rank r holds partition r. `options.placement()` puts
+/// partition j on pipeline rank `placement.lane_of(j)` instead (e.g.
+/// `Placement::v_shape(world.size())` for `Schedule::ZeroBubbleV`); it has
+/// one lane per pipeline rank.
 ///
 /// Parameters are named `partitions.<j>.<name>` as in gpipe::GPipe, so the
 /// ranks' parameters together are GPipe's. The partitions run on the CPU,
@@ -205,16 +208,18 @@ class PipelineStageImpl : public torch::nn::Module {
 
   /// Inference through the pipeline: `input` is read on rank 0 (the other
   /// ranks may pass an undefined tensor); the output is returned on the
-  /// last rank and undefined elsewhere. Runs without autograd graph, as
-  /// under torch::NoGradGuard; train with `train_step`.
+  /// last rank and undefined elsewhere. (Ranks are those of the first and
+  /// the last partition: with `Placement::v_shape` both are rank 0.) Runs
+  /// without autograd graph, as under torch::NoGradGuard; train with
+  /// `train_step`.
   torch::Tensor forward(torch::Tensor input = {});
 
   /// One training step over all ranks, as GPipe::train_step: `input` is read
-  /// on rank 0, `target` on the last rank (other ranks may pass undefined
-  /// tensors); ranks are pipeline ranks, and each replica reads its own
-  /// shard. Gradients accumulate into this rank's parameters, averaged over
-  /// the replicas. Returns the mini-batch loss, detached, on every rank
-  /// (with replicas, their mean).
+  /// on rank 0, `target` on the last rank (the last partition's rank;
+  /// other ranks may pass undefined tensors); ranks are pipeline ranks, and
+  /// each replica reads its own shard. Gradients accumulate into this rank's
+  /// parameters, averaged over the replicas. Returns the mini-batch loss,
+  /// detached, on every rank (with replicas, their mean).
   torch::Tensor train_step(
       torch::Tensor input,
       torch::Tensor target,
@@ -250,15 +255,23 @@ class PipelineStageImpl : public torch::nn::Module {
   /// `gpipe::dist::PipelineStage(rank=1/2, balance=[4, 4], chunks=8, ...)`.
   void pretty_print(std::ostream& stream) const override;
 
-  /// This rank's first partition (partition `rank()`).
+  /// This rank's first partition (partition `rank()` with the default
+  /// placement).
   const torch::nn::Sequential& partition() const {
     return partitions_.front();
   }
-  /// This rank's partitions, in order: partition `rank() + k * world size`
-  /// is `partitions()[k]`.
+  /// This rank's partitions, in order: `partitions()[k]` is partition
+  /// `partition_indices()[k]` (`rank() + k * world size` with the default
+  /// placement).
   const std::vector<torch::nn::Sequential>& partitions() const {
     return partitions_;
   }
+  /// The partitions this rank holds, in increasing order.
+  std::vector<int64_t> partition_indices() const;
+  /// Which pipeline rank holds each partition (lane l is pipeline rank l):
+  /// `options.placement()`, or `Placement::modulo(world size,
+  /// stages_per_lane)`.
+  Placement placement() const;
   torch::Device device() const {
     return device_;
   }

@@ -9,6 +9,7 @@
 #include <gpipe/microbatch.h>
 #include <gpipe/module.h>
 #include <gpipe/options.h>
+#include <gpipe/placement.h>
 #include <gpipe/plan.h>
 #include <gpipe/schedule.h>
 #include <gpipe/serialize.h>

@@ -71,7 +71,8 @@ class GPipeImpl : public torch::nn::Module {
   /// The same with a plan of one's own (`gpipe::make_plan`, or written by
   /// hand, or `Plan::from_csv`): each lane runs its row exactly as
   /// written. The plan must have `partitions().size()` stages on `lanes()`
-  /// lanes (stage j on lane j % lanes()), one micro-batch per piece the
+  /// lanes, each stage on its lane of `placement()` (a plan that carries a
+  /// placement carries this one), one micro-batch per piece the
   /// batch is cut into, a forward for every cell and a whole or split
   /// backward for every cell, every loss or none (then each follows its
   /// forward), and must run (`Plan::validate`); otherwise
@@ -107,8 +108,11 @@ class GPipeImpl : public torch::nn::Module {
   const std::vector<torch::Device>& devices() const {
     return devices_;
   }
-  /// Number of lanes: partitions / stages_per_lane.
+  /// Number of lanes: those of `placement()`.
   int64_t lanes() const;
+  /// Which lane runs each partition: `options.placement()`, or
+  /// `Placement::modulo(partitions / stages_per_lane, stages_per_lane)`.
+  Placement placement() const;
   /// Number of micro-batches per mini-batch.
   int64_t chunks() const {
     return options.chunks();

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <gpipe/placement.h>
 #include <torch/arg.h>
 #include <torch/types.h>
 
@@ -55,6 +56,13 @@ struct GPipeOptions {
   /// on lane j % n (and its device), so each lane holds v partitions that
   /// are not adjacent, as `Schedule::Interleaved1F1B` needs. Default: 1.
   TORCH_ARG(int64_t, stages_per_lane) = 1;
+
+  /// Which lane runs each partition, e.g. `Placement::v_shape(2)` for
+  /// `Schedule::ZeroBubbleV` on 4 partitions. Default (empty):
+  /// `Placement::modulo(n / stages_per_lane, stages_per_lane)`. When given,
+  /// it places every partition, and stages_per_lane is left at 1 or
+  /// matches it (partitions / its lanes).
+  TORCH_ARG(Placement, placement) = {};
 
   /// Number of micro-batches each mini-batch is cut into. Default: 1.
   TORCH_ARG(int64_t, chunks) = 1;

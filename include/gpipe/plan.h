@@ -6,6 +6,7 @@
 // train_step all run plans, and a schedule (fill-drain, 1F1B) is a function
 // that builds one. Plans are pure data: no tensors, no threads.
 
+#include <gpipe/placement.h>
 #include <gpipe/schedule.h>
 
 #include <cstdint>
@@ -50,6 +51,10 @@ struct Plan {
   int64_t stages = 0;
   /// lanes[l]: the cells lane l runs, in order.
   std::vector<std::vector<Cell>> lanes;
+  /// Which lane runs each stage. Empty: the lane whose row lists the
+  /// stage's cells. `make_plan` always sets it; a pipeline runs a plan only
+  /// when it is the pipeline's own placement.
+  Placement placement;
 
   /// Throws `c10::ValueError` naming the first problem: a cell outside
   /// (micro_batches, stages), a cell listed twice, a stage on two lanes,
@@ -58,7 +63,9 @@ struct Plan {
   /// whose inputs can never be ready (the lanes would deadlock); a loss
   /// on another stage than the last, without its forward, or listed for
   /// some micro-batches but not all; a transfer between stages of one lane,
-  /// without the cells it connects, or missing while others are listed.
+  /// without the cells it connects, or missing while others are listed;
+  /// a placement of other stages or lanes than the plan's, or a cell on
+  /// another lane than its placement's.
   void validate() const;
 
   /// This plan with every message between lanes listed: each send right
@@ -74,15 +81,21 @@ struct Plan {
   /// W (weight part), L (loss; gpipe's own letter), SEND_F, RECV_F, SEND_B,
   /// RECV_B (transfers), e.g. `0F3,1F3,1L3,1B3,1W3` or
   /// `0F3,0SEND_F3,0RECV_B3,0B3`. Lanes with no actions are empty rows.
+  /// A placement other than `Placement::modulo` comes first, on a line of
+  /// its own: `# placement: 0 1 1 0` (stage j's lane, in stage order).
   std::string to_csv() const;
   /// Reads `to_csv()`'s format (also `I` for an input part, as newer
-  /// PyTorch writes it; empty columns are skipped). micro_batches and
-  /// stages are the largest indices plus one. Throws `c10::ValueError`
-  /// naming the row, column and text of a malformed action; the plan is
-  /// not validated (call `validate()`).
+  /// PyTorch writes it; empty columns are skipped; other lines starting
+  /// with `#` are comments). micro_batches and stages are the largest
+  /// indices plus one. Without a placement line the placement is the one
+  /// the rows show when each stage's cells are on one row, else empty.
+  /// Throws `c10::ValueError` naming the row, column and text of a
+  /// malformed action, or a malformed placement line; the plan is not
+  /// validated (call `validate()`).
   static Plan from_csv(const std::string& text);
 
-  /// The lane that runs `stage`'s cells, or -1 when none does.
+  /// The lane that runs `stage`: its placement's, or without one the lane
+  /// that runs its cells, or -1 when none does.
   int64_t lane_of(int64_t stage) const;
 
   /// Unit-time simulation: every cell takes one step and starts at the
@@ -96,17 +109,27 @@ struct Plan {
 };
 
 /// The training step of `schedule` on `lanes` lanes holding
-/// `stages_per_lane` stages each (stage j on lane j % lanes), for
-/// `micro_batches` micro-batches. Fill-drain and 1F1B with several stages
-/// per lane run each lane's cells in the order of the one-lane-per-stage
-/// plan's time steps. Every micro-batch's loss is listed right after the
-/// last stage's forward. Throws `c10::ValueError` for sizes below 1 (0
-/// micro-batches gives an empty plan).
+/// `stages_per_lane` stages each, for `micro_batches` micro-batches: on
+/// `Placement::modulo(lanes, stages_per_lane)` (stage j on lane j % lanes),
+/// or for `Schedule::ZeroBubbleV` (which needs stages_per_lane 2) on
+/// `Placement::v_shape(lanes)`. Throws `c10::ValueError` for sizes below 1
+/// (0 micro-batches gives an empty plan).
 Plan make_plan(
     Schedule schedule,
     int64_t micro_batches,
     int64_t lanes,
     int64_t stages_per_lane = 1);
+
+/// The training step of `schedule` for `micro_batches` micro-batches on
+/// `placement`'s lanes; the plan carries the placement. Fill-drain, 1F1B
+/// and zero bubble run on any placement (each lane runs its stages' cells
+/// in the order of the one-lane-per-stage plan's time steps), as does
+/// looped BFS; interleaved 1F1B needs `Placement::modulo` and ZB-V
+/// `Placement::v_shape`. Every micro-batch's loss is listed right after the
+/// last stage's forward. Throws `c10::ValueError` naming the schedule and
+/// the placement it needs when the placement does not fit.
+Plan make_plan(
+    Schedule schedule, int64_t micro_batches, const Placement& placement);
 
 /// What each action costs in `simulate`, in any time unit.
 struct ActionCosts {

@@ -114,15 +114,33 @@ enum class Schedule {
   /// when F, B and W cost alike; every lane holds at most n micro-batches,
   /// 1F1B's peak (its first stage's).
   ZeroBubble,
+  /// ZB-V of Qi et al. (2024): two stages per lane in a V
+  /// (`Placement::v_shape`: stage j and 2n - 1 - j on lane j), backwards
+  /// split as in ZeroBubble. The first and the last stage share lane 0, so
+  /// a micro-batch's backward starts where its forward began, and the
+  /// weight parts fill the fill and the drain: with F, B and W of one cost
+  /// and m >= 2n the bubble is what a V's own fill costs, about a sixth of
+  /// 1F1B's, at 1F1B's peak activation memory. Needs stages_per_lane 2.
+  ZeroBubbleV,
+  /// Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism",
+  /// 2022; torch.distributed.pipelining's ScheduleLoopedBFS): on each lane
+  /// every micro-batch's forward through its first stage, then through its
+  /// next stage, ...; then the backwards, last stage first. Several stages
+  /// per lane (stage j on lane j % n) as interleaved; holds every
+  /// micro-batch like fill-drain. With one stage per lane it is fill-drain.
+  LoopedBFS,
 };
 
-/// "fill_drain" / "1f1b" / "interleaved" / "zero_bubble".
+/// "fill_drain" / "1f1b" / "interleaved" / "zero_bubble" / "zero_bubble_v"
+/// / "looped_bfs".
 std::string to_string(Schedule schedule);
 /// Parses those names; throws c10::ValueError otherwise.
 Schedule schedule_from_string(const std::string& name);
 
 /// The compute cells (forwards and backwards, no losses) partition
-/// `partition` runs in a training step under `schedule`, in order.
+/// `partition` runs in a training step under `schedule`, in order, with one
+/// lane per partition. ZeroBubbleV has no such order (it needs two stages
+/// per lane: use make_plan) and is refused with a `c10::ValueError`.
 std::vector<Cell> lane_order(
     Schedule schedule,
     int64_t micro_batches,

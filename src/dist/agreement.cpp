@@ -52,8 +52,24 @@ void verify_stage_options(
   const auto n = static_cast<int64_t>(options.balance().size());
   gpipe::detail::verify_options(module, options, "gpipe::dist::PipelineStage");
   const auto v = options.stages_per_lane();
+  if (!options.placement().empty()) {
+    // Lane l is pipeline rank l.
+    verify_placement(
+        options.placement(),
+        n,
+        ranks,
+        "gpipe::dist::PipelineStage (one lane per pipeline rank)");
+    // Rank 0 reads the input and starts every pass.
+    TORCH_CHECK_VALUE(
+        options.placement().lane_of(0) == 0,
+        "gpipe::dist::PipelineStage reads the input on pipeline rank 0, so "
+        "the placement must put partition 0 on lane 0, but ",
+        to_string(options.placement()),
+        " puts it on lane ",
+        options.placement().lane_of(0));
+  }
   TORCH_CHECK_VALUE(
-      n == ranks * v,
+      !options.placement().empty() || n == ranks * v,
       "gpipe::dist::PipelineStage puts partition j on rank j % world size, "
       "so balance must have world size x stages_per_lane = ",
       ranks,
@@ -116,6 +132,7 @@ std::vector<std::pair<std::string, std::string>> fingerprint(
   fields.emplace_back("balance", str(c10::IntArrayRef(options.balance())));
   fields.emplace_back("chunks", str(options.chunks()));
   fields.emplace_back("stages_per_lane", str(options.stages_per_lane()));
+  fields.emplace_back("placement", to_string(options.placement()));
   fields.emplace_back("checkpoint", to_string(options.checkpoint()));
   fields.emplace_back(
       "deferred_batch_norm", options.deferred_batch_norm() ? "true" : "false");

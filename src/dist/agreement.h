@@ -79,7 +79,7 @@ inline std::string step_name(int64_t s, uint64_t plan_hash) {
     return "a plan (hashed to " + std::to_string(plan_hash) + ")";
   }
   return "schedule " +
-         (s >= 0 && s <= static_cast<int64_t>(gpipe::Schedule::ZeroBubble)
+         (s >= 0 && s <= static_cast<int64_t>(gpipe::Schedule::LoopedBFS)
               ? gpipe::to_string(static_cast<gpipe::Schedule>(s))
               : std::to_string(s));
 }

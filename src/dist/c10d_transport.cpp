@@ -15,12 +15,12 @@ C10dTransport::C10dTransport(
     int64_t pass,
     int64_t m,
     int64_t n,
-    const Placement& placement,
+    const Routes& routes,
     std::shared_ptr<gpipe::Trace> trace)
     : connection_(std::move(connection)),
       pass_(pass),
       n_(n),
-      placement_(placement),
+      routes_(routes),
       trace_(std::move(trace)),
       local_(m, n) {}
 
@@ -43,7 +43,7 @@ C10dTransport::~C10dTransport() {
 }
 
 int64_t C10dTransport::destination(Phase phase, int64_t k) const {
-  const auto& ranks = placement_.rank_of_stage;
+  const auto& ranks = routes_.rank_of_stage;
   if (phase == Phase::Forward) {
     return ranks[std::min(k, n_ - 1)];
   }
@@ -51,7 +51,7 @@ int64_t C10dTransport::destination(Phase phase, int64_t k) const {
 }
 
 int64_t C10dTransport::source(Phase phase, int64_t k) const {
-  const auto& ranks = placement_.rank_of_stage;
+  const auto& ranks = routes_.rank_of_stage;
   if (phase == Phase::Forward) {
     return ranks[std::max<int64_t>(k - 1, 0)];
   }
@@ -111,9 +111,9 @@ Packet C10dTransport::recv(Phase phase, int64_t i, int64_t k) {
 
 void C10dTransport::send_skip(
     Phase phase, int64_t i, const gpipe::SkipKey& key, torch::Tensor t) {
-  const auto route = placement_.skip_route.at(key);
+  const auto route = routes_.skip_route.at(key);
   const auto stage = phase == Phase::Forward ? route.second : route.first;
-  const auto peer = placement_.rank_of_stage[stage];
+  const auto peer = routes_.rank_of_stage[stage];
   if (peer == me()) {
     local_.send_skip(phase, i, key, std::move(t));
     return;
@@ -122,15 +122,15 @@ void C10dTransport::send_skip(
       phase == Phase::Forward ? MessageKind::ForwardSkip
                               : MessageKind::BackwardSkip,
       i,
-      placement_.skip_index.at(key)};
+      routes_.skip_index.at(key)};
   send_message(peer, id, Message{{std::move(t)}, true});
 }
 
 torch::Tensor C10dTransport::recv_skip(
     Phase phase, int64_t i, const gpipe::SkipKey& key) {
-  const auto route = placement_.skip_route.at(key);
+  const auto route = routes_.skip_route.at(key);
   const auto from = phase == Phase::Forward ? route.first : route.second;
-  const auto peer = placement_.rank_of_stage[from];
+  const auto peer = routes_.rank_of_stage[from];
   if (peer == me()) {
     return local_.recv_skip(phase, i, key);
   }
@@ -138,7 +138,7 @@ torch::Tensor C10dTransport::recv_skip(
       phase == Phase::Forward ? MessageKind::ForwardSkip
                               : MessageKind::BackwardSkip,
       i,
-      placement_.skip_index.at(key)};
+      routes_.skip_index.at(key)};
   auto m = receive_traced(peer, id);
   TORCH_CHECK(
       m.tensors.size() == 1,

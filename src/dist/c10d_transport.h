@@ -23,7 +23,7 @@ namespace gpipe::dist::detail {
 
 /// Where a pass's stages are: the rank of each stage and a number for each
 /// skip that crosses stages.
-struct Placement {
+struct Routes {
   std::vector<int64_t> rank_of_stage;
   std::map<gpipe::SkipKey, int64_t> skip_index;
   /// The skips' routes: (stashing stage, popping stage).
@@ -37,7 +37,7 @@ class C10dTransport final : public gpipe::detail::Transport {
       int64_t pass,
       int64_t micro_batches,
       int64_t stages,
-      const Placement& placement,
+      const Routes& routes,
       std::shared_ptr<gpipe::Trace> trace);
   ~C10dTransport() override;
 
@@ -85,7 +85,7 @@ class C10dTransport final : public gpipe::detail::Transport {
   std::shared_ptr<Connection> connection_;
   const int64_t pass_;
   const int64_t n_;
-  const Placement& placement_;
+  const Routes& routes_;
   std::shared_ptr<gpipe::Trace> trace_;
   gpipe::detail::InProcessTransport local_;
   std::mutex sends_mutex_;

@@ -71,8 +71,8 @@ void agree(
   }
 }
 
-// This rank's layers by global index: partition j is
-// stage.partitions()[k] for j = pipeline rank + k * pipeline size.
+// This rank's layers by global index: stage.partitions()[k] is partition
+// stage.partition_indices()[k].
 gpipe::detail::IndexedLayers layers_of(const PipelineStage& stage) {
   const auto& balance = stage->balance();
   std::vector<int64_t> first(balance.size() + 1, 0);
@@ -80,11 +80,10 @@ gpipe::detail::IndexedLayers layers_of(const PipelineStage& stage) {
     first[j + 1] = first[j] + balance[j];
   }
   gpipe::detail::IndexedLayers layers;
-  const auto size = stage->world().size();
-  int64_t j = stage->world().rank();
-  for (const auto& part : stage->partitions()) {
-    gpipe::detail::add_layers(layers, part, first.at(j));
-    j += size;
+  const auto indices = stage->partition_indices();
+  for (const auto k : c10::irange(indices.size())) {
+    gpipe::detail::add_layers(
+        layers, stage->partitions()[k], first.at(indices[k]));
   }
   return layers;
 }
@@ -212,6 +211,7 @@ void save_checkpoint(
             {"writer", "gpipe::dist::PipelineStage"},
             {"balance", stage->balance()},
             {"stages_per_lane", stage->stages_per_lane()},
+            {"placement", stage->placement().lane_of_stage()},
             {"chunks", stage->chunks()},
             {"processes", world.size()},
             {"pipeline_size", mesh.pipeline_size()},

@@ -98,14 +98,16 @@ PipelineStageImpl::PipelineStageImpl(
   }
 
   // Split the layers; each keeps its name. Only this rank's partitions
-  // (j % size == rank) move to its device and become this module's.
+  // (those its placement puts on lane `rank`) move to its device and become
+  // this module's.
+  const auto placement = gpipe::detail::placement_of(options);
   const auto skips_by_place = detail::skips_by_place(module);
   auto parts = gpipe::detail::split_partitions(module, options.balance());
   auto holder =
       register_module("partitions", std::make_shared<torch::nn::Module>());
   std::vector<torch::Device> devices(n, torch::kCPU);
   std::vector<bool> local(n, false);
-  for (int64_t j = rank; j < n; j += size) {
+  for (const auto j : placement.stages_of(rank)) {
     parts[j]->to(device_);
     holder->register_module(std::to_string(j), parts[j]);
     partitions_.push_back(parts[j]);
@@ -120,11 +122,11 @@ PipelineStageImpl::PipelineStageImpl(
                 static_cast<int64_t>(std::thread::hardware_concurrency()) /
                     std::max<int64_t>(1, world_.local_size()));
   engine_->pipeline = std::make_shared<gpipe::detail::Pipeline>(
-      parts, devices, threads, local, options.stages_per_lane());
+      parts, devices, threads, local, placement);
 
-  auto& placement = engine_->placement;
+  auto& routes = engine_->routes;
   for (const auto j : c10::irange(n)) {
-    placement.rank_of_stage.push_back(j % size);  // lane j % size
+    routes.rank_of_stage.push_back(placement.lane_of(j));
   }
   // Skips between partitions are numbered by their place in the model, the
   // same on every rank (not by namespace, whose ids depend on the order in
@@ -133,8 +135,8 @@ PipelineStageImpl::PipelineStageImpl(
   int64_t index = 0;
   for (const auto& place : skips_by_place) {
     if (skips.requires_copy(place.key)) {
-      placement.skip_index[place.key] = index++;
-      placement.skip_route[place.key] = skips.route(place.key);
+      routes.skip_index[place.key] = index++;
+      routes.skip_route[place.key] = skips.route(place.key);
     }
   }
   TORCH_CHECK_VALUE(
@@ -163,7 +165,7 @@ PipelineStageImpl::PipelineStageImpl(
         engine->current,
         m,
         stages,
-        engine->placement,
+        engine->routes,
         engine->current_trace());
   });
 }
@@ -200,7 +202,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
     const LossFunction& loss_fn,
     Schedule schedule,
     const Plan* plan) {
-  const bool first = world_.rank() == 0;
+  const bool first = engine_->pipeline->is_local(0);
   return collective_pass(
       *engine_->connection,
       *engine_->pipeline,
@@ -236,7 +238,6 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
             local,
             world_.size());
         ends.user_plan = plan;
-        ends.stages_per_lane = options.stages_per_lane();
         ends.target = target;
         ends.chunks = options.chunks();
         ends.device = device_;
@@ -252,8 +253,16 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
       });
 }
 
+std::vector<int64_t> PipelineStageImpl::partition_indices() const {
+  return placement().stages_of(world_.rank());
+}
+
+Placement PipelineStageImpl::placement() const {
+  return engine_->pipeline->placement();
+}
+
 torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
-  const bool first = world_.rank() == 0;
+  const bool first = engine_->pipeline->is_local(0);
   torch::NoGradGuard no_grad;
   return collective_pass(
       *engine_->connection,

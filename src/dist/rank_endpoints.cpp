@@ -35,6 +35,10 @@ bool RankEndpoints::last_here() const {
   return pipeline_.is_local(pipeline_.size() - 1);
 }
 
+int64_t RankEndpoints::last_rank() const {
+  return pipeline_.placement().lane_of(pipeline_.size() - 1);
+}
+
 void RankEndpoints::begin(gpipe::detail::PassStart& start) {
   local_.seed = start.seed;
   local_.training = start.options.training;
@@ -57,8 +61,7 @@ const Plan& RankEndpoints::plan(const gpipe::detail::PassStart& start) {
   made_ = arrange(make_plan(
       static_cast<Schedule>(agreed_.schedule),
       static_cast<int64_t>(start.rows.size()),
-      ranks_,
-      stages_per_lane));
+      pipeline_.placement()));
   return made_;
 }
 
@@ -83,8 +86,8 @@ std::vector<torch::Tensor> RankEndpoints::targets(
   }
   TORCH_CHECK_TYPE(
       target.defined(),
-      "train_step expects the target on the last rank (",
-      ranks_ - 1,
+      "train_step expects the target on the last stage's rank (",
+      last_rank(),
       "), but got an undefined tensor");
   TORCH_CHECK_VALUE(
       target.dim() > 0 && target.size(0) == total,
@@ -114,16 +117,21 @@ void RankEndpoints::prepare(gpipe::detail::Pass& pass) {
   if (buckets_.empty()) {
     return;
   }
-  // Partition j is this rank's (j / ranks)-th. Buckets whose gradients are
-  // all accumulated during the stage's last backward start before it ends;
-  // the rest when it has. See Note [Gradient buckets].
+  // Partition j is this rank's k-th (its buckets are in partition
+  // order). Buckets whose gradients are all accumulated during the stage's
+  // last backward start before it ends; the rest when it has. See Note
+  // [Gradient buckets].
   auto* buckets = &buckets_;
-  const auto ranks = ranks_;
-  pass.before_final_gradients = [buckets, ranks](int64_t j) {
-    buckets->at(j / ranks)->arm();
+  std::vector<size_t> index(static_cast<size_t>(pipeline_.size()), 0);
+  size_t k = 0;
+  for (const auto j : c10::irange(pipeline_.size())) {
+    index[j] = pipeline_.is_local(j) ? k++ : 0;
+  }
+  pass.before_final_gradients = [buckets, index](int64_t j) {
+    buckets->at(index.at(j))->arm();
   };
-  pass.on_gradients_final = [buckets, ranks](int64_t j) {
-    buckets->at(j / ranks)->start();
+  pass.on_gradients_final = [buckets, index](int64_t j) {
+    buckets->at(index.at(j))->start();
   };
 }
 
@@ -134,12 +142,14 @@ torch::Tensor RankEndpoints::loss(gpipe::detail::Pass& pass) {
   const MessageId loss_id{MessageKind::Loss, 0, 0};
   if (last_here()) {
     auto loss = Endpoints::loss(pass);
-    for (const auto r : c10::irange(ranks_ - 1)) {
-      transport.send_message(r, loss_id, Message{{loss}, true});
+    for (const auto r : c10::irange(ranks_)) {
+      if (r != last_rank()) {
+        transport.send_message(r, loss_id, Message{{loss}, true});
+      }
     }
     return loss;
   }
-  auto message = transport.recv_message(ranks_ - 1, loss_id);
+  auto message = transport.recv_message(last_rank(), loss_id);
   TORCH_CHECK(
       message.tensors.size() == 1, "gpipe::dist: malformed loss message");
   return message.tensors[0].clone();

@@ -47,7 +47,6 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   /// A training step's own: a plan the user gave (else one of the agreed
   /// schedule), and the last rank's target, cut into `chunks` on `device`.
   const Plan* user_plan = nullptr;
-  int64_t stages_per_lane = 1;
   torch::Tensor target;
   int64_t chunks = 1;
   torch::Device device = torch::kCPU;
@@ -67,6 +66,8 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
 
  private:
   bool last_here() const;
+  /// The rank of the last stage (lane l is rank l).
+  int64_t last_rank() const;
 
   Connection& connection_;
   gpipe::detail::Pipeline& pipeline_;

@@ -20,7 +20,7 @@ namespace gpipe::dist {
 struct PipelineStageImpl::Engine {
   std::shared_ptr<detail::Connection> connection;
   std::shared_ptr<gpipe::detail::Pipeline> pipeline;
-  detail::Placement placement;
+  detail::Routes routes;
   int64_t stage_id = 0;
   int64_t passes = 0;   // passes started, the same count on every rank
   int64_t current = 0;  // the pass whose transport is being made

@@ -4,8 +4,11 @@
 #include <c10/util/irange.h>
 #include <gpipe/module.h>
 #include <gpipe/options.h>
+#include <gpipe/placement.h>
 #include <gpipe/skip.h>
 #include <gpipe/verify.h>
+
+#include "text.h"
 
 namespace gpipe::detail {
 
@@ -38,10 +41,35 @@ void verify_options(
       n,
       "), but got ",
       v);
+  const auto& placement = options.placement();
+  if (!placement.empty()) {
+    verify_placement(placement, n, -1, std::string(who) + "'s options");
+    TORCH_CHECK_VALUE(
+        v == 1 || placement.lanes() * v == n,
+        who,
+        ": the placement ",
+        to_string(placement),
+        " puts ",
+        n,
+        " partitions on ",
+        count_of(placement.lanes(), "lane", "lanes"),
+        ", but stages_per_lane is ",
+        v,
+        "; leave stages_per_lane at 1 when giving a placement");
+  }
   TORCH_CHECK_VALUE(
       options.threads_per_lane() >= 0,
       "threads_per_lane must be 0 (automatic) or positive, but got ",
       options.threads_per_lane());
+}
+
+Placement placement_of(const GPipeOptions& options) {
+  if (!options.placement().empty()) {
+    return options.placement();
+  }
+  const auto n = static_cast<int64_t>(options.balance().size());
+  const auto v = options.stages_per_lane();
+  return n == 0 ? Placement() : Placement::modulo(n / v, v);
 }
 
 std::vector<torch::nn::Sequential> split_partitions(

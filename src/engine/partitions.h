@@ -11,6 +11,7 @@
 
 namespace gpipe {
 struct GPipeOptions;
+class Placement;
 }  // namespace gpipe
 
 namespace gpipe::detail {
@@ -18,12 +19,17 @@ namespace gpipe::detail {
 /// What GPipe and PipelineStage (`who` names it in the errors) check of
 /// their model and options before anything is built: a module without
 /// repeats or a nested GPipe, skips that pair up, chunks, a balance that
-/// covers the layers, stages_per_lane dividing the partitions, and
+/// covers the layers, stages_per_lane dividing the partitions, a placement
+/// of every partition that agrees with stages_per_lane, and
 /// threads_per_lane. A c10::Error names what is wrong.
 void verify_options(
     const torch::nn::Sequential& module,
     const GPipeOptions& options,
     const char* who);
+
+/// The placement `options` (verified) asks for: `options.placement()`, or
+/// `Placement::modulo(partitions / stages_per_lane, stages_per_lane)`.
+Placement placement_of(const GPipeOptions& options);
 
 /// `module`'s layers in consecutive Sequentials of `balance[j]` layers
 /// each; every layer keeps its name and is shared, not copied. `balance`

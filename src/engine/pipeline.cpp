@@ -30,13 +30,17 @@ Pipeline::Pipeline(
     std::vector<torch::Device> devices,
     int64_t threads_per_lane,
     std::vector<bool> local,
-    int64_t stages_per_lane)
-    : devices_(std::move(devices)), skip_layout_(partitions) {
+    Placement placement)
+    : devices_(std::move(devices)),
+      placement_(
+          placement.empty()
+              ? Placement::modulo(static_cast<int64_t>(partitions.size()))
+              : std::move(placement)),
+      skip_layout_(partitions) {
   const auto n = partitions.size();
   TORCH_INTERNAL_ASSERT(n == devices_.size());
   TORCH_INTERNAL_ASSERT(local.empty() || local.size() == n);
-  TORCH_INTERNAL_ASSERT(
-      stages_per_lane >= 1 && n % static_cast<size_t>(stages_per_lane) == 0);
+  TORCH_INTERNAL_ASSERT(placement_.stages() == static_cast<int64_t>(n));
   local_ = local.empty() ? std::vector<bool>(n, true) : local;
   // Only this process's partitions become Stages: the others run in other
   // processes (gpipe::dist), and are known here by their skips' routes.
@@ -49,27 +53,28 @@ Pipeline::Pipeline(
                         skip_layout_)
                   : nullptr);
   }
-  const auto lanes = n / static_cast<size_t>(stages_per_lane);
-  for (const auto l : c10::irange(lanes)) {
+  for (const auto l : c10::irange(placement_.lanes())) {
+    const auto stages = placement_.stages_of(l);
     bool here = false;
-    for (size_t j = l; j < n; j += lanes) {
+    for (const auto j : stages) {
       here = here || local_[j];
     }
     if (!here) {
       lanes_.push_back(nullptr);
       continue;
     }
-    backward_inline_ = backward_inline_ || devices_[l].is_cuda();
+    const auto& device = devices_[stages.front()];
+    backward_inline_ = backward_inline_ || device.is_cuda();
     lanes_.push_back(
-        std::make_unique<Lane>(lane_init(devices_[l], threads_per_lane)));
+        std::make_unique<Lane>(lane_init(device, threads_per_lane)));
   }
 }
 
 Plan Pipeline::on_lanes(Plan flat) const {
-  if (lanes() == size()) {
+  if (placement_ == Placement::modulo(size())) {
     return flat;
   }
-  return fold_onto_lanes(flat, lanes());
+  return fold_onto_lanes(flat, placement_);
 }
 
 void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
@@ -92,16 +97,24 @@ void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
       m,
       " (chunks, or fewer when the batch has fewer rows)");
   plan.validate();
+  TORCH_CHECK_VALUE(
+      plan.placement.empty() || plan.placement == placement_,
+      "train_step: the plan's placement is ",
+      to_string(plan.placement),
+      ", but the pipeline's is ",
+      to_string(placement_));
   for (const auto l : c10::irange(plan.lanes.size())) {
     for (const auto& c : plan.lanes[l]) {
       TORCH_CHECK_VALUE(
-          c.partition % lanes() == static_cast<int64_t>(l),
+          placement_.lane_of(c.partition) == static_cast<int64_t>(l),
           "train_step: the plan runs stage ",
           c.partition,
           " on lane ",
           l,
-          ", but the pipeline runs it on lane ",
-          c.partition % lanes());
+          ", but the pipeline's placement ",
+          to_string(placement_),
+          " runs it on lane ",
+          placement_.lane_of(c.partition));
     }
   }
   int64_t forwards = 0;
@@ -131,8 +144,7 @@ std::shared_ptr<const Plan> Pipeline::training_plan(
   std::lock_guard<std::mutex> lock(plan_mutex_);
   if (!planned_ || planned_schedule_ != schedule ||
       planned_->micro_batches != m) {
-    planned_ = std::make_shared<const Plan>(
-        make_plan(schedule, m, lanes(), size() / lanes()));
+    planned_ = std::make_shared<const Plan>(make_plan(schedule, m, placement_));
     planned_schedule_ = schedule;
   }
   return planned_;

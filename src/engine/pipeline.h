@@ -6,6 +6,7 @@
 
 #include <gpipe/microbatch.h>
 #include <gpipe/options.h>
+#include <gpipe/placement.h>
 #include <gpipe/schedule.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
@@ -31,18 +32,18 @@ namespace gpipe::detail {
 
 class Pipeline : public std::enable_shared_from_this<Pipeline> {
  public:
-  /// One lane per `stages_per_lane` partitions (partition j on lane
-  /// j % lanes, on `devices[j]`); CPU lanes get `threads_per_lane` intra-op
-  /// threads. With `local` given, only the partitions it marks run here
-  /// (stages in other processes: src/dist/); lanes holding none of them are
-  /// not made, their cells are another process's, and their layers stay
-  /// where they are.
+  /// Partition j on lane `placement.lane_of(j)` (empty: lane j), on
+  /// `devices[j]` (a lane runs on its first partition's device); CPU lanes
+  /// get `threads_per_lane` intra-op threads. With `local` given, only the
+  /// partitions it marks run here (stages in other processes: src/dist/);
+  /// lanes holding none of them are not made, their cells are another
+  /// process's, and their layers stay where they are.
   Pipeline(
       std::vector<torch::nn::Sequential> partitions,
       std::vector<torch::Device> devices,
       int64_t threads_per_lane,
       std::vector<bool> local = {},
-      int64_t stages_per_lane = 1);
+      Placement placement = {});
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
@@ -93,19 +94,23 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       const PassOptions& options,
       std::unique_lock<std::mutex>& held);
 
-  /// Number of lanes (partitions / stages_per_lane).
+  /// Number of lanes.
   int64_t lanes() const {
     return static_cast<int64_t>(lanes_.size());
+  }
+  /// Which lane runs each partition.
+  const Placement& placement() const {
+    return placement_;
   }
   /// A one-lane-per-stage plan on this pipeline's lanes.
   Plan on_lanes(Plan flat) const;
   /// Throws `c10::ValueError` unless `plan` fits this pipeline (its stages,
-  /// its lanes, `micro_batches` micro-batches, stage j on lane j % lanes)
-  /// and is a whole training step that runs.
+  /// its lanes, `micro_batches` micro-batches, each stage on the lane the
+  /// pipeline's placement gives) and is a whole training step that runs.
   void check_training_plan(const Plan& plan, int64_t micro_batches) const;
-  /// make_plan(schedule, micro_batches, lanes(), stages per lane), made
-  /// once and kept while the steps ask for the same schedule and
-  /// micro-batches (a training step's plan does not change between steps).
+  /// make_plan(schedule, micro_batches, placement()), made once and kept
+  /// while the steps ask for the same schedule and micro-batches (a
+  /// training step's plan does not change between steps).
   std::shared_ptr<const Plan> training_plan(
       Schedule schedule, int64_t micro_batches);
 
@@ -181,6 +186,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
 
  private:
   std::vector<torch::Device> devices_;
+  Placement placement_;
   SkipLayout skip_layout_;
   std::vector<std::unique_ptr<Stage>> stages_;
   std::vector<bool> local_;  // per partition

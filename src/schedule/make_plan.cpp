@@ -1,5 +1,5 @@
-// make_plan: a schedule's training step on lanes that may hold several
-// stages each.
+// make_plan: a schedule's training step on a placement, lanes that may hold
+// several stages each.
 
 #include <c10/util/Exception.h>
 #include <gpipe/plan.h>
@@ -10,18 +10,19 @@ namespace gpipe {
 
 namespace detail {
 
-// The one-lane-per-stage plan `flat` on `lanes` lanes, stage j on lane
-// j % lanes: each lane runs its stages' cells in the order of `flat`'s time
-// steps. Every cell's inputs ran in an earlier step, so the order of steps
-// is one order for all lanes and the folded plan cannot deadlock.
-Plan fold_onto_lanes(const Plan& flat, int64_t lanes) {
+// Each lane runs its stages' cells in the order of `flat`'s time steps.
+// Every cell's inputs ran in an earlier step, so the order of steps is one
+// order for all lanes and the folded plan cannot deadlock.
+Plan fold_onto_lanes(const Plan& flat, const Placement& placement) {
   Plan plan;
   plan.micro_batches = flat.micro_batches;
   plan.stages = flat.stages;
-  plan.lanes.resize(static_cast<size_t>(lanes));
+  plan.placement = placement;
+  plan.lanes.resize(static_cast<size_t>(placement.lanes()));
   for (const auto& step : flat.steps()) {
     for (const auto& cell : step) {
-      plan.lanes[static_cast<size_t>(cell.partition % lanes)].push_back(cell);
+      plan.lanes[static_cast<size_t>(placement.lane_of(cell.partition))]
+          .push_back(cell);
     }
   }
   return plan;
@@ -45,6 +46,53 @@ Plan with_losses(Plan plan) {
 }  // namespace detail
 
 Plan make_plan(
+    Schedule schedule, int64_t micro_batches, const Placement& placement) {
+  TORCH_CHECK_VALUE(
+      micro_batches >= 0,
+      "make_plan: expected micro_batches >= 0, but got ",
+      micro_batches);
+  TORCH_CHECK_VALUE(
+      !placement.empty(), "make_plan: expected a placement, but got none");
+  const auto lanes = placement.lanes();
+  const auto stages = placement.stages();
+  Plan plan;
+  plan.micro_batches = micro_batches;
+  plan.stages = stages;
+  plan.placement = placement;
+  switch (schedule) {
+    case Schedule::Interleaved1F1B:
+      if (lanes < stages) {
+        TORCH_CHECK_VALUE(
+            placement.is_modulo(),
+            "make_plan: interleaved runs stage j on lane j % lanes "
+            "(Placement::modulo), but the placement is ",
+            to_string(placement));
+        plan.lanes =
+            detail::interleaved_lanes(micro_batches, lanes, stages / lanes);
+        return detail::with_losses(std::move(plan));
+      }
+      break;  // one stage per lane: 1F1B
+    case Schedule::ZeroBubbleV:
+      TORCH_CHECK_VALUE(
+          placement.is_v_shape(),
+          "make_plan: zero_bubble_v runs on Placement::v_shape (stage j and ",
+          "2 lanes - 1 - j on lane j), but the placement is ",
+          to_string(placement));
+      plan.lanes = detail::zero_bubble_v_lanes(micro_batches, lanes);
+      return detail::with_losses(std::move(plan));
+    case Schedule::LoopedBFS:
+      plan.lanes = detail::looped_bfs_lanes(micro_batches, placement);
+      return detail::with_losses(std::move(plan));
+    case Schedule::FillDrain:
+    case Schedule::OneFOneB:
+    case Schedule::ZeroBubble:
+      break;
+  }
+  return detail::with_losses(detail::fold_onto_lanes(
+      training_plan(schedule, micro_batches, stages), placement));
+}
+
+Plan make_plan(
     Schedule schedule,
     int64_t micro_batches,
     int64_t lanes,
@@ -59,19 +107,16 @@ Plan make_plan(
       stages_per_lane >= 1,
       "make_plan: expected stages_per_lane >= 1, but got ",
       stages_per_lane);
-  const auto stages = lanes * stages_per_lane;
-  if (schedule == Schedule::Interleaved1F1B && stages_per_lane > 1) {
-    Plan plan;
-    plan.micro_batches = micro_batches;
-    plan.stages = stages;
-    plan.lanes =
-        detail::interleaved_lanes(micro_batches, lanes, stages_per_lane);
-    return detail::with_losses(std::move(plan));
+  if (schedule == Schedule::ZeroBubbleV) {
+    TORCH_CHECK_VALUE(
+        stages_per_lane == 2,
+        "make_plan: zero_bubble_v runs 2 stages on each lane "
+        "(Placement::v_shape), but got stages_per_lane ",
+        stages_per_lane);
+    return make_plan(schedule, micro_batches, Placement::v_shape(lanes));
   }
-  auto flat = training_plan(schedule, micro_batches, stages);
-  return detail::with_losses(
-      stages_per_lane == 1 ? std::move(flat)
-                           : detail::fold_onto_lanes(flat, lanes));
+  return make_plan(
+      schedule, micro_batches, Placement::modulo(lanes, stages_per_lane));
 }
 
 }  // namespace gpipe

@@ -202,6 +202,10 @@ std::vector<Cell> CellInputs::of(const Cell& c) const {
 }  // namespace detail
 
 int64_t Plan::lane_of(int64_t stage) const {
+  if (!placement.empty()) {
+    return stage >= 0 && stage < placement.stages() ? placement.lane_of(stage)
+                                                    : -1;
+  }
   for (size_t l = 0; l < lanes.size(); ++l) {
     for (const auto& c : lanes[l]) {
       if (c.partition == stage) {
@@ -310,6 +314,10 @@ void Plan::validate() const {
       micro_batches,
       " and ",
       stages);
+  if (!placement.empty()) {
+    verify_placement(
+        placement, stages, static_cast<int64_t>(lanes.size()), "plan");
+  }
   std::set<Key> seen;
   std::map<int64_t, size_t> stage_lane;
   size_t forwards = 0;
@@ -346,6 +354,19 @@ void Plan::validate() const {
           " and on lane ",
           l,
           "; a stage belongs to one lane");
+      TORCH_CHECK_VALUE(
+          placement.empty() ||
+              placement.lane_of(c.partition) == static_cast<int64_t>(l),
+          "plan: lane ",
+          l,
+          " runs ",
+          to_string(c),
+          ", but the plan's placement ",
+          to_string(placement),
+          " puts stage ",
+          c.partition,
+          " on lane ",
+          placement.empty() ? -1 : placement.lane_of(c.partition));
       if (c.phase == Phase::Forward) {
         ++forwards;
       } else if (c.phase == Phase::Loss) {

@@ -32,10 +32,10 @@ class CellInputs {
   std::shared_ptr<const PlanShape> shape_;
 };
 
-/// The one-lane-per-stage plan `flat` on `lanes` lanes (stage j on lane
-/// j % lanes), each lane running its cells in the order of `flat`'s time
-/// steps; never deadlocks.
-Plan fold_onto_lanes(const Plan& flat, int64_t lanes);
+/// The one-lane-per-stage plan `flat` on `placement`'s lanes, each lane
+/// running its cells in the order of `flat`'s time steps; never
+/// deadlocks. The plan carries the placement.
+Plan fold_onto_lanes(const Plan& flat, const Placement& placement);
 
 /// `plan` with each micro-batch's loss right after the last stage's
 /// forward.
@@ -53,6 +53,13 @@ void validate_transfers(
 /// each, stage j on lane j % lanes).
 std::vector<std::vector<Cell>> interleaved_lanes(
     int64_t m, int64_t lanes, int64_t v);
+
+/// ZB-V's rows, one per lane (`lanes` lanes, on Placement::v_shape).
+std::vector<std::vector<Cell>> zero_bubble_v_lanes(int64_t m, int64_t lanes);
+
+/// Looped BFS's rows, one per lane of `placement`.
+std::vector<std::vector<Cell>> looped_bfs_lanes(
+    int64_t m, const Placement& placement);
 
 /// "F", "B" (whole backward or input part), "W", "L", "SEND_F", "RECV_F",
 /// "SEND_B" or "RECV_B": plans' table and CSV spelling.

@@ -13,8 +13,21 @@
 
 namespace gpipe {
 
+namespace {
+
+constexpr const char* kPlacementLine = "# placement:";
+
+}  // namespace
+
 std::string Plan::to_csv() const {
   std::ostringstream out;
+  if (!placement.empty() && !placement.is_modulo()) {
+    out << kPlacementLine;
+    for (const auto lane : placement.lane_of_stage()) {
+      out << ' ' << lane;
+    }
+    out << '\n';
+  }
   for (const auto& lane : lanes) {
     bool first = true;
     for (const auto& c : lane) {
@@ -112,6 +125,71 @@ bool phase_of(const std::string& kind, Phase& phase) {
   return false;
 }
 
+// "0 1 1 0" after "# placement:".
+Placement placement_of(const std::string& text, int64_t row) {
+  std::istringstream in(text);
+  std::vector<int64_t> lanes;
+  std::string word;
+  while (in >> word) {
+    size_t used = 0;
+    int64_t lane = -1;
+    try {
+      lane = std::stoll(word, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TORCH_CHECK_VALUE(
+        used == word.size() && used > 0 && lane >= 0 && lane <= kMaxNumber,
+        "plan CSV: row ",
+        row,
+        ": expected the lane of each stage after '",
+        kPlacementLine,
+        "' (numbers from 0 to ",
+        kMaxNumber,
+        ", separated by spaces), but got '",
+        word,
+        "'");
+    lanes.push_back(lane);
+  }
+  try {
+    return Placement(std::move(lanes));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(
+        false, "plan CSV: row ", row, ": ", e.what_without_backtrace());
+  }
+}
+
+// The placement the rows show: each stage's cells on one row, every stage
+// and every row with cells. Empty otherwise (validate() names the problem).
+Placement placement_of_rows(const Plan& plan) {
+  size_t cells = 0;
+  for (const auto& lane : plan.lanes) {
+    cells += lane.size();
+  }
+  if (plan.stages < 0 || static_cast<size_t>(plan.stages) > cells) {
+    return {};  // a stage without cells
+  }
+  std::vector<int64_t> lane_of(static_cast<size_t>(plan.stages), -1);
+  for (size_t l = 0; l < plan.lanes.size(); ++l) {
+    if (plan.lanes[l].empty()) {
+      return {};
+    }
+    for (const auto& c : plan.lanes[l]) {
+      auto& lane = lane_of[static_cast<size_t>(c.partition)];
+      if (lane >= 0 && lane != static_cast<int64_t>(l)) {
+        return {};
+      }
+      lane = static_cast<int64_t>(l);
+    }
+  }
+  for (const auto lane : lane_of) {
+    if (lane < 0) {
+      return {};
+    }
+  }
+  return Placement(std::move(lane_of));
+}
+
 }  // namespace
 
 Plan Plan::from_csv(const std::string& text) {
@@ -122,8 +200,19 @@ Plan Plan::from_csv(const std::string& text) {
   // B means the input part when the cell also has a W (PyTorch 2.3's
   // spelling): read every action first, then decide.
   std::set<std::pair<int64_t, int64_t>> weights;
+  bool placed = false;
   while (std::getline(in, line)) {
     ++row;
+    if (trim(line).rfind('#', 0) == 0) {
+      if (trim(line).rfind(kPlacementLine, 0) == 0) {
+        TORCH_CHECK_VALUE(
+            !placed, "plan CSV: row ", row, ": a second placement line");
+        plan.placement = placement_of(
+            trim(line).substr(std::string(kPlacementLine).size()), row);
+        placed = true;
+      }
+      continue;  // a comment
+    }
     std::vector<Cell> lane;
     std::istringstream fields(line);
     std::string field;
@@ -179,6 +268,9 @@ Plan Plan::from_csv(const std::string& text) {
         c.phase = Phase::BackwardInput;
       }
     }
+  }
+  if (!placed) {
+    plan.placement = placement_of_rows(plan);
   }
   return plan;
 }

@@ -70,6 +70,10 @@ std::string to_string(Schedule schedule) {
       return "interleaved";
     case Schedule::ZeroBubble:
       return "zero_bubble";
+    case Schedule::ZeroBubbleV:
+      return "zero_bubble_v";
+    case Schedule::LoopedBFS:
+      return "looped_bfs";
   }
   return "unknown";
 }
@@ -79,15 +83,17 @@ Schedule schedule_from_string(const std::string& name) {
        {Schedule::FillDrain,
         Schedule::OneFOneB,
         Schedule::Interleaved1F1B,
-        Schedule::ZeroBubble}) {
+        Schedule::ZeroBubble,
+        Schedule::ZeroBubbleV,
+        Schedule::LoopedBFS}) {
     if (name == to_string(s)) {
       return s;
     }
   }
   TORCH_CHECK_VALUE(
       false,
-      "schedule must be 'fill_drain', '1f1b', 'interleaved' or "
-      "'zero_bubble', but got '",
+      "schedule must be 'fill_drain', '1f1b', 'interleaved', 'zero_bubble', "
+      "'zero_bubble_v' or 'looped_bfs', but got '",
       name,
       "'");
 }
@@ -99,12 +105,19 @@ std::vector<Cell> lane_order(
       j >= 0 && j < n, "schedule: partition ", j, " is not in [0, ", n, ")");
   switch (schedule) {
     case Schedule::FillDrain:
+    case Schedule::LoopedBFS:  // one stage per lane: fill-drain
       return detail::fill_drain_lane(m, n, j);
     case Schedule::OneFOneB:
     case Schedule::Interleaved1F1B:  // one stage per lane: 1F1B
       return detail::one_f_one_b_lane(m, n, j);
     case Schedule::ZeroBubble:
       return detail::zero_bubble_lane(m, n, j);
+    case Schedule::ZeroBubbleV:
+      TORCH_CHECK_VALUE(
+          false,
+          "schedule: zero_bubble_v runs two stages on each lane "
+          "(Placement::v_shape), so it has no one-lane-per-stage order; "
+          "use make_plan(Schedule::ZeroBubbleV, micro_batches, lanes, 2)");
   }
   TORCH_CHECK_VALUE(
       false, "schedule: unknown schedule ", static_cast<int>(schedule));

@@ -112,6 +112,13 @@ case $mode in
     parity 2 --schedule interleaved --stages-per-lane 2 --checkpoint except_last --dropout 0.3
     parity 2 --schedule zero_bubble --stages-per-lane 2 --checkpoint always --batch-norm 1
     parity 4 --schedule interleaved --stages-per-lane 2 --checkpoint never --dropout 0.3
+    # ZB-V on a V (stage j and 2 n - 1 - j on rank j: the input and the
+    # target both on rank 0), and looped BFS, each against the same
+    # layout's GPipe in one process; the skips cross ranks.
+    parity 2 --schedule zero_bubble_v --stages-per-lane 2 --v-shape 1 --checkpoint except_last --dropout 0.3
+    parity 4 --schedule zero_bubble_v --stages-per-lane 2 --v-shape 1 --checkpoint always --batch-norm 1
+    parity 2 --schedule looped_bfs --stages-per-lane 2 --checkpoint never --dropout 0.3
+    parity 4 --schedule looped_bfs --stages-per-lane 2 --v-shape 1 --checkpoint except_last --batch-norm 1
     # A hand-written plan, as written on every rank: rank 1 splits its
     # backwards (B then W) and defers some W; rank 0 runs whole backwards.
     # A plan for 8 micro-batches is refused on both ranks on the way, and
@@ -273,18 +280,19 @@ case $mode in
       echo "no Fashion-MNIST under $data: skipped"
       exit 77
     fi
-    # 1F1B with a partition per rank; interleaved with two per rank (one
-    # process: 4 partitions on 2 lanes).
-    for schedule in 1f1b interleaved; do
+    # 1F1B with a partition per rank; interleaved and ZB-V with two per
+    # rank (one process: 4 partitions on 2 lanes; ZB-V's in a V, the input
+    # and the target both on rank 0).
+    for schedule in 1f1b interleaved zero_bubble_v; do
     args=(--data-dir "$data" --limit 640 --test-limit 1000 --epochs 1 --batch-size 64
       --chunks 4 --schedule $schedule --json --log-every 5)
     # (A balance given: the default one is measured, on each run anew.)
     single_args=(--balance 6,7)
-    [[ $schedule == interleaved ]] && single_args=(--partitions 4 --balance 3,3,3,4)
+    [[ $schedule != 1f1b ]] && single_args=(--partitions 4 --balance 3,3,3,4)
     timeout 300 "$prog" "${args[@]}" "${single_args[@]}" >"$tmp/single" 2>&1
     single=$?
     dist_args=(--balance 6,7)
-    [[ $schedule == interleaved ]] && dist_args=(--balance 3,3,3,4)
+    [[ $schedule != 1f1b ]] && dist_args=(--balance 3,3,3,4)
     timeout 300 "$run_bin" -n 2 -- "$prog" "${args[@]}" "${dist_args[@]}" >"$tmp/dist" 2>&1
     dist=$?
     if [[ $single -ne 0 || $dist -ne 0 ]]; then

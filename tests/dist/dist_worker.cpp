@@ -172,6 +172,9 @@ int main(int argc, char** argv) {
   const int kill_step = std::stoi(arg(argc, argv, "--kill-step", "1"));
   const int64_t kill_rank = std::stoll(arg(argc, argv, "--kill-rank", "1"));
   const int64_t v = std::stoll(arg(argc, argv, "--stages-per-lane", "1"));
+  // --v-shape 1: the stages in a V over the ranks (stage j and 2 n - 1 - j
+  // on rank j), as zero_bubble_v needs; with --stages-per-lane 2.
+  const bool v_shape = arg(argc, argv, "--v-shape", "0") == "1";
   const auto plan_file = arg(argc, argv, "--plan", "");
 
   try {
@@ -194,14 +197,17 @@ int main(int argc, char** argv) {
     if (scenario == "mismatch" && r == 1) {
       std::swap(balance[0], balance[1]);
     }
-    const auto options = gpipe::GPipeOptions(balance)
-                             .chunks(4)
-                             .checkpoint(checkpoint)
-                             .deferred_batch_norm(batch_norm)
-                             // bad-layout: a balance for v stages per
-                             // rank, but one stage per rank asked for.
-                             .stages_per_lane(scenario == "bad-layout" ? 1 : v)
-                             .threads_per_lane(1);
+    const auto options =
+        gpipe::GPipeOptions(balance)
+            .chunks(4)
+            .checkpoint(checkpoint)
+            .deferred_batch_norm(batch_norm)
+            // bad-layout: a balance for v stages per
+            // rank, but one stage per rank asked for.
+            .stages_per_lane(scenario == "bad-layout" ? 1 : v)
+            .placement(
+                v_shape ? gpipe::Placement::v_shape(n) : gpipe::Placement())
+            .threads_per_lane(1);
     torch::manual_seed(0);
     auto net = build(batch_norm, dropout);
     torch::manual_seed(0);
@@ -214,6 +220,10 @@ int main(int argc, char** argv) {
       return 4;
     }
     gpipe::GPipe ref(ref_net, options);
+    // The ranks of the input and the target: 0 and n - 1, or both 0 in a V.
+    const auto placement = stage->placement();
+    const auto first_rank = placement.lane_of(0);
+    const auto last_rank = placement.lane_of(placement.stages() - 1);
     torch::optim::SGD opt(stage->parameters(), 0.1);
     torch::optim::SGD ref_opt(ref->parameters(), 0.1);
     int loss_calls = 0;
@@ -263,7 +273,7 @@ int main(int argc, char** argv) {
         try {
           stage->train_step(
               r == 0 ? x : torch::Tensor(),
-              r == n - 1 ? y : torch::Tensor(),
+              r == last_rank ? y : torch::Tensor(),
               loss_fn,
               bad);
           std::cout << "rank " << r << ": no error for a plan of 8\n";
@@ -277,13 +287,13 @@ int main(int argc, char** argv) {
       // seeded apart on purpose.
       torch::manual_seed(r == 0 ? 500 + step : 900 + 10 * r + step);
       auto loss = plan ? stage->train_step(
-                             r == 0 ? x : torch::Tensor(),
-                             r == n - 1 ? y : torch::Tensor(),
+                             r == first_rank ? x : torch::Tensor(),
+                             r == last_rank ? y : torch::Tensor(),
                              loss_fn,
                              *plan)
                        : stage->train_step(
-                             r == 0 ? x : torch::Tensor(),
-                             r == n - 1 ? y : torch::Tensor(),
+                             r == first_rank ? x : torch::Tensor(),
+                             r == last_rank ? y : torch::Tensor(),
                              loss_fn,
                              schedule);
       opt.step();
@@ -333,7 +343,7 @@ int main(int argc, char** argv) {
     }
     torch::NoGradGuard no_grad;
     auto ref_out = ref->forward(x);
-    if (r == n - 1 ? !close(out, ref_out) : out.defined()) {
+    if (r == last_rank ? !close(out, ref_out) : out.defined()) {
       std::cout << "rank " << r << ": forward differs from GPipe's\n";
       return 1;
     }

@@ -128,25 +128,30 @@ struct Layout {
   int64_t pipeline;
   int64_t stages_per_lane;
   Schedule schedule;
+  Placement placement = {};  // empty: modulo
 };
 
 std::string name_of(const Layout& l) {
   return std::to_string(l.data) + "x" + std::to_string(l.pipeline) + " v" +
-         std::to_string(l.stages_per_lane) + " " + to_string(l.schedule);
+         std::to_string(l.stages_per_lane) + " " + to_string(l.schedule) +
+         " on " + to_string(l.placement);
 }
 
 // Two steps of D replicas of a P-stage pipeline, each replica on its own
-// shard, against one GPipe on the whole batch: losses and parameters agree
-// (float64, 1e-10). The replicas' models start from different seeds: the
-// stage copies data rank 0's parameters.
+// shard, against one GPipe under fill-drain on the whole batch: losses and
+// parameters agree (float64, 1e-10). The replicas' models start from
+// different seeds: the stage copies data rank 0's parameters.
 void expect_equal_to_one_pipeline(const Layout& layout) {
   SCOPED_TRACE(name_of(layout));
-  const int64_t stages = layout.pipeline * layout.stages_per_lane;
+  const int64_t stages = layout.placement.empty()
+                             ? layout.pipeline * layout.stages_per_lane
+                             : layout.placement.stages();
   const auto balance = balance_of(stages);
   const auto options = GPipeOptions(balance)
                            .chunks(4)
                            .checkpoint(Checkpoint::ExceptLast)
                            .stages_per_lane(layout.stages_per_lane)
+                           .placement(layout.placement)
                            .threads_per_lane(1);
   const int64_t rows = 8 * layout.data;
   torch::manual_seed(3);
@@ -161,7 +166,7 @@ void expect_equal_to_one_pipeline(const Layout& layout) {
   torch::optim::SGD ref_opt(ref->parameters(), 0.1);
   std::vector<torch::Tensor> ref_losses;
   for (int step = 0; step < 2; ++step) {
-    ref_losses.push_back(ref->train_step(x, y, loss_fn, layout.schedule));
+    ref_losses.push_back(ref->train_step(x, y, loss_fn, Schedule::FillDrain));
     ref_opt.step();
     ref_opt.zero_grad();
   }
@@ -181,8 +186,10 @@ void expect_equal_to_one_pipeline(const Layout& layout) {
     torch::optim::SGD opt(stage->parameters(), 0.1);
     const auto d = mesh.data_rank();
     const auto shard = rows / layout.data;
-    const bool first = mesh.pipeline_rank() == 0;
-    const bool last = mesh.pipeline_rank() == layout.pipeline - 1;
+    // Where the first and the last partition are (both on rank 0 in a V).
+    const auto placement = stage->placement();
+    const bool first = mesh.pipeline_rank() == placement.lane_of(0);
+    const bool last = mesh.pipeline_rank() == placement.lane_of(stages - 1);
     std::vector<std::string> mine;
     for (int step = 0; step < 2; ++step) {
       auto loss = stage->train_step(
@@ -230,6 +237,47 @@ TEST(MeshTest, ReplicasOfAnInterleavedPipelineEqualOnePipeline) {
         Schedule::Interleaved1F1B,
         Schedule::ZeroBubble}) {
     expect_equal_to_one_pipeline({2, 2, 2, schedule});
+  }
+}
+
+// The skip (layer 1 to layer 5) crosses ranks in each: stage 0 on rank 0,
+// stage 2 on rank 1.
+TEST(MeshTest, PipelinesOnOtherPlacementsEqualFillDrain) {
+  expect_equal_to_one_pipeline(
+      {1, 2, 1, Schedule::ZeroBubbleV, Placement::v_shape(2)});
+  expect_equal_to_one_pipeline(
+      {2, 2, 1, Schedule::ZeroBubbleV, Placement::v_shape(2)});
+  expect_equal_to_one_pipeline({1, 2, 2, Schedule::LoopedBFS});
+  expect_equal_to_one_pipeline(
+      {1, 2, 1, Schedule::LoopedBFS, Placement::v_shape(2)});
+  // Two adjacent partitions on each rank.
+  expect_equal_to_one_pipeline(
+      {1, 2, 1, Schedule::OneFOneB, Placement({0, 0, 1, 1})});
+}
+
+// Rank 0 reads the input: a placement that puts partition 0 elsewhere is
+// refused on every rank, before anything is built.
+TEST(MeshTest, APlacementWithoutPartitionZeroOnRankZeroIsRefused) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  run_ranks(2, [&](World world) {
+    try {
+      dist::PipelineStage stage(
+          build(0), GPipeOptions({3, 4}).placement(Placement({1, 0})), world);
+      std::lock_guard<std::mutex> lock(mutex);
+      errors.push_back("no error");
+    } catch (const c10::ValueError& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors.push_back(e.what_without_backtrace());
+    }
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& e : errors) {
+    EXPECT_NE(
+        e.find("the placement must put partition 0 on lane 0, but [1, 0] "
+               "puts it on lane 1"),
+        std::string::npos)
+        << e;
   }
 }
 

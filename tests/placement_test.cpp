@@ -1,0 +1,290 @@
+// Placement (which lane runs each stage), plans that carry one, and the
+// schedules that need one other than modulo: ZB-V and looped BFS. Pure
+// data: no tensors.
+
+#include <c10/util/Exception.h>
+#include <gpipe/plan.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <string>
+
+namespace gpipe {
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+TEST(PlacementTest, ShapesAndLists) {
+  const auto modulo = Placement::modulo(2, 2);
+  EXPECT_EQ(modulo.lane_of_stage(), (std::vector<int64_t>{0, 1, 0, 1}));
+  EXPECT_EQ(modulo.lanes(), 2);
+  EXPECT_EQ(modulo.stages(), 4);
+  EXPECT_EQ(modulo.stages_of(1), (std::vector<int64_t>{1, 3}));
+  EXPECT_TRUE(modulo.is_modulo());
+  EXPECT_FALSE(modulo.is_v_shape());
+  EXPECT_EQ(to_string(modulo), "modulo(2 lanes, 2 stages per lane)");
+
+  const auto v = Placement::v_shape(3);
+  EXPECT_EQ(v.lane_of_stage(), (std::vector<int64_t>{0, 1, 2, 2, 1, 0}));
+  EXPECT_EQ(v.stages_of(0), (std::vector<int64_t>{0, 5}));
+  EXPECT_TRUE(v.is_v_shape());
+  EXPECT_FALSE(v.is_modulo());
+  EXPECT_EQ(to_string(v), "v_shape(3 lanes)");
+
+  const Placement listed({1, 0, 0});
+  EXPECT_EQ(listed.lanes(), 2);
+  EXPECT_EQ(listed.lane_of(0), 1);
+  EXPECT_EQ(to_string(listed), "[1, 0, 0]");
+  EXPECT_EQ(to_string(Placement()), "none");
+  EXPECT_EQ(Placement::modulo(3), Placement({0, 1, 2}));
+  EXPECT_NE(Placement::modulo(2, 2), Placement::v_shape(2));
+  EXPECT_THROW(listed.lane_of(3), c10::IndexError);
+}
+
+TEST(PlacementTest, BadListsAreRefused) {
+  EXPECT_NE(
+      error_of([] {
+        Placement({0, -1});
+      })
+          .find("expected a lane >= 0 for every stage, but stage 1 is on "
+                "lane -1"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        Placement({0, 2, 2});
+      }).find("lane 1 holds no stage, but lane 2 does"),
+      std::string::npos);
+  // A lane number beyond any the stages could fill, without a huge vector.
+  EXPECT_NE(
+      error_of([] {
+        Placement({0, 999999999});
+      })
+          .find("stage 1 is on lane 999999999, but 2 stages fill at most "
+                "lanes 0 to 1"),
+      std::string::npos);
+  EXPECT_THROW(Placement::modulo(0), c10::ValueError);
+  EXPECT_THROW(Placement::modulo(2, 0), c10::ValueError);
+  EXPECT_THROW(Placement::v_shape(0), c10::ValueError);
+}
+
+TEST(PlacementTest, VerifyPlacementNamesBothSides) {
+  EXPECT_NO_THROW(verify_placement(Placement::v_shape(2), 4, 2));
+  EXPECT_NO_THROW(verify_placement(Placement::v_shape(2), 4));
+  EXPECT_NE(
+      error_of([] { verify_placement(Placement::v_shape(2), 6, 2, "me"); })
+          .find("me: the placement v_shape(2 lanes) places 4 stages, but "
+                "there are 6"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        verify_placement(Placement::modulo(2, 2), 4, 4);
+      }).find("uses 2 lanes, but there are 4"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        verify_placement(Placement(), 2);
+      }).find("expected a placement of 2 stages, but got none"),
+      std::string::npos);
+}
+
+TEST(PlacementTest, MakePlanCarriesThePlacement) {
+  for (const auto& placement :
+       {Placement::modulo(2, 2),
+        Placement::v_shape(2),
+        Placement({0, 0, 1, 1}),
+        Placement({1, 0, 2, 2, 0, 1})}) {
+    for (auto schedule :
+         {Schedule::FillDrain,
+          Schedule::OneFOneB,
+          Schedule::ZeroBubble,
+          Schedule::LoopedBFS}) {
+      const auto plan = make_plan(schedule, 5, placement);
+      EXPECT_EQ(plan.placement, placement);
+      ASSERT_NO_THROW(plan.validate()) << to_string(schedule);
+      for (int64_t j = 0; j < placement.stages(); ++j) {
+        EXPECT_EQ(plan.lane_of(j), placement.lane_of(j));
+      }
+      for (size_t l = 0; l < plan.lanes.size(); ++l) {
+        for (const auto& c : plan.lanes[l]) {
+          EXPECT_EQ(placement.lane_of(c.partition), static_cast<int64_t>(l));
+        }
+      }
+    }
+  }
+  // The (lanes, stages per lane) overload: modulo, or ZB-V's V.
+  EXPECT_EQ(
+      make_plan(Schedule::OneFOneB, 3, 2, 2).placement,
+      Placement::modulo(2, 2));
+  EXPECT_EQ(
+      make_plan(Schedule::ZeroBubbleV, 3, 2, 2).placement,
+      Placement::v_shape(2));
+}
+
+TEST(PlacementTest, SchedulesRefusePlacementsTheyCannotRun) {
+  EXPECT_NE(
+      error_of([] {
+        make_plan(Schedule::ZeroBubbleV, 4, Placement::modulo(2, 2));
+      }).find("zero_bubble_v runs on Placement::v_shape"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        make_plan(Schedule::ZeroBubbleV, 4, 2, 1);
+      }).find("zero_bubble_v runs 2 stages on each lane"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        make_plan(Schedule::Interleaved1F1B, 4, Placement::v_shape(2));
+      }).find("interleaved runs stage j on lane j % lanes"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        lane_order(Schedule::ZeroBubbleV, 4, 4, 0);
+      }).find("no one-lane-per-stage order"),
+      std::string::npos);
+  EXPECT_THROW(make_plan(Schedule::FillDrain, 4, Placement()), c10::ValueError);
+  EXPECT_EQ(schedule_from_string("zero_bubble_v"), Schedule::ZeroBubbleV);
+  EXPECT_EQ(schedule_from_string("looped_bfs"), Schedule::LoopedBFS);
+  EXPECT_EQ(to_string(Schedule::LoopedBFS), "looped_bfs");
+}
+
+TEST(PlacementTest, ValidateChecksCellsAgainstThePlacement) {
+  auto plan = make_plan(Schedule::FillDrain, 2, Placement::v_shape(2));
+  plan.placement = Placement::modulo(2, 2);
+  EXPECT_NE(
+      error_of([&] { plan.validate(); })
+          .find("but the plan's placement modulo(2 lanes, 2 stages per lane) "
+                "puts stage 3 on lane 1"),
+      std::string::npos)
+      << error_of([&] { plan.validate(); });
+  plan.placement = Placement::v_shape(3);
+  EXPECT_NE(
+      error_of([&] {
+        plan.validate();
+      }).find("places 6 stages, but there are 4"),
+      std::string::npos);
+  plan.placement = {};
+  EXPECT_NO_THROW(plan.validate());
+}
+
+TEST(PlacementTest, CsvRoundTripKeepsThePlacement) {
+  const auto plan = make_plan(Schedule::ZeroBubbleV, 4, Placement::v_shape(2));
+  const auto csv = plan.to_csv();
+  EXPECT_EQ(csv.rfind("# placement: 0 1 1 0\n", 0), 0u) << csv;
+  const auto back = Plan::from_csv(csv);
+  EXPECT_EQ(back.placement, plan.placement);
+  EXPECT_EQ(back.to_csv(), csv);
+  EXPECT_NO_THROW(back.validate());
+  EXPECT_EQ(back.lanes.size(), 2u);
+
+  // Modulo needs no line: the rows show it.
+  const auto modulo = make_plan(Schedule::OneFOneB, 3, 2, 2);
+  EXPECT_EQ(modulo.to_csv().find('#'), std::string::npos);
+  EXPECT_EQ(Plan::from_csv(modulo.to_csv()).placement, modulo.placement);
+
+  // A placement line beats the rows, so a plan for 0 micro-batches keeps
+  // its placement too; comments are skipped.
+  auto empty = make_plan(Schedule::FillDrain, 0, Placement({1, 0}));
+  empty.stages = 2;
+  const auto read = Plan::from_csv("# a comment\n" + empty.to_csv());
+  EXPECT_EQ(read.placement, Placement({1, 0}));
+  EXPECT_EQ(read.lanes.size(), 2u);
+
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("# placement: 0 x\n0F0\n");
+      }).find("row 1: expected the lane of each stage after '# placement:'"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("# placement: 0 2\n0F0\n");
+      }).find("row 1: placement: stage 1 is on lane 2"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("# placement: 0 1\n# placement: 0 1\n0F0\n");
+      }).find("row 2: a second placement line"),
+      std::string::npos);
+  // A stage whose cells are on two rows: no placement is made up.
+  EXPECT_TRUE(Plan::from_csv("0F0\n0B0\n").placement.empty());
+}
+
+// 1F1B on n lanes of one stage each (F 2, B 4: a stage is two of ZB-V's
+// halves) against ZB-V on the same lanes (F, B and W of 1 per half).
+TEST(PlacementTest, ZeroBubbleVFillsTheBubbleAtOneFOneBsMemory) {
+  const int64_t n = 4;
+  const int64_t m = 8;
+  ActionCosts whole;
+  whole.forward = 2;
+  whole.backward = 4;
+  const auto one_f_one_b = simulate(make_plan(Schedule::OneFOneB, m, n), whole);
+  EXPECT_DOUBLE_EQ(one_f_one_b.bubble, 6.0 * (n - 1));
+  ActionCosts halves;
+  halves.forward = 1;
+  halves.backward_input = 1;
+  halves.backward_weight = 1;
+  const auto zbv = simulate(make_plan(Schedule::ZeroBubbleV, m, n, 2), halves);
+  // A V's own fill: (n - 1) forwards of a half, a sixth of 1F1B's bubble.
+  EXPECT_DOUBLE_EQ(zbv.bubble, 1.0 * (n - 1));
+  EXPECT_LE(zbv.bubble, 0.2 * one_f_one_b.bubble);
+  // Memory: a lane holds at most 2n halves, 1F1B's first lane's n stages.
+  for (auto p : zbv.lane_peak_live) {
+    EXPECT_LE(p, 2 * n);
+  }
+  EXPECT_EQ(
+      *std::max_element(
+          one_f_one_b.lane_peak_live.begin(), one_f_one_b.lane_peak_live.end()),
+      n);
+}
+
+TEST(PlacementTest, ZeroBubbleVRunsForAnySizes) {
+  for (int64_t n = 1; n <= 6; ++n) {
+    for (int64_t m = 0; m <= 20; ++m) {
+      const auto plan = make_plan(Schedule::ZeroBubbleV, m, n, 2);
+      ASSERT_NO_THROW(plan.validate()) << "n " << n << " m " << m;
+      size_t cells = 0;
+      for (const auto& lane : plan.lanes) {
+        for (const auto& c : lane) {
+          cells += c.phase == Phase::Loss ? 0 : 1;
+        }
+      }
+      // F, B and W of every micro-batch on every stage.
+      EXPECT_EQ(cells, static_cast<size_t>(3 * m * 2 * n));
+    }
+  }
+}
+
+TEST(PlacementTest, LoopedBfsRunsEachStageBreadthFirst) {
+  const auto plan = make_plan(Schedule::LoopedBFS, 2, 2, 2);
+  // Lane 0 holds stages 0 and 2: every forward of 0, then of 2, then the
+  // backwards, stage 2 first, micro-batches in reverse.
+  std::string row;
+  for (const auto& c : plan.lanes[0]) {
+    row += to_string(c) + " ";
+  }
+  EXPECT_EQ(row, "F(0,0) F(1,0) F(0,2) F(1,2) B(1,2) B(0,2) B(1,0) B(0,0) ");
+  const auto lane1 = plan.lanes[1];
+  // Stage 3 is the last: losses follow its forwards.
+  EXPECT_EQ(to_string(lane1[3]), "L(0,3)");
+  // One stage per lane: fill-drain's order.
+  EXPECT_EQ(
+      make_plan(Schedule::LoopedBFS, 3, 3).to_csv(),
+      make_plan(Schedule::FillDrain, 3, 3).to_csv());
+  for (int64_t n = 1; n <= 4; ++n) {
+    for (int64_t v = 1; v <= 3; ++v) {
+      for (int64_t m = 0; m <= 9; ++m) {
+        ASSERT_NO_THROW(make_plan(Schedule::LoopedBFS, m, n, v).validate());
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gpipe
