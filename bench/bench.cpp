@@ -123,13 +123,15 @@ int main(int argc, char** argv) {
          "schedules, "
          "inference, conv, trace, random, microbatch (the default: all of "
          "those); "
-         "unet-speed, unet-memory, accuracy (minutes each: run only when "
+         "unet-speed, unet-memory, accuracy, autotune (minutes each: run "
+         "only when "
          "named); checkpoint (only when named); dist and unet-speed under "
          "gpipe-run -n N, mesh under "
          "gpipe-run -n 4")
       ->check(CLI::IsMember(
           {"dist",
            "mesh",
+           "autotune",
            "checkpoint",
            "unet-speed",
            "unet-memory",
@@ -465,6 +467,10 @@ int main(int argc, char** argv) {
   // never, 2 and 4 lanes.
   if (want("schedules")) {
     out["schedules"] = gpipe::bench::schedules_section(iters);
+  }
+  // The planner (minutes: only when named).
+  if (named("autotune")) {
+    out["autotune"] = gpipe::bench::autotune_section(iters);
   }
 
   // Inference: forward under InferenceMode, samples per second.

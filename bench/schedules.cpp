@@ -4,8 +4,10 @@
 // gpipe::models::TimedLayer, which waits a set time in forward and in each
 // part of backward), so that each step can be held against its own
 // simulation and the bubbles compared without the machine's noise: n = 4
-// lanes, m = 8 micro-batches, 8 layers (2 per stage; interleaved, looped
-// BFS and ZB-V: 1 per stage, 2 stages per lane, ZB-V's in a V). The bubble is
+// lanes, m = 8 micro-batches, 16 layers (4 per stage; interleaved, looped
+// BFS and ZB-V: 2 per stage, 2 stages per lane, ZB-V's in a V: with as
+// many layers per stage, what each stage keeps at its boundaries, its
+// input's copy and its output, weighs less against its layers). The bubble is
 // read from a trace of the step (Trace::summary: each lane's idle time between
 // the step's first and last interval), so that a layer's sleep running long
 // counts as work and a lane waiting for its input as bubble; the nominal
@@ -125,7 +127,7 @@ double most(const std::vector<double>& values) {
 nlohmann::json timed_table(int iters) {
   const int64_t lanes = 4;
   const int64_t m = 8;
-  const int64_t layers = 8;
+  const int64_t layers = 16;
   // Each micro-batch's tensors are 4 x 1024 floats (16 KiB), large against
   // the step's small allocations, so that the lanes' peaks count
   // activations; the elementwise work on them is a few microseconds.

@@ -25,6 +25,13 @@ nlohmann::json random_section();
 /// tables and returns their rows.
 nlohmann::json schedules_section(int iters);
 
+/// The planner against a measured grid on the U-Net and a CNN, 2 lanes:
+/// with a memory limit below the unconstrained choice's peak, the tuned
+/// choice's measured step against the grid's best, its prediction against
+/// its measurement, the peaks against the limit, and the tuning time.
+/// Prints a table per model and returns them.
+nlohmann::json autotune_section(int iters);
+
 /// 8 x Conv2d(32,32,3)+ReLU, batch 64: training steps of the plain model
 /// and of GPipe on 2 lanes at chunks 1 and 4 (one thread each), with
 /// their minor page faults. Prints a table and returns its rows.

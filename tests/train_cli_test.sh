@@ -134,6 +134,11 @@ if [[ $mode == bad ]]; then
   # Schedules and plans.
   bad --stages-per-lane "${d[@]}" --schedule interleaved --stages-per-lane 3
   bad --stages-per-lane "${d[@]}" --schedule zero_bubble_v --stages-per-lane 3
+  bad --memory-limit "${d[@]}" --memory-limit 256M
+  bad --memory-limit "${d[@]}" --autotune --memory-limit 12X
+  bad --memory-limit "${d[@]}" --autotune --memory-limit -5M
+  bad --chunks "${d[@]}" --autotune --chunks 2
+  bad --schedule "${d[@]}" --autotune --schedule 1f1b
   bad "needs an even number of partitions" "${d[@]}" --schedule zero_bubble_v --partitions 3
   bad --stages-per-lane "${d[@]}" --schedule 1f1b --stages-per-lane 0
   bad --stages-per-lane "${d[@]}" --stages-per-lane 2
@@ -248,6 +253,23 @@ elif [[ $mode == run ]]; then
       echo "ok: --schedule $schedule: $(grep -o '"stages_per_lane":[0-9]*' "$tmp/out")"
     fi
   done
+  # --autotune picks the layout under the limit, says so, and trains.
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --autotune \
+    --memory-limit 40M
+  if [[ $status -ne 0 ]] || ! grep -q '"autotune":true' "$tmp/out" ||
+    ! grep -q '^autotune: balance' "$tmp/err"; then
+    fail "--autotune exited $status: $(head -c 800 "$tmp/err") $(cat "$tmp/out")"
+  else
+    echo "ok: --autotune: $(grep '^autotune: ' "$tmp/err")"
+  fi
+  # A limit nothing fits: a clear error naming the smallest peak, exit 1.
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --autotune \
+    --memory-limit 1K
+  if [[ $status -ne 1 ]] || ! grep -q 'no candidate fits the memory limit of 1.0 KiB' "$tmp/err"; then
+    fail "--autotune --memory-limit 1K exited $status: $(tail -c 800 "$tmp/err")"
+  else
+    echo "ok: --autotune under 1K: $(tail -n 1 "$tmp/err")"
+  fi
   # ZB-V runs its 4 partitions in a V on 2 lanes.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --partitions 4 \
     --schedule zero_bubble_v

@@ -55,7 +55,8 @@ int report(std::exception_ptr error) {
   return 1;
 }
 
-int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
+int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
+  Args args = given;  // --autotune fills in its choice
   const int64_t rank = world ? world->rank() : 0;
   const int64_t ranks = world ? world->size() : 1;
   // Replicas of a pipeline of --pipeline-size ranks: a replica's stages
@@ -64,18 +65,6 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
   const int64_t replicas = ranks / pipeline_size;
   const int64_t replica = rank / pipeline_size;
   const bool lead = rank == 0;
-  // Under a launcher lane l of the pipeline is its rank l: the first and
-  // the last partition are on lane 0 and the last lane, or both on lane 0
-  // in a V.
-  const auto placement =
-      args.schedule == "zero_bubble_v"
-          ? gpipe::Placement::v_shape(args.partitions / 2)
-          : gpipe::Placement::modulo(
-                args.partitions / args.stages_per_lane, args.stages_per_lane);
-  // In one process every lane is here.
-  const bool first = !world || rank % pipeline_size == placement.lane_of(0);
-  const bool last =
-      !world || rank % pipeline_size == placement.lane_of(args.partitions - 1);
   // Replica d's rows of a batch of `rows`: [rows * d / D, rows * (d + 1) /
   // D).
   auto shard = [&](const torch::Tensor& t) {
@@ -120,6 +109,9 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
     test_x = test_x.narrow(0, 0, args.test_limit);
     test_y = test_y.narrow(0, 0, args.test_limit);
   }
+  if (args.autotune) {
+    autotune_args(args, net, train_x, train_y, world ? &*world : nullptr, out);
+  }
   const int64_t n = train_x.size(0);
   const int64_t batch_size = args.batch_size;
   const int64_t epochs = args.epochs;
@@ -145,6 +137,19 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
         epochs * steps_per_epoch,
         "; lower --trace-steps or raise --epochs or --limit"));
   }
+
+  // Under a launcher lane l of the pipeline is its rank l: the first and
+  // the last partition are on lane 0 and the last lane, or both on lane 0
+  // in a V.
+  const auto placement =
+      args.schedule == "zero_bubble_v"
+          ? gpipe::Placement::v_shape(args.partitions / 2)
+          : gpipe::Placement::modulo(
+                args.partitions / args.stages_per_lane, args.stages_per_lane);
+  // In one process every lane is here.
+  const bool first = !world || rank % pipeline_size == placement.lane_of(0);
+  const bool last =
+      !world || rank % pipeline_size == placement.lane_of(args.partitions - 1);
 
   const auto balance =
       args.balance_given
@@ -468,6 +473,7 @@ int train_with(const Args& args, std::optional<gpipe::dist::World>& world) {
             {"schedule", args.schedule},
             {"stages_per_lane", args.stages_per_lane},
             {"placement", gpipe::to_string(placement)},
+            {"autotune", args.autotune},
             {"deferred_batch_norm", args.deferred_batch_norm},
             {"lr_schedule", args.lr_schedule},
             {"final_lr", lr},
@@ -527,12 +533,14 @@ int main(int argc, char** argv) {
   add_options(app, args);
   add_save_options(app, args);
   add_devices_option(app, args);
+  add_autotune_options(app, args);
   try {
     app.parse(argc, argv);
     args.world_size = world_size_from_env();
     verify_args(app, args);
     verify_save_options(app, args);
     verify_devices_option(app, args);
+    verify_autotune_options(app, args);
     args.balance_given = app.count("--balance") > 0;
   } catch (const CLI::ParseError& e) {
     // --help is a ParseError too, with exit code 0: let CLI11 print it. The

@@ -131,6 +131,10 @@ struct Args {
   int64_t save_every_steps = 0;
   // --resume: go on from the newest checkpoint in --save.
   bool resume = false;
+  // --autotune, and --memory-limit as given and in bytes (0: none).
+  bool autotune = false;
+  std::string memory_limit_text;
+  int64_t memory_limit = 0;
 };
 
 /// Where the run's text goes: standard output, or with --json standard
@@ -200,6 +204,24 @@ std::vector<int64_t> choose_balance(
     const torch::nn::Sequential& net,
     const torch::Tensor& images,
     const gpipe::dist::World* world);
+/// --autotune and --memory-limit (train_autotune.cpp): their flags and
+/// checks (throws UsageError: --autotune with a flag it chooses, a
+/// malformed size, a limit without --autotune).
+void add_autotune_options(CLI::App& app, Args& args);
+void verify_autotune_options(const CLI::App& app, Args& args);
+/// --autotune: gpipe::autotune on the first batch of `images` and
+/// `labels` on rank 0 (or in the one process), its choice printed on
+/// `out` and broadcast over `world` (null: one process); sets
+/// args.balance, chunks, schedule, checkpoint, partitions and
+/// stages_per_lane.
+void autotune_args(
+    Args& args,
+    const torch::nn::Sequential& net,
+    const torch::Tensor& images,
+    const torch::Tensor& labels,
+    const gpipe::dist::World* world,
+    std::FILE* out);
+
 /// Throws UsageError unless `path` names a file that can be written
 /// (`flag` starts the message).
 void verify_output_path(const std::string& flag, const std::string& path);

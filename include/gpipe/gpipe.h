@@ -2,6 +2,7 @@
 
 // gpipe: GPipe pipeline parallelism for LibTorch. Umbrella header.
 
+#include <gpipe/autotune.h>
 #include <gpipe/balance.h>
 #include <gpipe/batchnorm.h>
 #include <gpipe/checkpoint.h>

@@ -315,6 +315,16 @@ case $mode in
       fi
     fi
     done
+    # --autotune on 2 ranks: rank 0 tunes, both run its choice.
+    timeout 300 "$run_bin" -n 2 -- "$prog" --data-dir "$data" --limit 640 --test-limit 1000 \
+      --epochs 1 --batch-size 64 --json --autotune --memory-limit 64M >"$tmp/tuned" 2>&1
+    code=$?
+    if [[ $code -ne 0 ]] || ! grep -q '"autotune":true' "$tmp/tuned" ||
+      [[ $(grep -c 'autotune: balance' "$tmp/tuned") -ne 1 ]]; then
+      fail "gpipe-train --autotune on 2 ranks exited $code: $(tail -5 "$tmp/tuned")"
+    else
+      echo "ok: gpipe-train --autotune on 2 ranks: $(grep -o 'autotune: balance[^:]*' "$tmp/tuned")"
+    fi
     # Two replicas of a 2-stage pipeline (4 ranks, --pipeline-size 2), each
     # on its own half of every batch. BatchNorm keeps per-replica statistics
     # and the micro-batches are half as large, so the run is not one

@@ -1,0 +1,460 @@
+// autotune: balance x schedule x micro-batches x checkpoint mode, each
+// simulated with per-layer costs measured on the model, the fastest that
+// fits the memory limit per lane chosen.
+//
+// The model of a step. A stage's forward costs its layers' forward times,
+// its input part their input-gradient times, its weight part their
+// weight-gradient times (a whole backward both), each plus the engine's
+// overhead per cell; a checkpointed micro-batch's backward also recomputes
+// the forward. The last stage's loss costs the loss's time. `simulate` runs
+// the plan with those costs. Memory, per lane, walks the lane's simulated
+// actions in order: a forward keeps what the stage's layers keep (a
+// checkpointed micro-batch only the stage's input), its backward (or its
+// weight part) frees it; a checkpointed backward holds what the recomputed
+// forward keeps while it runs (until the weight part, when split). The
+// lane's peak of that, plus its parameters times param_scale, must fit the
+// limit.
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+#include <gpipe/autotune.h>
+#include <gpipe/balance.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <map>
+#include <ostream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "balance/layer_costs.h"
+#include "balance/sandbox.h"
+#include "text.h"
+
+namespace gpipe {
+
+namespace {
+
+using detail::LayerCosts;
+
+Placement placement_for(Schedule s, int64_t lanes) {
+  switch (s) {
+    case Schedule::Interleaved1F1B:
+    case Schedule::LoopedBFS:
+      return Placement::modulo(lanes, 2);
+    case Schedule::ZeroBubbleV:
+      return Placement::v_shape(lanes);
+    default:
+      return Placement::modulo(lanes);
+  }
+}
+
+// Sums of the layers' costs per stage.
+struct StageCosts {
+  std::vector<double> forward, input, weight, kept, in, params;
+};
+
+StageCosts stage_costs(
+    const LayerCosts& c, const std::vector<int64_t>& balance) {
+  StageCosts s;
+  size_t k = 0;
+  for (const auto b : balance) {
+    double f = 0, i = 0, w = 0, kept = 0, params = 0;
+    const double in = c.input_bytes[k];
+    for (int64_t l = 0; l < b; ++l, ++k) {
+      f += c.forward[k];
+      i += c.input[k];
+      w += c.weight[k];
+      kept += c.kept_bytes[k];
+      params += c.param_bytes[k];
+    }
+    s.forward.push_back(f);
+    s.input.push_back(i);
+    s.weight.push_back(w);
+    s.kept.push_back(kept);
+    s.in.push_back(in);
+    s.params.push_back(params);
+  }
+  return s;
+}
+
+bool checkpointed(Checkpoint mode, int64_t i, int64_t m) {
+  return mode == Checkpoint::Always ||
+         (mode == Checkpoint::ExceptLast && i + 1 < m);
+}
+
+struct Evaluated {
+  double seconds = 0;
+  std::vector<double> peaks;
+};
+
+Evaluated evaluate(
+    const Plan& plan,
+    const StageCosts& s,
+    const LayerCosts& costs,
+    Checkpoint mode,
+    double overhead,
+    double param_scale) {
+  const auto m = plan.micro_batches;
+  ActionCosts ac;
+  ac.cost = [&](const Cell& c) {
+    const auto j = static_cast<size_t>(c.partition);
+    const double recompute =
+        checkpointed(mode, c.micro_batch, m) ? s.forward[j] : 0.0;
+    switch (c.phase) {
+      case Phase::Forward:
+        return s.forward[j] + overhead;
+      case Phase::Backward:
+        return s.input[j] + s.weight[j] + recompute + overhead;
+      case Phase::BackwardInput:
+        return s.input[j] + recompute + overhead;
+      case Phase::BackwardWeight:
+        return s.weight[j] + overhead;
+      case Phase::Loss:
+        return costs.loss;
+      default:
+        return 0.0;
+    }
+  };
+  const auto sim = simulate(plan, ac);
+  Evaluated e;
+  e.seconds = sim.makespan;
+  for (const auto l : c10::irange(sim.lanes.size())) {
+    double params = 0;
+    for (const auto j : plan.placement.stages_of(static_cast<int64_t>(l))) {
+      params += s.params[static_cast<size_t>(j)] * param_scale;
+    }
+    double live = 0;
+    double peak = 0;
+    for (const auto& a : sim.lanes[l]) {
+      const auto& c = a.cell;
+      const auto j = static_cast<size_t>(c.partition);
+      const bool ckpt = checkpointed(mode, c.micro_batch, m);
+      switch (c.phase) {
+        case Phase::Forward:
+          live += ckpt ? s.in[j] : s.kept[j];
+          peak = std::max(peak, live);
+          break;
+        case Phase::Backward:
+          peak = std::max(peak, live + (ckpt ? s.kept[j] : 0.0));
+          live -= ckpt ? s.in[j] : s.kept[j];
+          break;
+        case Phase::BackwardInput:
+          // The recomputed forward stays until the weight part.
+          live += ckpt ? s.kept[j] : 0.0;
+          peak = std::max(peak, live);
+          break;
+        case Phase::BackwardWeight:
+          live -= ckpt ? s.in[j] + s.kept[j] : s.kept[j];
+          break;
+        default:
+          break;
+      }
+    }
+    e.peaks.push_back(params + peak);
+  }
+  return e;
+}
+
+// Balances worth trying for `stages` stages: by time, by memory, and by
+// their normalised sum.
+std::vector<std::vector<int64_t>> balances_for(
+    const LayerCosts& c, int64_t stages, Checkpoint mode, double param_scale) {
+  const auto n = c.size();
+  std::vector<double> time(n), memory(n), both(n);
+  double total_time = 0, total_memory = 0;
+  for (const auto k : c10::irange(n)) {
+    time[k] = c.forward[k] + c.input[k] + c.weight[k] +
+              (mode == Checkpoint::Never ? 0.0 : c.forward[k]);
+    memory[k] = c.kept_bytes[k] + c.param_bytes[k] * param_scale;
+    total_time += time[k];
+    total_memory += memory[k];
+  }
+  for (const auto k : c10::irange(n)) {
+    both[k] = (total_time > 0 ? time[k] / total_time : 0.0) +
+              (total_memory > 0 ? memory[k] / total_memory : 0.0);
+  }
+  std::set<std::vector<int64_t>> seen;
+  std::vector<std::vector<int64_t>> out;
+  for (const auto* costs : {&time, &memory, &both}) {
+    auto b = balance_cost(*costs, stages);
+    if (seen.insert(b).second) {
+      out.push_back(std::move(b));
+    }
+  }
+  return out;
+}
+
+// "1.5 MiB", or "12.0 KiB" below a MiB.
+std::string mib(double bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1);
+  if (bytes < 1024.0 * 1024.0) {
+    out << bytes / 1024.0 << " KiB";
+  } else {
+    out << bytes / (1024.0 * 1024.0) << " MiB";
+  }
+  return out.str();
+}
+
+std::string balance_text(const std::vector<int64_t>& b) {
+  std::ostringstream out;
+  out << "[";
+  for (const auto k : c10::irange(b.size())) {
+    out << (k == 0 ? "" : ",") << b[k];
+  }
+  out << "]";
+  return out.str();
+}
+
+double most(const std::vector<double>& v) {
+  return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end());
+}
+
+}  // namespace
+
+GPipeOptions Autotuned::options() const {
+  return GPipeOptions(balance)
+      .chunks(chunks)
+      .checkpoint(checkpoint)
+      .placement(placement)
+      .threads_per_lane(threads_per_lane);
+}
+
+std::string Autotuned::report(size_t rows) const {
+  std::ostringstream out;
+  out << *this << "\n";
+  out << std::left << std::setw(14) << "schedule" << std::setw(7) << "chunks"
+      << std::setw(12) << "checkpoint" << std::setw(22) << "balance"
+      << std::right << std::setw(10) << "step_ms" << std::setw(14) << "peak_MiB"
+      << "  verdict\n";
+  size_t fitting = 0;
+  size_t rejected = 0;
+  for (const auto& c : candidates) {
+    const bool fits = c.rejected.empty();
+    if ((fits && fitting++ >= rows) || (!fits && rejected++ >= rows)) {
+      continue;
+    }
+    out << std::left << std::setw(14) << to_string(c.schedule) << std::setw(7)
+        << c.chunks << std::setw(12) << to_string(c.checkpoint) << std::setw(22)
+        << balance_text(c.balance) << std::right << std::fixed
+        << std::setprecision(2) << std::setw(10)
+        << c.predicted_step_seconds * 1e3 << std::setprecision(1)
+        << std::setw(14) << most(c.predicted_peak_bytes) / (1024.0 * 1024.0)
+        << "  " << (fits ? "fits" : c.rejected) << "\n";
+  }
+  out << candidates.size() << " candidates, " << fitting << " fit";
+  return out.str();
+}
+
+std::ostream& operator<<(std::ostream& out, const Autotuned& t) {
+  return out << "balance " << balance_text(t.balance) << ", chunks " << t.chunks
+             << ", schedule " << to_string(t.schedule) << " on "
+             << to_string(t.placement) << ", checkpoint "
+             << to_string(t.checkpoint) << ": predicted " << std::fixed
+             << std::setprecision(2) << t.predicted_step_seconds * 1e3
+             << " ms per step, peak " << mib(most(t.predicted_peak_bytes))
+             << " on the most loaded lane";
+}
+
+Autotuned autotune(
+    torch::nn::Sequential net,
+    torch::Tensor sample_input,
+    torch::Tensor sample_target,
+    const LossFunction& loss_fn,
+    const AutotuneOptions& options) {
+  TORCH_CHECK_VALUE(
+      !net.is_empty() && net->size() > 0,
+      "autotune: expected a Sequential with layers");
+  const auto layers = static_cast<int64_t>(net->size());
+  const auto lanes = options.lanes();
+  TORCH_CHECK_VALUE(
+      lanes >= 1 && lanes <= layers,
+      "autotune: expected lanes between 1 and the model's ",
+      layers,
+      " layers, but got ",
+      lanes);
+  TORCH_CHECK_VALUE(
+      options.memory_limit() >= 0,
+      "autotune: expected memory_limit >= 0 bytes (0: none), but got ",
+      options.memory_limit());
+  TORCH_CHECK_VALUE(
+      !options.schedules().empty() && !options.chunks().empty() &&
+          !options.checkpoints().empty(),
+      "autotune: expected at least one schedule, chunks and checkpoint mode "
+      "to try");
+  TORCH_CHECK_VALUE(
+      options.param_scale() >= 0 && std::isfinite(options.param_scale()),
+      "autotune: expected param_scale >= 0, but got ",
+      options.param_scale());
+  TORCH_CHECK_VALUE(
+      options.threads_per_lane() >= 0,
+      "autotune: expected threads_per_lane >= 0 (0: automatic), but got ",
+      options.threads_per_lane());
+  TORCH_CHECK_TYPE(
+      sample_input.defined() && sample_target.defined(),
+      "autotune: expected a sample input and target, but got an undefined "
+      "tensor");
+  TORCH_CHECK_VALUE(
+      sample_input.dim() >= 1 && sample_target.dim() >= 1 &&
+          sample_input.size(0) == sample_target.size(0) &&
+          sample_input.size(0) > 0,
+      "autotune: expected a sample input and target with the same rows in "
+      "dimension 0, but got shapes ",
+      sample_input.sizes(),
+      " and ",
+      sample_target.sizes());
+  const auto batch =
+      options.batch_size() > 0 ? options.batch_size() : sample_input.size(0);
+  int64_t fewest_chunks = batch;
+  for (const auto m : options.chunks()) {
+    TORCH_CHECK_VALUE(
+        m >= 1, "autotune: expected chunks >= 1 to try, but got ", m);
+    fewest_chunks = std::min(fewest_chunks, m);
+  }
+  const auto largest_rows = (batch + fewest_chunks - 1) / fewest_chunks;
+  TORCH_CHECK_VALUE(
+      sample_input.size(0) >= largest_rows,
+      "autotune: a micro-batch of ",
+      largest_rows,
+      " rows (batch_size ",
+      batch,
+      " in ",
+      fewest_chunks,
+      ") is tried, but the sample has ",
+      sample_input.size(0),
+      " rows; give a sample of at least that many");
+  const int64_t cores =
+      std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t threads = options.threads_per_lane() > 0
+                              ? options.threads_per_lane()
+                              : std::max<int64_t>(1, cores / lanes);
+
+  // Costs per micro-batch size (the rows scatter gives the first, largest
+  // micro-batch).
+  std::map<int64_t, LayerCosts> costs_by_rows;
+  for (const auto m : options.chunks()) {
+    if (m > batch) {
+      continue;
+    }
+    const auto rows = (batch + m - 1) / m;
+    if (costs_by_rows.count(rows) == 0) {
+      // The other lanes at work meanwhile, as in the pipeline.
+      detail::CpuRngStateGuard rng;
+      detail::BusyLanes others(
+          net, sample_input.narrow(0, 0, rows), lanes - 1, threads);
+      costs_by_rows.emplace(
+          rows,
+          detail::profile_layer_costs(
+              net,
+              sample_input,
+              sample_target,
+              loss_fn,
+              rows,
+              options.profile_seconds(),
+              threads));
+    }
+  }
+  Autotuned tuned;
+  tuned.threads_per_lane = threads;
+  for (const auto schedule : options.schedules()) {
+    const auto placement = placement_for(schedule, lanes);
+    const auto stages = placement.stages();
+    if (stages > layers) {
+      continue;  // fewer layers than stages
+    }
+    for (const auto m : options.chunks()) {
+      if (m > batch) {
+        continue;
+      }
+      const auto& costs = costs_by_rows.at((batch + m - 1) / m);
+      const auto plan = make_plan(schedule, m, placement);
+      for (const auto mode : options.checkpoints()) {
+        for (const auto& balance :
+             balances_for(costs, stages, mode, options.param_scale())) {
+          const auto s = stage_costs(costs, balance);
+          const auto e = evaluate(
+              plan,
+              s,
+              costs,
+              mode,
+              options.cell_overhead_seconds(),
+              options.param_scale());
+          AutotuneCandidate c;
+          c.balance = balance;
+          c.chunks = m;
+          c.schedule = schedule;
+          c.placement = placement;
+          c.checkpoint = mode;
+          c.predicted_step_seconds = e.seconds;
+          c.predicted_peak_bytes = e.peaks;
+          const auto peak = most(e.peaks);
+          if (options.memory_limit() > 0 &&
+              peak > static_cast<double>(options.memory_limit())) {
+            const auto lane = std::max_element(e.peaks.begin(), e.peaks.end()) -
+                              e.peaks.begin();
+            c.rejected = "lane " + std::to_string(lane) + " peaks at " +
+                         mib(peak) + ", over the limit of " +
+                         mib(static_cast<double>(options.memory_limit()));
+          }
+          tuned.candidates.push_back(std::move(c));
+        }
+      }
+    }
+  }
+  TORCH_CHECK_VALUE(
+      !tuned.candidates.empty(),
+      "autotune: no candidate to try: every schedule needs more stages than "
+      "the model's ",
+      layers,
+      " layers on ",
+      detail::count_of(lanes, "lane", "lanes"),
+      ", or every chunks is above the batch size ",
+      batch);
+  std::stable_sort(
+      tuned.candidates.begin(),
+      tuned.candidates.end(),
+      [](const AutotuneCandidate& a, const AutotuneCandidate& b) {
+        return a.predicted_step_seconds < b.predicted_step_seconds;
+      });
+  const AutotuneCandidate* best = nullptr;
+  const AutotuneCandidate* smallest = nullptr;
+  for (const auto& c : tuned.candidates) {
+    if (best == nullptr && c.rejected.empty()) {
+      best = &c;
+    }
+    if (smallest == nullptr ||
+        most(c.predicted_peak_bytes) < most(smallest->predicted_peak_bytes)) {
+      smallest = &c;
+    }
+  }
+  TORCH_CHECK_VALUE(
+      best != nullptr,
+      "autotune: no candidate fits the memory limit of ",
+      mib(static_cast<double>(options.memory_limit())),
+      " per lane; the smallest peak found is ",
+      mib(most(smallest->predicted_peak_bytes)),
+      " (",
+      to_string(smallest->schedule),
+      ", chunks ",
+      smallest->chunks,
+      ", checkpoint ",
+      to_string(smallest->checkpoint),
+      ", balance ",
+      balance_text(smallest->balance),
+      "): raise the limit, use more lanes, or try more chunks");
+  tuned.balance = best->balance;
+  tuned.chunks = best->chunks;
+  tuned.schedule = best->schedule;
+  tuned.placement = best->placement;
+  tuned.checkpoint = best->checkpoint;
+  tuned.predicted_step_seconds = best->predicted_step_seconds;
+  tuned.predicted_peak_bytes = best->predicted_peak_bytes;
+  tuned.plan = make_plan(tuned.schedule, tuned.chunks, tuned.placement);
+  return tuned;
+}
+
+}  // namespace gpipe

@@ -1,0 +1,72 @@
+#pragma once
+
+// What each layer costs, as the planner (autotune.cpp) models a stage: the
+// times of its forward, of the gradients of its inputs and of its weights,
+// the bytes its forward keeps for backward, the bytes of its input and of
+// its parameters, for one micro-batch of a given number of rows.
+
+#include <gpipe/options.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace gpipe::detail {
+
+struct LayerCosts {
+  int64_t rows = 0;
+  std::vector<double> forward;      // seconds per layer
+  std::vector<double> input;        // input-gradient seconds
+  std::vector<double> weight;       // weight-gradient seconds
+  std::vector<double> kept_bytes;   // what the forward keeps alive
+  std::vector<double> input_bytes;  // the layer's input
+  std::vector<double> param_bytes;  // its parameters (once each)
+  double loss = 0;                  // loss_fn and its gradient, seconds
+
+  size_t size() const {
+    return forward.size();
+  }
+};
+
+/// Each layer of `module` in turn on a copy (see Note [Profiling without
+/// touching the module] in sandbox.h), on the first `rows` rows of
+/// `input`, then `loss_fn` on the last output and the first `rows` rows of
+/// `target`: once counting what each forward keeps, then timed for at least
+/// one pass and until `seconds` have gone (the mean of the timed passes).
+/// Runs with `threads` intra-op threads and puts the count back.
+LayerCosts profile_layer_costs(
+    const torch::nn::Sequential& module,
+    const torch::Tensor& input,
+    const torch::Tensor& target,
+    const LossFunction& loss_fn,
+    int64_t rows,
+    double seconds,
+    int64_t threads);
+
+/// Keeps `count` other threads busy training copies of `module` on
+/// `input` (`threads` intra-op threads each) while it lives, so that the
+/// layers are profiled under the load of the pipeline's other lanes, which
+/// run at the same time (on a CPU they share its caches, memory bandwidth
+/// and, with hyper-threads, its cores). A module that does not clone gets
+/// no companions. The program's random numbers are the caller's to keep
+/// (profile_layer_costs puts them back).
+class BusyLanes {
+ public:
+  BusyLanes(
+      const torch::nn::Sequential& module,
+      const torch::Tensor& input,
+      int64_t count,
+      int64_t threads);
+  ~BusyLanes();
+  BusyLanes(const BusyLanes&) = delete;
+  BusyLanes& operator=(const BusyLanes&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace gpipe::detail

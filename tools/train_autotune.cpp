@@ -1,0 +1,162 @@
+// gpipe-train --autotune [--memory-limit SIZE]: the planner picks the
+// balance, chunks, schedule (with its placement) and checkpoint mode for
+// the lanes (--partitions in one process, the pipeline's ranks under a
+// launcher), on rank 0, which tells the other ranks its choice.
+
+#include <c10/util/Exception.h>
+#include <gpipe/autotune.h>
+#include <gpipe/dist.h>
+#include <torch/torch.h>
+
+#include <cctype>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include "train_args.h"
+
+namespace gpipe_train {
+
+void add_autotune_options(CLI::App& app, Args& args) {
+  app.add_flag(
+      "--autotune",
+      args.autotune,
+      "Let gpipe::autotune choose --balance, --chunks, --schedule (and its "
+      "placement) and --checkpoint for the lanes (--partitions in one "
+      "process, the pipeline's ranks under a launcher), under "
+      "--memory-limit; prints its choice");
+  app.add_option(
+      "--memory-limit",
+      args.memory_limit_text,
+      "With --autotune: the most memory one lane may hold, in bytes or with "
+      "a suffix K, M or G (binary), e.g. 256M (default: no limit)");
+}
+
+int64_t parse_memory_limit(const std::string& text) {
+  auto bad = [&] {
+    return UsageError(c10::str(
+        "--memory-limit '",
+        text,
+        "' is not a size: expected a positive number of bytes, or with a "
+        "suffix K, M or G, such as 256M"));
+  };
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw bad();
+  }
+  double scale = 1;
+  if (used + 1 == text.size()) {
+    switch (std::toupper(static_cast<unsigned char>(text[used]))) {
+      case 'K':
+        scale = 1024.0;
+        break;
+      case 'M':
+        scale = 1024.0 * 1024.0;
+        break;
+      case 'G':
+        scale = 1024.0 * 1024.0 * 1024.0;
+        break;
+      default:
+        throw bad();
+    }
+  } else if (used != text.size()) {
+    throw bad();
+  }
+  const double bytes = value * scale;
+  if (!(bytes >= 1 && bytes < 9.0e18)) {
+    throw bad();
+  }
+  return static_cast<int64_t>(bytes);
+}
+
+void verify_autotune_options(const CLI::App& app, Args& args) {
+  if (!args.autotune) {
+    usage_check(
+        app.count("--memory-limit") == 0,
+        "--memory-limit is a limit for --autotune; give --autotune too");
+    return;
+  }
+  for (const char* flag :
+       {"--balance",
+        "--chunks",
+        "--schedule",
+        "--plan",
+        "--stages-per-lane",
+        "--checkpoint"}) {
+    usage_check(
+        app.count(flag) == 0,
+        "--autotune chooses ",
+        flag,
+        " itself; leave ",
+        flag,
+        " out");
+  }
+  if (app.count("--memory-limit") > 0) {
+    args.memory_limit = parse_memory_limit(args.memory_limit_text);
+  }
+}
+
+namespace {
+
+// What rank 0 chose, as int64 words: chunks, schedule, checkpoint, the
+// number of partitions, then the balance.
+constexpr int64_t kWords = 260;
+
+}  // namespace
+
+void autotune_args(
+    Args& args,
+    const torch::nn::Sequential& net,
+    const torch::Tensor& images,
+    const torch::Tensor& labels,
+    const gpipe::dist::World* world,
+    std::FILE* out) {
+  const int64_t lanes = world != nullptr ? args.pipeline_size : args.partitions;
+  auto words = torch::zeros({kWords}, torch::kLong);
+  if (world == nullptr || world->rank() == 0) {
+    const auto rows = std::min<int64_t>(args.batch_size, images.size(0));
+    auto options = gpipe::AutotuneOptions(lanes)
+                       .memory_limit(args.memory_limit)
+                       .batch_size(rows)
+                       .threads_per_lane(args.threads_per_lane);
+    std::vector<int64_t> chunks;
+    for (int64_t m = 1; m <= rows && m <= 32; m *= 2) {
+      chunks.push_back(m);
+    }
+    options.chunks(chunks);
+    const auto tuned = gpipe::autotune(
+        net,
+        images.narrow(0, 0, rows),
+        labels.narrow(0, 0, rows),
+        [](torch::Tensor y, torch::Tensor t) {
+          return torch::nn::functional::cross_entropy(y, t);
+        },
+        options);
+    // The choice (its first line), then the fastest candidates.
+    std::fprintf(out, "autotune: %s\n", tuned.report(4).c_str());
+    auto* w = words.data_ptr<int64_t>();
+    w[0] = tuned.chunks;
+    w[1] = static_cast<int64_t>(tuned.schedule);
+    w[2] = static_cast<int64_t>(tuned.checkpoint);
+    w[3] = static_cast<int64_t>(tuned.balance.size());
+    for (size_t k = 0; k < tuned.balance.size() && k + 4 < kWords; ++k) {
+      w[k + 4] = tuned.balance[k];
+    }
+  }
+  if (world != nullptr) {
+    world->broadcast(words, 0);
+  }
+  const auto* w = words.data_ptr<int64_t>();
+  args.chunks = w[0];
+  args.schedule = gpipe::to_string(static_cast<gpipe::Schedule>(w[1]));
+  args.checkpoint = gpipe::to_string(static_cast<gpipe::Checkpoint>(w[2]));
+  args.partitions = w[3];
+  args.balance.assign(w + 4, w + 4 + w[3]);
+  args.balance_given = true;
+  args.stages_per_lane = args.partitions / lanes;
+}
+
+}  // namespace gpipe_train
