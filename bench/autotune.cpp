@@ -248,7 +248,6 @@ nlohmann::json run_case(const Case& c, int iters) {
       under ? "yes" : "no",
       tuning);
   return {
-      {"model", c.name},
       {"limit_mib", static_cast<double>(limit) / mib},
       {"unconstrained_peak_mib", most(free.predicted_peak_bytes) / mib},
       {"tuning_seconds", tuning},
@@ -282,9 +281,10 @@ nlohmann::json autotune_section(int iters) {
        [](torch::Tensor out, torch::Tensor t) {
          return torch::nn::functional::cross_entropy(out, t);
        }});
-  nlohmann::json out = nlohmann::json::array();
+  // One object per model: its summary, then its grid as a table.
+  nlohmann::json out = nlohmann::json::object();
   for (const auto& c : cases) {
-    out.push_back(run_case(c, iters));
+    out[c.name] = run_case(c, iters);
   }
   return out;
 }

@@ -50,6 +50,7 @@ section unet-memory --svg-dir "$img"
 section unet-speed --iters 3 --svg-dir "$img"
 section speed
 section schedules
+section autotune
 section memory
 section overhead
 section cell-cost
@@ -230,7 +231,7 @@ EOF
 
 ## Schedules (\`--only schedules\`, ${seconds[schedules]} s)
 
-All four schedules through \`train_step\` on 4 lanes and 8 micro-batches:
+All six schedules through \`train_step\` on 4 lanes and 8 micro-batches:
 on layers that sleep a fixed time (so that cores and noise do not matter)
 against \`gpipe::simulate\` of the same plan, and on 16 x Linear(1024) with
 4 lanes sharing the 2 cores. On the fixed-cost layers (each a GELU and a
@@ -240,7 +241,10 @@ mean idle time per lane between the step's first and last cell), so that a
 sleep running long counts as work; \`nominal_bubble_seconds\` is the
 step's time less the layers' set costs, which counts that overshoot and
 the step's set-up as bubble too. The ideal ratios to 1F1B's bubble are 0.5
-(interleaved, v = 2) and 1/3 (zero-bubble, input and weight parts alike).
+(interleaved and looped BFS, v = 2), 1/3 (zero-bubble, input and weight
+parts alike) and 1/6 (ZB-V on its V: the V's own fill, (n - 1) half-stage
+forwards). There are 16 layers: 4 per stage, 2 per stage for the
+schedules of 2 stages per lane.
 \`simulated_peak_live_micro_batches_per_lane\` is counted on the plan;
 \`lane_peak_kib\` is measured: the most one lane (one device) allocated
 during a step above what it held before it (each stage copies its input
@@ -259,6 +263,23 @@ and gradients, the same under every schedule, left out).
 
 EOF
   table schedules
+  cat <<EOF
+
+## The planner (\`--only autotune\`, ${seconds[autotune]} s)
+
+\`gpipe::autotune\` on 2 lanes of one thread, for the U-Net(2, 16) on 32
+images of 3x64x64 and a conv-BN-ReLU CNN on 64 images of 3x32x32. The
+memory limit is 0.8 of the peak of the choice made without a limit, which
+rules that choice out. A grid of configurations that fit by the planner's
+model (its 8 fastest, then every third, at least 12) is then measured:
+step time (median) and, per lane, the most it allocated during a step
+above what it held before, plus its parameters and gradients. The
+summary holds the tuned choice's measured time over the grid's best, its
+measured time over its prediction, whether every lane stayed under the
+limit, and the tuning time.
+
+EOF
+  table autotune
   cat <<EOF
 
 ## Peak memory by checkpoint mode (\`--only memory\`, ${seconds[memory]} s)

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "schedule/actions.h"
+
 namespace gpipe {
 namespace {
 
@@ -271,6 +273,45 @@ TEST(PlanTest, SimulationTimesActionsByCostAndTransfer) {
   EXPECT_DOUBLE_EQ(sim.busy[1], 2.0);
   EXPECT_DOUBLE_EQ(sim.bubble, 4.0);
   EXPECT_THROW(simulate(Plan::from_csv("0B0,0F0\n")), c10::ValueError);
+}
+
+}  // namespace
+}  // namespace gpipe
+
+namespace gpipe {
+namespace {
+
+// Note [One table of actions]: an entry for every phase, in order, whose
+// spelling CSV reads back, and whose cost field is what simulate charges.
+TEST(PlanTest, OneTableDescribesEveryAction) {
+  const auto& table = detail::action_table();
+  ASSERT_EQ(table.size(), static_cast<size_t>(Phase::RecvBackward) + 1);
+  for (size_t k = 0; k < table.size(); ++k) {
+    const auto& a = table[k];
+    EXPECT_EQ(static_cast<size_t>(a.phase), k);
+    EXPECT_EQ(a.transfer, is_transfer(a.phase)) << a.letter;
+    EXPECT_EQ(a.step, !a.transfer && a.phase != Phase::Loss) << a.letter;
+    EXPECT_EQ(a.transfer, a.cost == nullptr) << a.letter;
+    // Read back as written (a B stays a whole backward without its W).
+    const auto read = Plan::from_csv(std::string("0") + a.read_as + "0\n");
+    ASSERT_EQ(read.lanes.size(), 1u);
+    EXPECT_EQ(read.lanes[0][0].phase, a.phase) << a.read_as;
+  }
+  // Each compute action and the loss priced by its own field.
+  Plan plan;
+  plan.micro_batches = 1;
+  plan.stages = 1;
+  plan.lanes = {
+      {Cell{0, 0, Phase::Forward},
+       Cell{0, 0, Phase::Loss},
+       Cell{0, 0, Phase::BackwardInput},
+       Cell{0, 0, Phase::BackwardWeight}}};
+  ActionCosts costs;
+  costs.forward = 1;
+  costs.loss = 10;
+  costs.backward_input = 100;
+  costs.backward_weight = 1000;
+  EXPECT_DOUBLE_EQ(simulate(plan, costs).makespan, 1111);
 }
 
 }  // namespace

@@ -140,7 +140,7 @@ Schedule schedule_from_string(const std::string& name);
 /// The compute cells (forwards and backwards, no losses) partition
 /// `partition` runs in a training step under `schedule`, in order, with one
 /// lane per partition. ZeroBubbleV has no such order (it needs two stages
-/// per lane: use make_plan) and is refused with a `c10::ValueError`.
+/// per lane in a V: use make_plan) and is refused with a `c10::ValueError`.
 std::vector<Cell> lane_order(
     Schedule schedule,
     int64_t micro_batches,

@@ -78,10 +78,9 @@ inline std::string step_name(int64_t s, uint64_t plan_hash) {
   if (s == kPlanSchedule) {
     return "a plan (hashed to " + std::to_string(plan_hash) + ")";
   }
-  return "schedule " +
-         (s >= 0 && s <= static_cast<int64_t>(gpipe::Schedule::LoopedBFS)
-              ? gpipe::to_string(static_cast<gpipe::Schedule>(s))
-              : std::to_string(s));
+  const auto name =
+      s >= 0 ? gpipe::to_string(static_cast<gpipe::Schedule>(s)) : "unknown";
+  return "schedule " + (name == "unknown" ? std::to_string(s) : name);
 }
 
 /// A skip by where it is in the model: the layers (indices in the whole

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "engine/pipeline.h"
+#include "schedule/actions.h"
 
 namespace gpipe::detail {
 
@@ -55,27 +56,7 @@ class Countdown {
 };
 
 const char* phase_name(Phase phase) {
-  switch (phase) {
-    case Phase::Forward:
-      return ", forward";
-    case Phase::Backward:
-      return ", backward";
-    case Phase::BackwardInput:
-      return ", backward (input part)";
-    case Phase::BackwardWeight:
-      return ", backward (weight part)";
-    case Phase::Loss:
-      return ", loss";
-    case Phase::SendForward:
-      return ", sending the output";
-    case Phase::RecvForward:
-      return ", posting the input's receive";
-    case Phase::SendBackward:
-      return ", sending the input's gradient";
-    case Phase::RecvBackward:
-      return ", posting the receive of the output's gradient";
-  }
-  return "";
+  return action_info(phase).context;
 }
 
 }  // namespace

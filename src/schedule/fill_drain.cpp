@@ -48,6 +48,10 @@ std::vector<Cell> fill_drain_lane(int64_t m, int64_t n, int64_t j) {
   return cells;
 }
 
+std::vector<std::vector<Cell>> fill_drain_rows(int64_t m, const Placement& p) {
+  return folded_rows(m, p, &fill_drain_lane);
+}
+
 }  // namespace detail
 
 Plan forward_plan(int64_t m, int64_t n) {

@@ -71,6 +71,8 @@ bool runs(const std::vector<std::vector<Cell>>& rows, int64_t m, int64_t s) {
 
 }  // namespace
 
+namespace {
+
 std::vector<std::vector<Cell>> interleaved_lanes(
     int64_t m, int64_t n, int64_t v) {
   check_sizes(m, n);
@@ -93,6 +95,21 @@ std::vector<std::vector<Cell>> interleaved_lanes(
       return rows;
     }
   }
+}
+
+}  // namespace
+
+// One stage per lane: 1F1B.
+std::vector<std::vector<Cell>> interleaved_rows(int64_t m, const Placement& p) {
+  if (p.lanes() == p.stages()) {
+    return folded_rows(m, p, &one_f_one_b_lane);
+  }
+  TORCH_CHECK_VALUE(
+      p.is_modulo(),
+      "make_plan: interleaved runs stage j on lane j % lanes "
+      "(Placement::modulo), but the placement is ",
+      to_string(p));
+  return interleaved_lanes(m, p.lanes(), p.stages() / p.lanes());
 }
 
 }  // namespace gpipe::detail

@@ -13,7 +13,7 @@
 
 namespace gpipe::detail {
 
-std::vector<std::vector<Cell>> looped_bfs_lanes(
+std::vector<std::vector<Cell>> looped_bfs_rows(
     int64_t m, const Placement& placement) {
   check_sizes(m, placement.stages());
   std::vector<std::vector<Cell>> rows;

@@ -28,6 +28,21 @@ Plan fold_onto_lanes(const Plan& flat, const Placement& placement) {
   return plan;
 }
 
+std::vector<std::vector<Cell>> folded_rows(
+    int64_t m,
+    const Placement& placement,
+    std::vector<Cell> (*order)(int64_t, int64_t, int64_t)) {
+  const auto n = placement.stages();
+  check_sizes(m, n);
+  Plan flat;
+  flat.micro_batches = m;
+  flat.stages = n;
+  for (int64_t j = 0; j < n; ++j) {
+    flat.lanes.push_back(order(m, n, j));
+  }
+  return fold_onto_lanes(flat, placement).lanes;
+}
+
 Plan with_losses(Plan plan) {
   for (auto& lane : plan.lanes) {
     std::vector<Cell> cells;
@@ -53,43 +68,12 @@ Plan make_plan(
       micro_batches);
   TORCH_CHECK_VALUE(
       !placement.empty(), "make_plan: expected a placement, but got none");
-  const auto lanes = placement.lanes();
-  const auto stages = placement.stages();
   Plan plan;
   plan.micro_batches = micro_batches;
-  plan.stages = stages;
+  plan.stages = placement.stages();
   plan.placement = placement;
-  switch (schedule) {
-    case Schedule::Interleaved1F1B:
-      if (lanes < stages) {
-        TORCH_CHECK_VALUE(
-            placement.is_modulo(),
-            "make_plan: interleaved runs stage j on lane j % lanes "
-            "(Placement::modulo), but the placement is ",
-            to_string(placement));
-        plan.lanes =
-            detail::interleaved_lanes(micro_batches, lanes, stages / lanes);
-        return detail::with_losses(std::move(plan));
-      }
-      break;  // one stage per lane: 1F1B
-    case Schedule::ZeroBubbleV:
-      TORCH_CHECK_VALUE(
-          placement.is_v_shape(),
-          "make_plan: zero_bubble_v runs on Placement::v_shape (stage j and ",
-          "2 lanes - 1 - j on lane j), but the placement is ",
-          to_string(placement));
-      plan.lanes = detail::zero_bubble_v_lanes(micro_batches, lanes);
-      return detail::with_losses(std::move(plan));
-    case Schedule::LoopedBFS:
-      plan.lanes = detail::looped_bfs_lanes(micro_batches, placement);
-      return detail::with_losses(std::move(plan));
-    case Schedule::FillDrain:
-    case Schedule::OneFOneB:
-    case Schedule::ZeroBubble:
-      break;
-  }
-  return detail::with_losses(detail::fold_onto_lanes(
-      training_plan(schedule, micro_batches, stages), placement));
+  plan.lanes = detail::schedule_entry(schedule).rows(micro_batches, placement);
+  return detail::with_losses(std::move(plan));
 }
 
 Plan make_plan(

@@ -27,4 +27,8 @@ std::vector<Cell> one_f_one_b_lane(int64_t m, int64_t n, int64_t j) {
   return cells;
 }
 
+std::vector<std::vector<Cell>> one_f_one_b_rows(int64_t m, const Placement& p) {
+  return folded_rows(m, p, &one_f_one_b_lane);
+}
+
 }  // namespace gpipe::detail

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "schedule/actions.h"
 #include "schedule/plan_builders.h"
 #include "text.h"
 
@@ -227,7 +228,7 @@ Steps Plan::steps() const {
   Steps steps;
   std::vector<Cell> leading;  // instants before step 0
   auto instant = [](const Cell& c) {
-    return c.phase == Phase::Loss || is_transfer(c.phase);
+    return !detail::action_info(c.phase).step;
   };
   for (int64_t t = 0; remaining > 0; ++t) {
     auto finished = [&](const Cell& c) {
@@ -467,12 +468,11 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
   auto label = [&](const Cell& c) {
     const auto l = static_cast<size_t>(plan.lane_of(c.partition));
     std::string s = stages_of[l].size() > 1 ? std::to_string(c.partition) : "";
-    return s + detail::action_letter(c.phase) + std::to_string(c.micro_batch);
+    return s + detail::action_info(c.phase).letter +
+           std::to_string(c.micro_batch);
   };
   size_t width = 1;
-  auto shown = [](const Cell& c) {
-    return c.phase != Phase::Loss && !is_transfer(c.phase);
-  };
+  auto shown = [](const Cell& c) { return detail::action_info(c.phase).step; };
   for (const auto& step : steps) {
     for (const auto& c : step) {
       width = shown(c) ? std::max(width, label(c).size()) : width;

@@ -49,23 +49,48 @@ void validate_transfers(
     const std::map<int64_t, size_t>& stage_lane,
     const std::function<bool(int64_t, int64_t, Phase)>& has);
 
-/// Interleaved 1F1B's rows, one per lane (`lanes` lanes, `v` stages
-/// each, stage j on lane j % lanes).
-std::vector<std::vector<Cell>> interleaved_lanes(
-    int64_t m, int64_t lanes, int64_t v);
+// Note [One table of schedules]
+// A schedule is its rows: a function from the micro-batches and a
+// placement to each lane's compute cells (losses are added by make_plan),
+// which throws c10::ValueError naming the placement it needs when given
+// another. schedule_table() (schedule.cpp) lists each schedule's enum value,
+// its name and that function; make_plan, lane_order, the names and their
+// parsing read it. A new schedule is its file, its enum value and its entry.
 
-/// ZB-V's rows, one per lane (`lanes` lanes, on Placement::v_shape).
-std::vector<std::vector<Cell>> zero_bubble_v_lanes(int64_t m, int64_t lanes);
+/// A schedule's rows, one per lane of `placement`, for `m` micro-batches.
+using ScheduleRows =
+    std::vector<std::vector<Cell>> (*)(int64_t m, const Placement& placement);
 
-/// Looped BFS's rows, one per lane of `placement`.
-std::vector<std::vector<Cell>> looped_bfs_lanes(
-    int64_t m, const Placement& placement);
+struct ScheduleEntry {
+  Schedule schedule;
+  const char* name;
+  ScheduleRows rows;
+};
 
-/// "F", "B" (whole backward or input part), "W", "L", "SEND_F", "RECV_F",
-/// "SEND_B" or "RECV_B": plans' table and CSV spelling.
-const char* action_letter(Phase phase);
+/// Every schedule, in Schedule's order.
+const std::vector<ScheduleEntry>& schedule_table();
+/// `schedule`'s entry; throws c10::ValueError for a value not in the table.
+const ScheduleEntry& schedule_entry(Schedule schedule);
 
-/// The cells stage j runs in a training step, one builder per schedule.
+/// The rows of a schedule that gives each stage's order with one lane per
+/// stage (`order(m, stages, j)`), on `placement`: each lane runs its
+/// stages' cells in the order of the one-lane-per-stage plan's time steps.
+std::vector<std::vector<Cell>> folded_rows(
+    int64_t m,
+    const Placement& placement,
+    std::vector<Cell> (*order)(int64_t, int64_t, int64_t));
+
+/// Each schedule's rows (one file each).
+std::vector<std::vector<Cell>> fill_drain_rows(int64_t m, const Placement& p);
+std::vector<std::vector<Cell>> one_f_one_b_rows(int64_t m, const Placement& p);
+std::vector<std::vector<Cell>> interleaved_rows(int64_t m, const Placement& p);
+std::vector<std::vector<Cell>> zero_bubble_rows(int64_t m, const Placement& p);
+std::vector<std::vector<Cell>> zero_bubble_v_rows(
+    int64_t m, const Placement& p);
+std::vector<std::vector<Cell>> looped_bfs_rows(int64_t m, const Placement& p);
+
+/// The cells stage j of n runs in a training step with one lane per
+/// stage, for the schedules given that way.
 std::vector<Cell> fill_drain_lane(int64_t m, int64_t n, int64_t j);
 std::vector<Cell> one_f_one_b_lane(int64_t m, int64_t n, int64_t j);
 std::vector<Cell> zero_bubble_lane(int64_t m, int64_t n, int64_t j);

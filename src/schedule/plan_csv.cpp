@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "schedule/actions.h"
 #include "schedule/plan_builders.h"
 
 namespace gpipe {
@@ -31,8 +32,8 @@ std::string Plan::to_csv() const {
   for (const auto& lane : lanes) {
     bool first = true;
     for (const auto& c : lane) {
-      out << (first ? "" : ",") << c.partition << detail::action_letter(c.phase)
-          << c.micro_batch;
+      out << (first ? "" : ",") << c.partition
+          << detail::action_info(c.phase).letter << c.micro_batch;
       first = false;
     }
     out << '\n';
@@ -105,20 +106,9 @@ Parsed parse_action(
 }
 
 bool phase_of(const std::string& kind, Phase& phase) {
-  static const std::pair<const char*, Phase> kinds[] = {
-      {"F", Phase::Forward},
-      {"B", Phase::Backward},
-      {"I", Phase::BackwardInput},
-      {"W", Phase::BackwardWeight},
-      {"L", Phase::Loss},
-      {"SEND_F", Phase::SendForward},
-      {"RECV_F", Phase::RecvForward},
-      {"SEND_B", Phase::SendBackward},
-      {"RECV_B", Phase::RecvBackward},
-  };
-  for (const auto& [name, p] : kinds) {
-    if (kind == name) {
-      phase = p;
+  for (const auto& a : detail::action_table()) {
+    if (kind == a.read_as) {
+      phase = a.phase;
       return true;
     }
   }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "schedule/actions.h"
 #include "schedule/plan_builders.h"
 
 namespace gpipe {
@@ -25,77 +26,62 @@ std::vector<Cell> cells_of_partition(const Steps& steps, int64_t partition) {
   return cells;
 }
 
+std::string to_string(const Cell& cell) {
+  return std::string(detail::action_info(cell.phase).short_name) + "(" +
+         std::to_string(cell.micro_batch) + "," +
+         std::to_string(cell.partition) + ")";
+}
+
 namespace detail {
 
-const char* action_letter(Phase phase) {
-  switch (phase) {
-    case Phase::Forward:
-      return "F";
-    case Phase::Backward:
-    case Phase::BackwardInput:
-      return "B";
-    case Phase::BackwardWeight:
-      return "W";
-    case Phase::Loss:
-      return "L";
-    case Phase::SendForward:
-      return "SEND_F";
-    case Phase::RecvForward:
-      return "RECV_F";
-    case Phase::SendBackward:
-      return "SEND_B";
-    case Phase::RecvBackward:
-      return "RECV_B";
+const std::vector<ScheduleEntry>& schedule_table() {
+  static const std::vector<ScheduleEntry> table{
+      {Schedule::FillDrain, "fill_drain", &fill_drain_rows},
+      {Schedule::OneFOneB, "1f1b", &one_f_one_b_rows},
+      {Schedule::Interleaved1F1B, "interleaved", &interleaved_rows},
+      {Schedule::ZeroBubble, "zero_bubble", &zero_bubble_rows},
+      {Schedule::ZeroBubbleV, "zero_bubble_v", &zero_bubble_v_rows},
+      {Schedule::LoopedBFS, "looped_bfs", &looped_bfs_rows},
+  };
+  return table;
+}
+
+const ScheduleEntry& schedule_entry(Schedule schedule) {
+  for (const auto& entry : schedule_table()) {
+    if (entry.schedule == schedule) {
+      return entry;
+    }
   }
-  return "?";
+  TORCH_CHECK_VALUE(
+      false, "schedule: unknown schedule ", static_cast<int>(schedule));
 }
 
 }  // namespace detail
 
-std::string to_string(const Cell& cell) {
-  const char* letter = cell.phase == Phase::BackwardInput
-                           ? "I"
-                           : detail::action_letter(cell.phase);
-  return std::string(letter) + "(" + std::to_string(cell.micro_batch) + "," +
-         std::to_string(cell.partition) + ")";
-}
-
 std::string to_string(Schedule schedule) {
-  switch (schedule) {
-    case Schedule::FillDrain:
-      return "fill_drain";
-    case Schedule::OneFOneB:
-      return "1f1b";
-    case Schedule::Interleaved1F1B:
-      return "interleaved";
-    case Schedule::ZeroBubble:
-      return "zero_bubble";
-    case Schedule::ZeroBubbleV:
-      return "zero_bubble_v";
-    case Schedule::LoopedBFS:
-      return "looped_bfs";
+  for (const auto& entry : detail::schedule_table()) {
+    if (entry.schedule == schedule) {
+      return entry.name;
+    }
   }
   return "unknown";
 }
 
 Schedule schedule_from_string(const std::string& name) {
-  for (auto s :
-       {Schedule::FillDrain,
-        Schedule::OneFOneB,
-        Schedule::Interleaved1F1B,
-        Schedule::ZeroBubble,
-        Schedule::ZeroBubbleV,
-        Schedule::LoopedBFS}) {
-    if (name == to_string(s)) {
-      return s;
+  std::string names;
+  const auto& table = detail::schedule_table();
+  for (size_t k = 0; k < table.size(); ++k) {
+    if (name == table[k].name) {
+      return table[k].schedule;
     }
+    names += std::string(
+                 k == 0                  ? "'"
+                 : k + 1 == table.size() ? " or '"
+                                         : ", '") +
+             table[k].name + "'";
   }
   TORCH_CHECK_VALUE(
-      false,
-      "schedule must be 'fill_drain', '1f1b', 'interleaved', 'zero_bubble', "
-      "'zero_bubble_v' or 'looped_bfs', but got '",
-      name,
-      "'");
+      false, "schedule must be ", names, ", but got '", name, "'");
 }
 
 std::vector<Cell> lane_order(
@@ -103,24 +89,10 @@ std::vector<Cell> lane_order(
   detail::check_sizes(m, n);
   TORCH_CHECK_INDEX(
       j >= 0 && j < n, "schedule: partition ", j, " is not in [0, ", n, ")");
-  switch (schedule) {
-    case Schedule::FillDrain:
-    case Schedule::LoopedBFS:  // one stage per lane: fill-drain
-      return detail::fill_drain_lane(m, n, j);
-    case Schedule::OneFOneB:
-    case Schedule::Interleaved1F1B:  // one stage per lane: 1F1B
-      return detail::one_f_one_b_lane(m, n, j);
-    case Schedule::ZeroBubble:
-      return detail::zero_bubble_lane(m, n, j);
-    case Schedule::ZeroBubbleV:
-      TORCH_CHECK_VALUE(
-          false,
-          "schedule: zero_bubble_v runs two stages on each lane "
-          "(Placement::v_shape), so it has no one-lane-per-stage order; "
-          "use make_plan(Schedule::ZeroBubbleV, micro_batches, lanes, 2)");
-  }
-  TORCH_CHECK_VALUE(
-      false, "schedule: unknown schedule ", static_cast<int>(schedule));
+  // One stage per lane, stage j on lane j.
+  return detail::schedule_entry(schedule)
+      .rows(m, Placement::modulo(n))
+      .at(static_cast<size_t>(j));
 }
 
 int64_t max_in_flight(const std::vector<Cell>& cells) {
@@ -129,7 +101,7 @@ int64_t max_in_flight(const std::vector<Cell>& cells) {
   for (const auto& c : cells) {
     if (c.phase == Phase::Forward) {
       ++in_flight;
-    } else if (c.phase == Phase::Backward || c.phase == Phase::BackwardWeight) {
+    } else if (detail::action_info(c.phase).frees) {
       --in_flight;
     }
     most = std::max(most, in_flight);

@@ -8,6 +8,7 @@
 #include <map>
 #include <tuple>
 
+#include "schedule/actions.h"
 #include "schedule/plan_builders.h"
 
 namespace gpipe {
@@ -15,27 +16,14 @@ namespace gpipe {
 namespace {
 
 double cost_of(const Cell& c, const ActionCosts& costs) {
-  if (is_transfer(c.phase)) {
+  const auto& action = detail::action_info(c.phase);
+  if (action.transfer) {
     return 0;  // the message's time is `costs.transfer`, on its receiver
   }
   if (costs.cost) {
     return costs.cost(c);
   }
-  switch (c.phase) {
-    case Phase::Forward:
-      return costs.forward;
-    case Phase::Backward:
-      return costs.backward;
-    case Phase::BackwardInput:
-      return costs.backward_input;
-    case Phase::BackwardWeight:
-      return costs.backward_weight;
-    case Phase::Loss:
-      return costs.loss;
-    default:
-      break;
-  }
-  return 0;
+  return action.cost == nullptr ? 0.0 : costs.*action.cost;
 }
 
 using Key = std::tuple<int64_t, int64_t, int>;
@@ -130,8 +118,7 @@ Simulation simulate(const Plan& plan, const ActionCosts& costs) {
         auto& peak = sim.peak_live[static_cast<size_t>(c.partition)];
         peak = std::max(peak, here);
         sim.lane_peak_live[l] = std::max(sim.lane_peak_live[l], total);
-      } else if (
-          c.phase == Phase::Backward || c.phase == Phase::BackwardWeight) {
+      } else if (detail::action_info(c.phase).frees) {
         --live[c.partition];
         --total;
       }

@@ -7,6 +7,7 @@
 #include <map>
 #include <vector>
 
+#include "schedule/actions.h"
 #include "schedule/plan_builders.h"
 
 namespace gpipe {
@@ -137,13 +138,12 @@ Plan Plan::with_transfers() const {
       }
       const auto i = c.micro_batch;
       const auto j = c.partition;
-      const bool compute = c.phase != Phase::Loss;
+      const bool compute = detail::action_info(c.phase).step;
       std::vector<Cell> receives;
       if (c.phase == Phase::Forward && crosses(j - 1)) {
         receives.push_back(Cell{i, j, Phase::RecvForward});
       }
-      if ((c.phase == Phase::Backward || c.phase == Phase::BackwardInput) &&
-          crosses(j)) {
+      if (detail::action_info(c.phase).sends_gradient && crosses(j)) {
         receives.push_back(Cell{i, j, Phase::RecvBackward});
       }
       const auto at = any_compute ? previous_compute : row.size();
@@ -162,8 +162,7 @@ Plan Plan::with_transfers() const {
       if (c.phase == Phase::Forward && crosses(j)) {
         row.push_back(Cell{i, j, Phase::SendForward});
       }
-      if ((c.phase == Phase::Backward || c.phase == Phase::BackwardInput) &&
-          crosses(j - 1)) {
+      if (detail::action_info(c.phase).sends_gradient && crosses(j - 1)) {
         row.push_back(Cell{i, j, Phase::SendBackward});
       }
     }

@@ -50,4 +50,8 @@ std::vector<Cell> zero_bubble_lane(int64_t m, int64_t n, int64_t j) {
   return zero_bubble_stage(m, n, j);
 }
 
+std::vector<std::vector<Cell>> zero_bubble_rows(int64_t m, const Placement& p) {
+  return folded_rows(m, p, &zero_bubble_lane);
+}
+
 }  // namespace gpipe::detail

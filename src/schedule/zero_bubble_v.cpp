@@ -19,6 +19,7 @@
 // 1F1B's at equal costs, and each lane holds at most 2n micro-batches of
 // half a lane's layers: 1F1B's peak.
 
+#include <c10/util/Exception.h>
 #include <gpipe/plan.h>
 
 #include "schedule/plan_builders.h"
@@ -143,7 +144,14 @@ std::vector<Cell> v_lane(int64_t m, int64_t n, int64_t r) {
 
 }  // namespace
 
-std::vector<std::vector<Cell>> zero_bubble_v_lanes(int64_t m, int64_t n) {
+std::vector<std::vector<Cell>> zero_bubble_v_rows(
+    int64_t m, const Placement& p) {
+  TORCH_CHECK_VALUE(
+      p.is_v_shape(),
+      "make_plan: zero_bubble_v runs on Placement::v_shape (stage j and "
+      "2 lanes - 1 - j on lane j), but the placement is ",
+      to_string(p));
+  const auto n = p.lanes();
   check_sizes(m, n);
   std::vector<std::vector<Cell>> rows;
   for (int64_t r = 0; r < n; ++r) {

@@ -1,0 +1,55 @@
+#pragma once
+
+// Note [One table of actions]
+// What each kind of action in a plan is, in one place: how CSV and the
+// tables spell it, how errors name it, whether it takes a time step or is
+// instant (a loss, a message), whether it is a message between lanes,
+// whether it is a backward that sends the input's gradient upstream,
+// whether it ends what a micro-batch holds on its stage, and which field of
+// ActionCosts prices it. Validation, the unit-time steps, the simulation,
+// CSV, the printed tables and the runner's error messages read this table
+// instead of each switching over Phase; what each action waits for is
+// `missing_input` in plan.cpp, and what it does is the runner's.
+
+#include <gpipe/plan.h>
+#include <gpipe/schedule.h>
+
+#include <vector>
+
+namespace gpipe::detail {
+
+struct ActionInfo {
+  Phase phase;
+  /// Written in CSV and the tables: F, B (a whole backward and an input
+  /// part alike), W, L, SEND_F, RECV_F, SEND_B, RECV_B.
+  const char* letter;
+  /// Read from CSV too: I for an input part (as newer PyTorch writes it);
+  /// else the letter.
+  const char* read_as;
+  /// In to_string(Cell): I for an input part, else the letter.
+  const char* short_name;
+  /// In error messages: ", forward", ", backward (input part)", ...
+  const char* context;
+  /// Takes a time step (a compute action); a loss and a message are
+  /// instant.
+  bool step;
+  /// A message between lanes.
+  bool transfer;
+  /// A whole backward or its input part: the input's gradient goes
+  /// upstream when it ends.
+  bool sends_gradient;
+  /// What the micro-batch holds on the stage is freed when it ends (a
+  /// whole backward, a weight part).
+  bool frees;
+  /// Its price in `simulate`; null: none (a message's time is
+  /// ActionCosts::transfer, on its receiver).
+  double ActionCosts::*cost;
+};
+
+/// The entry of `phase`.
+const ActionInfo& action_info(Phase phase);
+
+/// Every entry, in Phase's order.
+const std::vector<ActionInfo>& action_table();
+
+}  // namespace gpipe::detail
