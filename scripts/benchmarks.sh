@@ -275,8 +275,11 @@ model (its 8 fastest, then every third, at least 12) is then measured:
 step time (median) and, per lane, the most it allocated during a step
 above what it held before, plus its parameters and gradients. The
 summary holds the tuned choice's measured time over the grid's best, its
-measured time over its prediction, whether every lane stayed under the
-limit, and the tuning time.
+measured time over its prediction, whether each of its lanes stayed under
+the limit, how many grid rows went over it when measured (the memory model
+misses a few MiB at small micro-batches), and the tuning time. Gradients
+are zeroed, not freed, between steps, so that they count once, with the
+parameters.
 
 EOF
   table autotune
