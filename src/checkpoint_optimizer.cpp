@@ -17,12 +17,12 @@ namespace {
 
 // The key of a parameter in Optimizer::state(): its TensorImpl, as a string
 // in LibTorch 1.x and as a pointer in 2.x.
-std::string state_key(const torch::Tensor& p, std::string*) {
+[[maybe_unused]] std::string state_key(const torch::Tensor& p, std::string*) {
   std::ostringstream out;
   out << p.unsafeGetTensorImpl();
   return out.str();
 }
-void* state_key(const torch::Tensor& p, void**) {
+[[maybe_unused]] void* state_key(const torch::Tensor& p, void**) {
   return p.unsafeGetTensorImpl();
 }
 template <typename Map>

@@ -155,6 +155,12 @@ void PipelineStageImpl::pretty_print(std::ostream&) const {
 void PipelineStageImpl::set_gradient_bucket_bytes(int64_t) {
   unavailable("PipelineStage");
 }
+std::vector<int64_t> PipelineStageImpl::partition_indices() const {
+  unavailable("PipelineStage");
+}
+Placement PipelineStageImpl::placement() const {
+  unavailable("PipelineStage");
+}
 int64_t PipelineStageImpl::gradient_bucket_bytes() const {
   unavailable("PipelineStage");
 }

@@ -166,7 +166,7 @@ Packet connect_outputs(
     std::vector<int64_t> input_rows) {
   const auto width = outputs.at(0).tensors.size();
   std::vector<PipelineBackward::Output> slots(width);
-  std::vector<bool> requires(width, false);
+  std::vector<bool> needs_grad(width, false);
   std::vector<Batch> pieces;
   for (auto& packet : outputs) {
     TORCH_CHECK_VALUE(
@@ -182,7 +182,7 @@ Packet connect_outputs(
       // The micro-batch outputs are leaves that only carry the flag; the
       // whole outputs are what autograd sees, so cat them without a graph.
       if (t.defined() && t.requires_grad()) {
-        requires[k] = true;
+        needs_grad[k] = true;
         t = t.detach();
       }
     }
@@ -194,7 +194,7 @@ Packet connect_outputs(
   }
   int64_t next_slot = 0;
   for (const auto k : c10::irange(width)) {
-    if (requires[k] && is_differentiable(gathered.tensors[k])) {
+    if (needs_grad[k] && is_differentiable(gathered.tensors[k])) {
       slots[k].slot = next_slot++;
     }
   }
@@ -224,7 +224,7 @@ Packet connect_outputs(
       torch::autograd::deleteNode);
   node->set_next_edges(std::move(edges));
   for (const auto k : c10::irange(width)) {
-    if (requires[k] && is_differentiable(gathered.tensors[k])) {
+    if (needs_grad[k] && is_differentiable(gathered.tensors[k])) {
       torch::autograd::set_history(gathered.tensors[k], node);
     }
   }

@@ -56,14 +56,14 @@ torch::Tensor leaf_of(const torch::Tensor& t, torch::Device device, bool grad) {
   return leaf;
 }
 
-// What a cell sends on: `t` detached, requiring grad when `requires` (the
+// What a cell sends on: `t` detached, requiring grad when `grad` (the
 // receiver makes its leaf require grad from it).
-torch::Tensor sendable(const torch::Tensor& t, bool requires) {
+torch::Tensor sendable(const torch::Tensor& t, bool grad) {
   if (!t.defined()) {
     return t;
   }
   auto out = t.detach();
-  if (requires && is_differentiable(out)) {
+  if (grad && is_differentiable(out)) {
     out.requires_grad_(true);
   }
   return out;
@@ -277,14 +277,14 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   // Outputs require grad where the plain model's would: as computed, or,
   // for a checkpointed cell (computed without graph), wherever a graph
   // could reach them.
-  auto requires = [&](const torch::Tensor& t) {
+  auto needs_grad = [&](const torch::Tensor& t) {
     return graph && (c.checkpointed || (t.defined() && t.requires_grad()));
   };
   Flow out;
   out.boundary.atomic = y.atomic;
   if (ctx.loss_fn == nullptr) {
     for (const auto& t : y.tensors) {
-      out.boundary.tensors.push_back(sendable(t, requires(t)));
+      out.boundary.tensors.push_back(sendable(t, needs_grad(t)));
     }
   } else {
     TORCH_CHECK_TYPE(
@@ -302,7 +302,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
                       "tensors")));
   }
   for (const auto& t : outgoing) {
-    out.skips.push_back(sendable(t, requires(t)));
+    out.skips.push_back(sendable(t, needs_grad(t)));
   }
   if (graph) {
     c.input = std::move(x);
