@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <sstream>
 #include <string>
 
 namespace gpipe {
@@ -191,11 +192,27 @@ TEST(PlacementTest, CsvRoundTripKeepsThePlacement) {
 
   // A placement line beats the rows, so a plan for 0 micro-batches keeps
   // its placement too; comments are skipped.
-  auto empty = make_plan(Schedule::FillDrain, 0, Placement({1, 0}));
-  empty.stages = 2;
+  const auto empty = make_plan(Schedule::FillDrain, 0, Placement({1, 0}));
   const auto read = Plan::from_csv("# a comment\n" + empty.to_csv());
   EXPECT_EQ(read.placement, Placement({1, 0}));
   EXPECT_EQ(read.lanes.size(), 2u);
+  EXPECT_EQ(read.stages, 2);
+  EXPECT_NO_THROW(read.validate());
+  // A placement the rows contradict: validate names it, and the unit steps
+  // and the printed table follow the rows, not the placement.
+  const auto contradicted = Plan::from_csv("# placement: 1 0\n0F0\n1F0\n");
+  EXPECT_THROW(contradicted.validate(), c10::ValueError);
+  EXPECT_EQ(contradicted.steps().size(), 2u);
+  const auto short_rows = Plan::from_csv("# placement: 0 1\n0F0,1F0\n");
+  EXPECT_EQ(short_rows.steps().size(), 2u);
+  std::ostringstream table;
+  table << short_rows;
+  EXPECT_NE(table.str().find("lane 0 | 0F0 1F0"), std::string::npos)
+      << table.str();
+  // with_transfers keeps the placement.
+  EXPECT_EQ(
+      make_plan(Schedule::ZeroBubbleV, 2, 2, 2).with_transfers().placement,
+      Placement::v_shape(2));
 
   EXPECT_NE(
       error_of([] {

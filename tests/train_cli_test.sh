@@ -270,6 +270,20 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --autotune under 1K: $(tail -n 1 "$tmp/err")"
   fi
+  # A plan that carries its placement (ZB-V's V, as Plan::to_csv writes
+  # it) runs on that placement.
+  {
+    echo "# placement: 0 1 1 0"
+    echo "0F0,0F1,0F2,3F0,3I0,3W0,3F1,3I1,3W1,0F3,0I0,0W0,3F2,3I2,3W2,0I1,0W1,3F3,3I3,3W3,0I2,0W2,0I3,0W3"
+    echo "1F0,2F0,1F1,2F1,2I0,2W0,1F2,1I0,1W0,2F2,2I1,2W1,1F3,1I1,1W1,2F3,2I2,2W2,1I2,2I3,1I3,1W2,2W3,1W3"
+  } >"$tmp/v.csv"
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --partitions 4 \
+    --stages-per-lane 2 --plan "$tmp/v.csv"
+  if [[ $status -ne 0 ]] || ! grep -q '"placement":"v_shape(2 lanes)"' "$tmp/out"; then
+    fail "--plan with a V placement exited $status: $(tail -c 600 "$tmp/err") $(cat "$tmp/out")"
+  else
+    echo "ok: --plan with a placement line: $(grep -o '"placement":"[^"]*"' "$tmp/out")"
+  fi
   # ZB-V runs its 4 partitions in a V on 2 lanes.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --partitions 4 \
     --schedule zero_bubble_v

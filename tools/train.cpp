@@ -141,8 +141,11 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   // Under a launcher lane l of the pipeline is its rank l: the first and
   // the last partition are on lane 0 and the last lane, or both on lane 0
   // in a V.
+  // A --plan that carries a placement runs on it.
   const auto placement =
-      args.schedule == "zero_bubble_v"
+      args.schedule == "plan" && !args.plan.placement.empty()
+          ? args.plan.placement
+      : args.schedule == "zero_bubble_v"
           ? gpipe::Placement::v_shape(args.partitions / 2)
           : gpipe::Placement::modulo(
                 args.partitions / args.stages_per_lane, args.stages_per_lane);

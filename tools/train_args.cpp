@@ -487,7 +487,7 @@ void verify_args(const CLI::App& app, Args& args) {
       " partitions, but got ",
       args.stages_per_lane);
   usage_check(
-      !per_lane || args.schedule != "autograd",
+      !per_lane || args.schedule != "autograd" || app.count("--plan") > 0,
       "--stages-per-lane needs a train_step schedule (fill_drain, 1f1b, "
       "interleaved, zero_bubble, zero_bubble_v or looped_bfs), but "
       "--schedule is autograd");

@@ -138,6 +138,11 @@ void autotune_args(
     // The choice (its first line), then the fastest candidates.
     std::fprintf(out, "autotune: %s\n", tuned.report(4).c_str());
     auto* w = words.data_ptr<int64_t>();
+    TORCH_CHECK(
+        static_cast<int64_t>(tuned.balance.size()) <= kWords - 4,
+        "autotune: a balance of more than ",
+        kWords - 4,
+        " partitions does not fit the message to the other ranks");
     w[0] = tuned.chunks;
     w[1] = static_cast<int64_t>(tuned.schedule);
     w[2] = static_cast<int64_t>(tuned.checkpoint);
@@ -150,6 +155,9 @@ void autotune_args(
     world->broadcast(words, 0);
   }
   const auto* w = words.data_ptr<int64_t>();
+  TORCH_CHECK(
+      w[3] >= 1 && w[3] <= kWords - 4,
+      "gpipe-train: a malformed autotune choice from rank 0");
   args.chunks = w[0];
   args.schedule = gpipe::to_string(static_cast<gpipe::Schedule>(w[1]));
   args.checkpoint = gpipe::to_string(static_cast<gpipe::Checkpoint>(w[2]));

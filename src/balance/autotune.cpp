@@ -31,7 +31,6 @@
 #include <thread>
 
 #include "balance/layer_costs.h"
-#include "balance/sandbox.h"
 #include "text.h"
 
 namespace gpipe {
@@ -342,10 +341,6 @@ Autotuned autotune(
     }
     const auto rows = (batch + m - 1) / m;
     if (costs_by_rows.count(rows) == 0) {
-      // The other lanes at work meanwhile, as in the pipeline.
-      detail::CpuRngStateGuard rng;
-      detail::BusyLanes others(
-          net, sample_input.narrow(0, 0, rows), lanes - 1, threads);
       costs_by_rows.emplace(
           rows,
           detail::profile_layer_costs(
@@ -355,7 +350,8 @@ Autotuned autotune(
               loss_fn,
               rows,
               options.profile_seconds(),
-              threads));
+              threads,
+              /*busy_lanes=*/lanes - 1));
     }
   }
   Autotuned tuned;

@@ -179,7 +179,8 @@ LayerCosts profile_layer_costs(
     const LossFunction& loss_fn,
     int64_t rows,
     double seconds,
-    int64_t threads) {
+    int64_t threads,
+    int64_t busy_lanes) {
   check_module(module);
   verify_skippables(module);
   c10::InferenceMode no_inference(/*enabled=*/false);
@@ -204,6 +205,9 @@ LayerCosts profile_layer_costs(
     CountingAllocatorScope counting;
     one_pass(sandbox, start, micro_target, loss_fn, /*timed=*/false, costs);
   }
+  // The other lanes at work meanwhile, as in the pipeline; joined before
+  // the random numbers are put back.
+  BusyLanes others(module, start.tensors[0], busy_lanes, threads);
   int64_t passes = 0;
   const auto begun = Clock::now();
   do {

@@ -36,7 +36,10 @@ struct LayerCosts {
 /// `input`, then `loss_fn` on the last output and the first `rows` rows of
 /// `target`: once counting what each forward keeps, then timed for at least
 /// one pass and until `seconds` have gone (the mean of the timed passes).
-/// Runs with `threads` intra-op threads and puts the count back.
+/// Runs with `threads` intra-op threads and puts the count back. The timed
+/// passes run with `busy_lanes` other threads at work beside them
+/// (BusyLanes), started after the counting pass: the counting allocator
+/// replaces LibTorch's for the whole process while it is installed.
 LayerCosts profile_layer_costs(
     const torch::nn::Sequential& module,
     const torch::Tensor& input,
@@ -44,7 +47,8 @@ LayerCosts profile_layer_costs(
     const LossFunction& loss_fn,
     int64_t rows,
     double seconds,
-    int64_t threads);
+    int64_t threads,
+    int64_t busy_lanes = 0);
 
 /// Keeps `count` other threads busy training copies of `module` on
 /// `input` (`threads` intra-op threads each) while it lives, so that the

@@ -132,7 +132,8 @@ std::vector<std::pair<std::string, std::string>> fingerprint(
   fields.emplace_back("balance", str(c10::IntArrayRef(options.balance())));
   fields.emplace_back("chunks", str(options.chunks()));
   fields.emplace_back("stages_per_lane", str(options.stages_per_lane()));
-  fields.emplace_back("placement", to_string(options.placement()));
+  fields.emplace_back(
+      "placement", to_string(gpipe::detail::placement_of(options)));
   fields.emplace_back("checkpoint", to_string(options.checkpoint()));
   fields.emplace_back(
       "deferred_batch_norm", options.deferred_batch_norm() ? "true" : "false");

@@ -106,7 +106,7 @@ std::vector<std::vector<Cell>> interleaved_rows(int64_t m, const Placement& p) {
   }
   TORCH_CHECK_VALUE(
       p.is_modulo(),
-      "make_plan: interleaved runs stage j on lane j % lanes "
+      "schedule: interleaved runs stage j on lane j % lanes "
       "(Placement::modulo), but the placement is ",
       to_string(p));
   return interleaved_lanes(m, p.lanes(), p.stages() / p.lanes());

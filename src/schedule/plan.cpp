@@ -258,10 +258,12 @@ Steps Plan::steps() const {
       break;
     }
     std::vector<Cell> step;
+    std::vector<size_t> rows;  // the row of each of step's cells
     for (size_t l = 0; l < lanes.size(); ++l) {
       if (next[l] < lanes[l].size() && !instant(lanes[l][next[l]]) &&
           ready(lanes[l][next[l]])) {
         step.push_back(lanes[l][next[l]]);
+        rows.push_back(l);
       }
     }
     if (step.empty()) {
@@ -292,9 +294,9 @@ Steps Plan::steps() const {
         }
       }
     }
-    for (const auto& c : step) {
-      done[key_of(c)] = t;
-      ++next[lane_of(c.partition)];
+    for (size_t k = 0; k < step.size(); ++k) {
+      done[key_of(step[k])] = t;
+      ++next[rows[k]];
       --remaining;
     }
     steps.push_back(std::move(step));
@@ -459,14 +461,17 @@ void Plan::validate() const {
 
 std::ostream& operator<<(std::ostream& out, const Plan& plan) {
   const auto steps = plan.steps();
+  // By the rows that list the cells (steps() ran them so).
   std::vector<std::set<int64_t>> stages_of(plan.lanes.size());
+  std::map<int64_t, size_t> row_of;
   for (size_t l = 0; l < plan.lanes.size(); ++l) {
     for (const auto& c : plan.lanes[l]) {
       stages_of[l].insert(c.partition);
+      row_of.emplace(c.partition, l);
     }
   }
   auto label = [&](const Cell& c) {
-    const auto l = static_cast<size_t>(plan.lane_of(c.partition));
+    const auto l = row_of.at(c.partition);
     std::string s = stages_of[l].size() > 1 ? std::to_string(c.partition) : "";
     return s + detail::action_info(c.phase).letter +
            std::to_string(c.micro_batch);
@@ -484,7 +489,7 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
     for (const auto& step : steps) {
       std::string cell = ".";
       for (const auto& c : step) {
-        if (shown(c) && plan.lane_of(c.partition) == static_cast<int64_t>(l)) {
+        if (shown(c) && row_of.at(c.partition) == l) {
           cell = label(c);
         }
       }
@@ -502,8 +507,9 @@ Plan training_plan(Schedule schedule, int64_t m, int64_t n) {
   Plan plan;
   plan.micro_batches = m;
   plan.stages = n;
-  for (int64_t j = 0; j < n; ++j) {
-    plan.lanes.push_back(lane_order(schedule, m, n, j));
+  if (n > 0) {
+    // One stage per lane, stage j on lane j: lane_order's rows, made once.
+    plan.lanes = detail::schedule_entry(schedule).rows(m, Placement::modulo(n));
   }
   return plan;
 }

@@ -261,6 +261,9 @@ Plan Plan::from_csv(const std::string& text) {
   }
   if (!placed) {
     plan.placement = placement_of_rows(plan);
+  } else {
+    // Stages without cells (a plan of 0 micro-batches) are still placed.
+    plan.stages = std::max(plan.stages, plan.placement.stages());
   }
   return plan;
 }

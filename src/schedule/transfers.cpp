@@ -112,6 +112,7 @@ Plan Plan::with_transfers() const {
   Plan plan;
   plan.micro_batches = micro_batches;
   plan.stages = stages;
+  plan.placement = placement;
   plan.lanes.resize(lanes.size());
   std::vector<int64_t> lane(static_cast<size_t>(stages), -1);
   for (size_t l = 0; l < lanes.size(); ++l) {

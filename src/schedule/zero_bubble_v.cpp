@@ -148,7 +148,7 @@ std::vector<std::vector<Cell>> zero_bubble_v_rows(
     int64_t m, const Placement& p) {
   TORCH_CHECK_VALUE(
       p.is_v_shape(),
-      "make_plan: zero_bubble_v runs on Placement::v_shape (stage j and "
+      "schedule: zero_bubble_v runs on Placement::v_shape (stage j and "
       "2 lanes - 1 - j on lane j), but the placement is ",
       to_string(p));
   const auto n = p.lanes();
