@@ -116,39 +116,14 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   const int64_t batch_size = args.batch_size;
   const int64_t epochs = args.epochs;
 
-  // Record steps 2 .. trace_steps + 1 (the first one warms up); a run with
-  // fewer steps would write nothing. epochs * steps_per_epoch > trace_steps,
-  // written so that it cannot overflow.
   const bool tracing = !args.trace_path.empty() || !args.timeline_path.empty();
   const int64_t steps_per_epoch = (n - 1) / batch_size + 1;
-  if (tracing && epochs <= args.trace_steps / steps_per_epoch) {
-    throw UsageError(c10::str(
-        "--trace-steps ",
-        args.trace_steps,
-        " needs more than ",
-        count_of(args.trace_steps, "step", "steps"),
-        " (the first one is not recorded), but --epochs ",
-        epochs,
-        " of ",
-        n,
-        " images in batches of ",
-        batch_size,
-        " makes ",
-        epochs * steps_per_epoch,
-        "; lower --trace-steps or raise --epochs or --limit"));
-  }
+  verify_trace_steps(args, n);
 
   // Under a launcher lane l of the pipeline is its rank l: the first and
   // the last partition are on lane 0 and the last lane, or both on lane 0
   // in a V.
-  // A --plan that carries a placement runs on it.
-  const auto placement =
-      args.schedule == "plan" && !args.plan.placement.empty()
-          ? args.plan.placement
-      : args.schedule == "zero_bubble_v"
-          ? gpipe::Placement::v_shape(args.partitions / 2)
-          : gpipe::Placement::modulo(
-                args.partitions / args.stages_per_lane, args.stages_per_lane);
+  const auto placement = pipeline_placement(args);
   // In one process every lane is here.
   const bool first = !world || rank % pipeline_size == placement.lane_of(0);
   const bool last =
@@ -187,51 +162,8 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   const auto resumed =
       args.resume ? resume_training(args, model, stage, optimizer, lead)
                   : gpipe::TrainingState{};
-  if (resumed.epoch >= epochs) {
-    if (lead) {
-      std::fprintf(
-          out,
-          "--resume: the saved run has done %lld epochs of --epochs %lld; "
-          "nothing left to train\n",
-          static_cast<long long>(resumed.epoch),
-          static_cast<long long>(epochs));
-      if (args.json) {
-        nlohmann::json summary = {
-            {"model", args.model},
-            {"balance", balance},
-            {"epochs", epochs},
-            {"steps", resumed.step},
-            {"resumed_at_step", resumed.step},
-            {"nothing_left_to_train", true}};
-        std::cout << summary.dump() << std::endl;
-      }
-    }
+  if (resume_is_done(args, resumed, balance, steps_per_epoch, lead, out)) {
     return 0;
-  }
-  // --trace-steps was checked against the whole run; a resumed run has
-  // only the steps left.
-  const int64_t steps_left =
-      (epochs - resumed.epoch) * steps_per_epoch - resumed.position;
-  if (tracing && steps_left <= args.trace_steps) {
-    throw UsageError(c10::str(
-        "--trace-steps ",
-        args.trace_steps,
-        " needs more than ",
-        count_of(args.trace_steps, "step", "steps"),
-        " (the first one is not recorded), but --resume leaves ",
-        steps_left,
-        " of --epochs ",
-        epochs,
-        "; lower --trace-steps or raise --epochs"));
-  }
-  if (lead && args.resume && resumed.step > 0) {
-    std::fprintf(
-        out,
-        "resumed from %s at step %lld (epoch %lld, batch %lld)\n",
-        gpipe::latest_checkpoint(args.save_path).c_str(),
-        static_cast<long long>(resumed.step),
-        static_cast<long long>(resumed.epoch + 1),
-        static_cast<long long>(resumed.position));
   }
   const auto out_device = world ? stage->device() : model->devices().back();
   {

@@ -204,6 +204,24 @@ std::vector<int64_t> choose_balance(
     const torch::nn::Sequential& net,
     const torch::Tensor& images,
     const gpipe::dist::World* world);
+/// Which lane (under a launcher, pipeline rank) runs each partition
+/// (train_plan.cpp): --plan's own placement, ZB-V's V, or modulo.
+gpipe::Placement pipeline_placement(const Args& args);
+/// --trace-steps against the run (train_save.cpp): throws UsageError
+/// when --epochs of `n` images in --batch-size batches make too few steps
+/// (the first one is not recorded).
+void verify_trace_steps(const Args& args, int64_t n);
+/// --resume (train_save.cpp): true when the resumed run has no epoch left
+/// (said on `out`, and as JSON with --json, by the lead rank); throws
+/// UsageError when it leaves too few steps for --trace-steps; says where
+/// it resumed from.
+bool resume_is_done(
+    const Args& args,
+    const gpipe::TrainingState& resumed,
+    const std::vector<int64_t>& balance,
+    int64_t steps_per_epoch,
+    bool lead,
+    std::FILE* out);
 /// --autotune and --memory-limit (train_autotune.cpp): their flags and
 /// checks (throws UsageError: --autotune with a flag it chooses, a
 /// malformed size, a limit without --autotune).

@@ -80,4 +80,15 @@ void read_plan(const CLI::App& app, Args& args) {
   args.schedule = "plan";
 }
 
+gpipe::Placement pipeline_placement(const Args& args) {
+  if (args.schedule == "plan" && !args.plan.placement.empty()) {
+    return args.plan.placement;  // a --plan that carries one runs on it
+  }
+  if (args.schedule == "zero_bubble_v") {
+    return gpipe::Placement::v_shape(args.partitions / 2);
+  }
+  return gpipe::Placement::modulo(
+      args.partitions / args.stages_per_lane, args.stages_per_lane);
+}
+
 }  // namespace gpipe_train

@@ -8,9 +8,11 @@
 #include <gpipe/serialize.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <system_error>
 
@@ -231,6 +233,90 @@ gpipe::TrainingState resume_training(
   return !stage.is_empty()
              ? gpipe::dist::load_checkpoint(args.save_path, stage, optimizer)
              : gpipe::load_checkpoint(args.save_path, model, optimizer);
+}
+
+void verify_trace_steps(const Args& args, int64_t n) {
+  const int64_t epochs = args.epochs;
+  const int64_t batch_size = args.batch_size;
+  // Record steps 2 .. trace_steps + 1 (the first one warms up); a run with
+  // fewer steps would write nothing. epochs * steps_per_epoch > trace_steps,
+  // written so that it cannot overflow.
+  const bool tracing = !args.trace_path.empty() || !args.timeline_path.empty();
+  const int64_t steps_per_epoch = (n - 1) / batch_size + 1;
+  if (tracing && epochs <= args.trace_steps / steps_per_epoch) {
+    throw UsageError(c10::str(
+        "--trace-steps ",
+        args.trace_steps,
+        " needs more than ",
+        count_of(args.trace_steps, "step", "steps"),
+        " (the first one is not recorded), but --epochs ",
+        epochs,
+        " of ",
+        n,
+        " images in batches of ",
+        batch_size,
+        " makes ",
+        epochs * steps_per_epoch,
+        "; lower --trace-steps or raise --epochs or --limit"));
+  }
+}
+
+bool resume_is_done(
+    const Args& args,
+    const gpipe::TrainingState& resumed,
+    const std::vector<int64_t>& balance,
+    int64_t steps_per_epoch,
+    bool lead,
+    std::FILE* out) {
+  const int64_t epochs = args.epochs;
+  const bool tracing = !args.trace_path.empty() || !args.timeline_path.empty();
+  if (resumed.epoch >= epochs) {
+    if (lead) {
+      std::fprintf(
+          out,
+          "--resume: the saved run has done %lld epochs of --epochs %lld; "
+          "nothing left to train\n",
+          static_cast<long long>(resumed.epoch),
+          static_cast<long long>(epochs));
+      if (args.json) {
+        nlohmann::json summary = {
+            {"model", args.model},
+            {"balance", balance},
+            {"epochs", epochs},
+            {"steps", resumed.step},
+            {"resumed_at_step", resumed.step},
+            {"nothing_left_to_train", true}};
+        std::cout << summary.dump() << std::endl;
+      }
+    }
+    return true;
+  }
+  // --trace-steps was checked against the whole run; a resumed run has
+  // only the steps left.
+  const int64_t steps_left =
+      (epochs - resumed.epoch) * steps_per_epoch - resumed.position;
+  if (tracing && steps_left <= args.trace_steps) {
+    throw UsageError(c10::str(
+        "--trace-steps ",
+        args.trace_steps,
+        " needs more than ",
+        count_of(args.trace_steps, "step", "steps"),
+        " (the first one is not recorded), but --resume leaves ",
+        steps_left,
+        " of --epochs ",
+        epochs,
+        "; lower --trace-steps or raise --epochs"));
+  }
+  if (lead && args.resume && resumed.step > 0) {
+    std::fprintf(
+        out,
+        "resumed from %s at step %lld (epoch %lld, batch %lld)\n",
+        gpipe::latest_checkpoint(args.save_path).c_str(),
+        static_cast<long long>(resumed.step),
+        static_cast<long long>(resumed.epoch + 1),
+        static_cast<long long>(resumed.position));
+  }
+  return false;
 }
 
 }  // namespace gpipe_train
