@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <thread>
 
+#include "engine/lane_threads.h"
+
 namespace gpipe::detail {
 
 std::vector<torch::Device> default_devices(int64_t partitions) {
@@ -29,6 +31,10 @@ torch::Device normalize_device(torch::Device device) {
   return device;
 }
 
+int64_t available_cores() {
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());
+}
+
 int64_t threads_per_lane(
     int64_t requested, const std::vector<torch::Device>& devices) {
   if (requested > 0) {
@@ -36,8 +42,7 @@ int64_t threads_per_lane(
   }
   const auto cpu_lanes = std::count_if(
       devices.begin(), devices.end(), [](const auto& d) { return d.is_cpu(); });
-  const int64_t cores =
-      std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t cores = available_cores();
   return std::max<int64_t>(1, cores / std::max<int64_t>(1, cpu_lanes));
 }
 
@@ -49,7 +54,10 @@ std::function<void()> lane_init(torch::Device device, int64_t threads) {
     // Initialise this thread's intra-op pool first, so that the lazy
     // initialisation of the first parallel op does not undo our count.
     at::internal::lazy_init_num_threads();
-    at::set_num_threads(static_cast<int>(threads));
+    // This thread's count only: at::set_num_threads would also change the
+    // count that other threads start with, the caller's included when it
+    // has not run a parallel op yet (Note [Threads that follow the plan]).
+    set_intra_op_threads(threads);
   };
 }
 

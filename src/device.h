@@ -19,6 +19,9 @@ std::vector<torch::Device> default_devices(int64_t partitions);
 /// other device is returned as it is.
 torch::Device normalize_device(torch::Device device);
 
+/// The cores the lanes share: the hardware's threads, at least 1.
+int64_t available_cores();
+
 /// Intra-op threads per CPU lane: `requested` when positive, else the cores
 /// shared out between the CPU lanes (at least one each), so that lanes x
 /// threads fits the machine.

@@ -88,6 +88,15 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
         threads_per_lane_,
         std::vector<bool>{},
         placement);
+    // Note [Threads that follow the plan] in src/engine/lane_threads.cpp.
+    const auto cpu_lanes =
+        std::count_if(devices.begin(), devices.end(), [](const auto& d) {
+          return d.is_cpu();
+        });
+    if (options.threads_per_lane() == 0 && cpu_lanes > 1) {
+      threads_follow_plan_ = true;
+      pipeline_->share_threads(detail::available_cores());
+    }
   }
 }
 

@@ -175,7 +175,8 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
         line << " (" << replicas << " replicas of " << pipeline_size << ")";
       }
     } else {
-      line << *model << " threads_per_lane=" << model->threads_per_lane();
+      line << *model << " threads_per_lane=" << model->threads_per_lane()
+           << (model->threads_follow_plan() ? " (shared by the plan)" : "");
     }
     line << " train=" << n << " test=" << test_x.size(0);
     std::fprintf(out, "%s\n", line.str().c_str());
@@ -413,7 +414,8 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
             {"lr_schedule", args.lr_schedule},
             {"final_lr", lr},
             {"threads_per_lane",
-             world ? int64_t{0} : model->threads_per_lane()},
+             world || model->threads_follow_plan() ? int64_t{0}
+                                                   : model->threads_per_lane()},
             {"ranks", ranks},
             {"pipeline_size", pipeline_size},
             {"replicas", replicas},

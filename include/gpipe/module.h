@@ -121,9 +121,16 @@ class GPipeImpl : public torch::nn::Module {
   Checkpoint checkpoint() const {
     return options.checkpoint();
   }
-  /// Intra-op threads of each CPU lane.
+  /// Intra-op threads of each CPU lane when every lane is busy (the count
+  /// it runs with throughout, unless threads_follow_plan()).
   int64_t threads_per_lane() const {
     return threads_per_lane_;
+  }
+  /// True when the CPU lanes share the machine's cores by the plan (the
+  /// default, threads_per_lane 0): a cell the plan runs alone takes every
+  /// core, cells that run together split them.
+  bool threads_follow_plan() const {
+    return threads_follow_plan_;
   }
   /// The partitions, each a Sequential of its layers.
   const torch::nn::ModuleList& partitions() const {
@@ -148,6 +155,7 @@ class GPipeImpl : public torch::nn::Module {
   torch::nn::ModuleList partitions_;
   std::vector<torch::Device> devices_;
   int64_t threads_per_lane_ = 1;
+  bool threads_follow_plan_ = false;
   // The engine (src/engine/), opaque to users.
   struct Engine;
   std::shared_ptr<Engine> pipeline_;

@@ -9,6 +9,7 @@
 #include "device.h"
 #include "engine/autograd_node.h"
 #include "engine/in_process_transport.h"
+#include "engine/lane_threads.h"
 #include "random.h"
 #include "schedule/plan_builders.h"
 #include "text.h"
@@ -151,6 +152,34 @@ std::shared_ptr<const Plan> Pipeline::training_plan(
 }
 
 Pipeline::~Pipeline() = default;
+
+std::shared_ptr<const std::vector<std::vector<int64_t>>> Pipeline::threads_of(
+    const Plan& plan) {
+  if (shared_cores_ <= 0) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(threads_mutex_);
+  for (const auto& [known, threads] : threads_cache_) {
+    if (known.lanes == plan.lanes && known.stages == plan.stages &&
+        known.micro_batches == plan.micro_batches) {
+      return threads;
+    }
+  }
+  std::vector<bool> cpu(plan.lanes.size(), false);
+  for (const auto l : c10::irange(plan.lanes.size())) {
+    const auto& row = plan.lanes[l];
+    cpu[l] = !row.empty() && is_local(row.front().partition) &&
+             devices_[row.front().partition].is_cpu();
+  }
+  auto threads = std::make_shared<const std::vector<std::vector<int64_t>>>(
+      threads_of_cells(plan, cpu, shared_cores_));
+  constexpr size_t kKept = 4;
+  threads_cache_.insert(threads_cache_.begin(), {plan, threads});
+  if (threads_cache_.size() > kKept) {
+    threads_cache_.pop_back();
+  }
+  return threads;
+}
 
 std::unique_ptr<Transport> Pipeline::make_transport(int64_t m) const {
   if (transport_factory_) {

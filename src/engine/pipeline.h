@@ -174,6 +174,21 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   const SkipLayout& skip_layout() const {
     return skip_layout_;
   }
+  /// Makes the CPU lanes share `cores` intra-op threads, each cell taking
+  /// its share of the lanes the plan runs beside it (Note [Threads that
+  /// follow the plan] in lane_threads.cpp); 0: each lane keeps the count
+  /// it was made with. Set before the first pass.
+  void share_threads(int64_t cores) {
+    shared_cores_ = cores;
+  }
+  int64_t shared_cores() const {
+    return shared_cores_;
+  }
+  /// Per lane and cell of `plan`: the intra-op threads the cell runs with
+  /// (0: as it is); empty when the lanes keep their counts.
+  std::shared_ptr<const std::vector<std::vector<int64_t>>> threads_of(
+      const Plan& plan);
+
   /// Where passes record their cells; null for none. Set between passes.
   void set_trace(std::shared_ptr<Trace> trace) {
     std::lock_guard<std::mutex> lock(trace_mutex_);
@@ -204,6 +219,13 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   std::shared_ptr<const Plan> planned_;  // made for it; guarded by plan_mutex_
   mutable std::mutex trace_mutex_;
   std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_
+  int64_t shared_cores_ = 0;
+  // The threads of the last plans run (a forward's and a backward's
+  // alternate), newest first.
+  std::mutex threads_mutex_;
+  std::vector<
+      std::pair<Plan, std::shared_ptr<const std::vector<std::vector<int64_t>>>>>
+      threads_cache_;  // guarded by threads_mutex_
 };
 
 }  // namespace gpipe::detail

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <utility>
 
+#include "engine/lane_threads.h"
 #include "engine/pipeline.h"
 #include "schedule/actions.h"
 
@@ -166,18 +167,23 @@ void Pass::run(
       }
     }
     auto countdown = std::make_shared<Countdown>(lanes.size());
+    const auto threads = pipeline_.threads_of(plan);
     for (const auto l : lanes) {
       // One task per lane and run: the lane's row in plan order.
       pipeline_.lane(l).post([pass = self,
                               countdown,
                               cells = plan.lanes[l],
                               finals = std::move(finals[l]),
+                              threads,
                               tls,
                               l]() mutable {
         {
           at::ThreadLocalStateGuard guard(tls);
           for (const auto k : c10::irange(cells.size())) {
             const bool final = !finals.empty() && finals[k] >= 0;
+            if (threads != nullptr && (*threads)[l][k] > 0) {
+              set_intra_op_threads((*threads)[l][k]);
+            }
             if (final && pass->before_final_gradients) {
               pass->gradients_final(finals[k], /*before=*/true);
             }

@@ -284,8 +284,11 @@ case $mode in
     # rank (one process: 4 partitions on 2 lanes; ZB-V's in a V, the input
     # and the target both on rank 0).
     for schedule in 1f1b interleaved zero_bubble_v; do
+    # One intra-op thread per lane on both sides: float rounding follows the
+    # thread count, and one process's lanes share the cores by the plan
+    # unless a count is given.
     args=(--data-dir "$data" --limit 640 --test-limit 1000 --epochs 1 --batch-size 64
-      --chunks 4 --schedule $schedule --json --log-every 5)
+      --chunks 4 --schedule $schedule --json --log-every 5 --threads-per-lane 1)
     # (A balance given: the default one is measured, on each run anew.)
     single_args=(--balance 6,7)
     [[ $schedule != 1f1b ]] && single_args=(--partitions 4 --balance 3,3,3,4)
@@ -365,8 +368,9 @@ case $mode in
       echo "no Fashion-MNIST under $data: skipped"
       exit 77
     fi
+    # (--threads-per-lane 1: the one-process run below rounds as the ranks.)
     base=(--data-dir "$data" --limit 1280 --test-limit 1000 --batch-size 64
-      --chunks 4 --schedule 1f1b --json --save-every-steps 2)
+      --chunks 4 --schedule 1f1b --json --save-every-steps 2 --threads-per-lane 1)
     args=("${base[@]}" --epochs 3 --balance 6,7)
     ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$1" | tr '\n' ' '; }
     # The run that never stops.

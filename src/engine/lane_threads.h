@@ -1,0 +1,30 @@
+#pragma once
+
+// Threads that follow the plan: how many intra-op threads each cell of a
+// plan runs with when CPU lanes share the machine's cores, and the one call
+// that sets a lane thread's count (Note [Threads that follow the plan] in
+// lane_threads.cpp).
+
+#include <cstdint>
+#include <vector>
+
+namespace gpipe {
+struct Plan;
+}  // namespace gpipe
+
+namespace gpipe::detail {
+
+/// Per lane and cell of `plan`: the intra-op threads the cell runs with when
+/// the lanes marked in `shares_cores` share `cores` threads: `cores` over
+/// the number of those lanes whose cells run beside it in `plan`'s
+/// simulated timeline, at least 1; 0 for a cell that takes no time (a loss,
+/// a message) or runs on a lane outside `shares_cores`.
+std::vector<std::vector<int64_t>> threads_of_cells(
+    const Plan& plan, const std::vector<bool>& shares_cores, int64_t cores);
+
+/// Sets the calling thread's intra-op thread count to `threads` (a no-op
+/// when it is that already), without resizing LibTorch's process-wide
+/// pthreadpool when the intra-op pool is OpenMP's.
+void set_intra_op_threads(int64_t threads);
+
+}  // namespace gpipe::detail

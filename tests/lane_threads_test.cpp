@@ -1,0 +1,227 @@
+// Threads that follow the plan (Note [Threads that follow the plan] in
+// src/engine/lane_threads.cpp): which cells of a plan get every core, and
+// that the lanes run them with that count.
+
+#include "engine/lane_threads.h"
+
+#include <ATen/Parallel.h>
+#include <gpipe/gpipe.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace gpipe {
+namespace {
+
+using detail::threads_of_cells;
+
+// The thread counts of `plan`'s compute cells on lane `l`, keyed by
+// (micro-batch, phase).
+std::map<std::pair<int64_t, Phase>, int64_t> compute_threads(
+    const Plan& plan,
+    const std::vector<std::vector<int64_t>>& threads,
+    size_t l) {
+  std::map<std::pair<int64_t, Phase>, int64_t> out;
+  for (size_t k = 0; k < plan.lanes[l].size(); ++k) {
+    const auto& c = plan.lanes[l][k];
+    if (c.phase == Phase::Loss) {
+      EXPECT_EQ(threads[l][k], 0) << "a loss takes no time step";
+      continue;
+    }
+    out[{c.micro_batch, c.phase}] = threads[l][k];
+  }
+  return out;
+}
+
+TEST(LaneThreadsTest, EveryCellTakesEveryCoreAtChunksOne) {
+  for (const auto schedule : {Schedule::FillDrain, Schedule::OneFOneB}) {
+    const auto plan = training_plan(schedule, 1, 2);
+    const auto threads = threads_of_cells(plan, {true, true}, 4);
+    for (size_t l = 0; l < 2; ++l) {
+      for (const auto& [cell, count] : compute_threads(plan, threads, l)) {
+        EXPECT_EQ(count, 4) << to_string(schedule) << ", lane " << l;
+      }
+    }
+  }
+}
+
+TEST(LaneThreadsTest, ASplitBackwardsWeightPartSharesWithTheInputPart) {
+  // Zero bubble at chunks 1: the last lane's W runs while lane 0 makes its
+  // input's gradient.
+  const auto plan = training_plan(Schedule::ZeroBubble, 1, 2);
+  const auto threads = threads_of_cells(plan, {true, true}, 4);
+  const auto first = compute_threads(plan, threads, 0);
+  const auto last = compute_threads(plan, threads, 1);
+  EXPECT_EQ(first.at({0, Phase::Forward}), 4);
+  EXPECT_EQ(last.at({0, Phase::Forward}), 4);
+  EXPECT_EQ(last.at({0, Phase::BackwardInput}), 4);
+  EXPECT_EQ(last.at({0, Phase::BackwardWeight}), 2);
+  EXPECT_EQ(first.at({0, Phase::BackwardInput}), 2);
+}
+
+TEST(LaneThreadsTest, FillAndDrainTakeEveryCoreTheMiddleShares) {
+  const auto plan = training_plan(Schedule::FillDrain, 4, 2);
+  const auto threads = threads_of_cells(plan, {true, true}, 2);
+  const auto first = compute_threads(plan, threads, 0);
+  const auto last = compute_threads(plan, threads, 1);
+  // Lane 0's first forward runs before lane 1 has anything to do; its last
+  // backward after lane 1 is done.
+  EXPECT_EQ(first.at({0, Phase::Forward}), 2);
+  EXPECT_EQ(first.at({1, Phase::Forward}), 1);
+  EXPECT_EQ(first.at({3, Phase::Forward}), 1);
+  EXPECT_EQ(first.at({1, Phase::Backward}), 1);
+  EXPECT_EQ(first.at({0, Phase::Backward}), 2);
+  // Lane 1's last forward and first backward run while lane 0 waits.
+  EXPECT_EQ(last.at({0, Phase::Forward}), 1);
+  EXPECT_EQ(last.at({3, Phase::Forward}), 2);
+  EXPECT_EQ(last.at({3, Phase::Backward}), 2);
+  EXPECT_EQ(last.at({0, Phase::Backward}), 1);
+}
+
+TEST(LaneThreadsTest, LanesOutsideTheShareKeepTheirCount) {
+  const auto plan = training_plan(Schedule::FillDrain, 4, 2);
+  const auto threads = threads_of_cells(plan, {true, false}, 3);
+  for (const auto& [cell, count] : compute_threads(plan, threads, 0)) {
+    EXPECT_EQ(count, 3) << "no lane shares lane 0's cores";
+  }
+  for (const auto& [cell, count] : compute_threads(plan, threads, 1)) {
+    EXPECT_EQ(count, 0) << "lane 1 is not one of the sharing lanes";
+  }
+}
+
+TEST(LaneThreadsTest, SettingAThreadsCountLeavesOtherThreadsAlone) {
+  at::set_num_threads(1);
+  int64_t seen_inside = 0;
+  std::thread other([&] {
+    at::internal::lazy_init_num_threads();
+    detail::set_intra_op_threads(3);
+    seen_inside = at::get_num_threads();
+  });
+  other.join();
+  EXPECT_EQ(seen_inside, 3);
+  EXPECT_EQ(at::get_num_threads(), 1);
+}
+
+TEST(LaneThreadsTest, LanesLeaveTheCallersCountAlone) {
+  // A user sets a count, then builds a GPipe before running anything
+  // parallel: the lanes' own counts must not become the caller's.
+  int64_t seen = 0;
+  std::thread user([&] {
+    at::set_num_threads(3);
+    torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+    GPipe model(net, GPipeOptions({1, 1}).threads_per_lane(1));
+    model->forward(torch::ones({2, 4}));
+    seen = at::get_num_threads();
+  });
+  user.join();
+  EXPECT_EQ(seen, 3);
+}
+
+// Records the intra-op thread count each micro-batch's forward ran with.
+struct ThreadsSeenImpl : torch::nn::Module {
+  std::mutex mutex;
+  std::vector<int64_t> seen;
+  torch::Tensor forward(torch::Tensor x) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.push_back(at::get_num_threads());
+    return x * 2;
+  }
+};
+TORCH_MODULE(ThreadsSeen);
+
+struct Recorded {
+  std::vector<int64_t> first;
+  std::vector<int64_t> last;
+};
+
+Recorded threads_seen(int64_t chunks, int64_t threads_per_lane) {
+  ThreadsSeen a;
+  ThreadsSeen b;
+  torch::nn::Sequential net(a, torch::nn::Linear(4, 4), b);
+  GPipe model(
+      net,
+      GPipeOptions({2, 1})
+          .chunks(chunks)
+          .checkpoint(Checkpoint::Never)
+          .threads_per_lane(threads_per_lane));
+  model->forward(torch::ones({chunks, 4})).sum().backward();
+  return {a->seen, b->seen};
+}
+
+TEST(LaneThreadsTest, ALaneThePlanRunsAloneUsesEveryCore) {
+  const int64_t cores = std::thread::hardware_concurrency();
+  if (cores < 2) {
+    GTEST_SKIP() << "one core: nothing to share";
+  }
+  // One micro-batch: no two lanes ever run at once.
+  auto seen = threads_seen(1, 0);
+  EXPECT_EQ(seen.first, std::vector<int64_t>({cores}));
+  EXPECT_EQ(seen.last, std::vector<int64_t>({cores}));
+  // Four: the fill and the drain run alone, the rest beside another lane.
+  const auto half = std::max<int64_t>(1, cores / 2);
+  seen = threads_seen(4, 0);
+  EXPECT_EQ(seen.first, std::vector<int64_t>({cores, half, half, half}));
+  EXPECT_EQ(seen.last, std::vector<int64_t>({half, half, half, cores}));
+  // A count given is kept.
+  seen = threads_seen(1, 1);
+  EXPECT_EQ(seen.first, std::vector<int64_t>({1}));
+  EXPECT_EQ(seen.last, std::vector<int64_t>({1}));
+}
+
+TEST(LaneThreadsTest, OnlyTheDefaultFollowsThePlan) {
+  torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  EXPECT_TRUE(GPipe(net, GPipeOptions({1, 1}))->threads_follow_plan());
+  torch::nn::Sequential other(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  EXPECT_FALSE(GPipe(other, GPipeOptions({1, 1}).threads_per_lane(1))
+                   ->threads_follow_plan());
+  torch::nn::Sequential one(torch::nn::Linear(4, 4));
+  EXPECT_FALSE(GPipe(one, GPipeOptions({1}))->threads_follow_plan())
+      << "a single lane has every core anyway";
+}
+
+TEST(LaneThreadsTest, SharedThreadsTrainAsFixedOnes) {
+  torch::manual_seed(0);
+  auto make = [] {
+    torch::manual_seed(1);
+    torch::nn::Sequential net;
+    for (int k = 0; k < 4; ++k) {
+      net->push_back(torch::nn::Linear(64, 64));
+      net->push_back(torch::nn::Tanh());
+    }
+    net->to(torch::kFloat64);
+    return net;
+  };
+  const auto x = torch::randn({16, 64}, torch::kFloat64);
+  const auto y = torch::randn({16, 64}, torch::kFloat64);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::mse_loss(out, target);
+  };
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (const int64_t threads : {0, 1}) {
+    GPipe model(
+        make(), GPipeOptions({4, 4}).chunks(4).threads_per_lane(threads));
+    for (const auto schedule : {Schedule::FillDrain, Schedule::ZeroBubble}) {
+      model->zero_grad();
+      model->train_step(x, y, loss_fn, schedule);
+      std::vector<torch::Tensor> g;
+      for (const auto& p : model->parameters()) {
+        g.push_back(p.grad().clone());
+      }
+      grads.push_back(g);
+    }
+  }
+  for (size_t s = 0; s < 2; ++s) {
+    for (size_t k = 0; k < grads[s].size(); ++k) {
+      EXPECT_TRUE(torch::allclose(grads[s][k], grads[s + 2][k], 0, 1e-10))
+          << "schedule " << s << ", parameter " << k;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gpipe
