@@ -93,7 +93,8 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
         std::count_if(devices.begin(), devices.end(), [](const auto& d) {
           return d.is_cpu();
         });
-    if (options.threads_per_lane() == 0 && cpu_lanes > 1) {
+    if (options.threads_per_lane() == 0 && cpu_lanes > 1 &&
+        detail::available_cores() > threads_per_lane_) {
       threads_follow_plan_ = true;
       pipeline_->share_threads(detail::available_cores());
     }

@@ -173,7 +173,77 @@ TEST(LaneThreadsTest, ALaneThePlanRunsAloneUsesEveryCore) {
   EXPECT_EQ(seen.last, std::vector<int64_t>({1}));
 }
 
+// Records the thread each forward ran on.
+struct ThreadOfImpl : torch::nn::Module {
+  std::mutex mutex;
+  std::vector<std::thread::id> seen;
+  torch::Tensor forward(torch::Tensor x) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.push_back(std::this_thread::get_id());
+    return x + 1;
+  }
+};
+TORCH_MODULE(ThreadOf);
+
+TEST(LaneThreadsTest, CellsThePlanRunsAloneShareOneWideLane) {
+  if (std::thread::hardware_concurrency() < 2) {
+    GTEST_SKIP() << "one core: nothing to share";
+  }
+  // One pool holds the cores (Note [Threads that follow the plan]): at
+  // chunks 1 both partitions compute on the same thread, not on their
+  // lanes; with a count given, each on its own lane.
+  for (const int64_t threads : {0, 1}) {
+    ThreadOf a;
+    ThreadOf b;
+    GPipe model(
+        torch::nn::Sequential(a, b),
+        GPipeOptions({1, 1}).chunks(1).threads_per_lane(threads));
+    model->forward(torch::ones({1, 2}));
+    ASSERT_EQ(a->seen.size(), 1u);
+    ASSERT_EQ(b->seen.size(), 1u);
+    if (threads == 0) {
+      EXPECT_EQ(a->seen[0], b->seen[0]);
+    } else {
+      EXPECT_NE(a->seen[0], b->seen[0]);
+    }
+    EXPECT_NE(a->seen[0], std::this_thread::get_id());
+  }
+}
+
+// Throws a c10::ValueError from its first forward.
+struct FailOnceImpl : torch::nn::Module {
+  bool armed = true;
+  torch::Tensor forward(torch::Tensor x) {
+    if (armed) {
+      armed = false;
+      TORCH_CHECK_VALUE(false, "boom");
+    }
+    return x * 3;
+  }
+};
+TORCH_MODULE(FailOnce);
+
+TEST(LaneThreadsTest, AnErrorOnTheWideLaneIsTheCellsAndTheModelGoesOn) {
+  torch::nn::Linear first(2, 2);
+  GPipe model(
+      torch::nn::Sequential(first, FailOnce()), GPipeOptions({1, 1}).chunks(1));
+  try {
+    model->forward(torch::ones({1, 2}));
+    FAIL() << "expected the layer's error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("partition 1, micro-batch 0"),
+        std::string::npos)
+        << e.what();
+  }
+  const auto x = torch::randn({3, 2});
+  EXPECT_TRUE(torch::allclose(model->forward(x), first->forward(x) * 3));
+}
+
 TEST(LaneThreadsTest, OnlyTheDefaultFollowsThePlan) {
+  if (std::thread::hardware_concurrency() < 2) {
+    GTEST_SKIP() << "one core: nothing to share";
+  }
   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
   EXPECT_TRUE(GPipe(net, GPipeOptions({1, 1}))->threads_follow_plan());
   torch::nn::Sequential other(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
@@ -201,24 +271,45 @@ TEST(LaneThreadsTest, SharedThreadsTrainAsFixedOnes) {
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::mse_loss(out, target);
   };
-  std::vector<std::vector<torch::Tensor>> grads;
-  for (const int64_t threads : {0, 1}) {
-    GPipe model(
-        make(), GPipeOptions({4, 4}).chunks(4).threads_per_lane(threads));
-    for (const auto schedule : {Schedule::FillDrain, Schedule::ZeroBubble}) {
-      model->zero_grad();
-      model->train_step(x, y, loss_fn, schedule);
+  // Every schedule, at chunks 1 (every cell on the wide lane) and 4.
+  struct Case {
+    GPipeOptions options;
+    Schedule schedule;
+  };
+  std::vector<Case> cases;
+  for (const int64_t chunks : {1, 4}) {
+    for (const auto schedule :
+         {Schedule::FillDrain, Schedule::OneFOneB, Schedule::ZeroBubble}) {
+      cases.push_back({GPipeOptions({4, 4}).chunks(chunks), schedule});
+    }
+    for (const auto schedule :
+         {Schedule::Interleaved1F1B, Schedule::LoopedBFS}) {
+      cases.push_back(
+          {GPipeOptions({2, 2, 2, 2}).chunks(chunks).stages_per_lane(2),
+           schedule});
+    }
+    cases.push_back(
+        {GPipeOptions({2, 2, 2, 2})
+             .chunks(chunks)
+             .placement(Placement::v_shape(2)),
+         Schedule::ZeroBubbleV});
+  }
+  for (const auto& c : cases) {
+    std::vector<std::vector<torch::Tensor>> grads;
+    for (const int64_t threads : {0, 1}) {
+      auto options = c.options;
+      GPipe model(make(), options.threads_per_lane(threads));
+      model->train_step(x, y, loss_fn, c.schedule);
       std::vector<torch::Tensor> g;
       for (const auto& p : model->parameters()) {
         g.push_back(p.grad().clone());
       }
       grads.push_back(g);
     }
-  }
-  for (size_t s = 0; s < 2; ++s) {
-    for (size_t k = 0; k < grads[s].size(); ++k) {
-      EXPECT_TRUE(torch::allclose(grads[s][k], grads[s + 2][k], 0, 1e-10))
-          << "schedule " << s << ", parameter " << k;
+    for (size_t k = 0; k < grads[0].size(); ++k) {
+      EXPECT_TRUE(torch::allclose(grads[0][k], grads[1][k], 0, 1e-10))
+          << to_string(c.schedule) << ", chunks " << c.options.chunks()
+          << ", parameter " << k;
     }
   }
 }

@@ -127,8 +127,9 @@ class GPipeImpl : public torch::nn::Module {
     return threads_per_lane_;
   }
   /// True when the CPU lanes share the machine's cores by the plan (the
-  /// default, threads_per_lane 0): a cell the plan runs alone takes every
-  /// core, cells that run together split them.
+  /// default, threads_per_lane 0, with more cores than CPU lanes' threads):
+  /// a cell the plan runs while no other CPU lane works takes every core,
+  /// cells that run beside others take threads_per_lane().
   bool threads_follow_plan() const {
     return threads_follow_plan_;
   }

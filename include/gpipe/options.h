@@ -76,11 +76,11 @@ struct GPipeOptions {
   /// buffers (see gpipe/batchnorm.h). Default: false.
   TORCH_ARG(bool, deferred_batch_norm) = false;
 
-  /// Intra-op threads of each CPU lane. 0 (the default): the CPU lanes share
-  /// the machine's cores by the plan, each cell taking the cores over the
-  /// number of CPU lanes that the plan runs beside it (every core at chunks
-  /// 1; max(1, cores / CPU lanes) when all are busy). A positive count is
-  /// each lane's throughout.
+  /// Intra-op threads of each CPU lane. 0 (the default): max(1, cores /
+  /// CPU lanes), and the CPU lanes share the machine's cores by the plan: a
+  /// cell that the plan runs while no other CPU lane works (every cell at
+  /// chunks 1, the fill and the drain otherwise) is computed with every
+  /// core. A positive count is each lane's throughout.
   TORCH_ARG(int64_t, threads_per_lane) = 0;
 };
 

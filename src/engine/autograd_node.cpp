@@ -155,7 +155,11 @@ torch::Tensor join_input_grad(
       pieces.push_back(torch::zeros(shape, options));
     }
   }
-  return any ? torch::cat(pieces, 0) : torch::Tensor();
+  if (!any) {
+    return torch::Tensor();
+  }
+  // One micro-batch: its gradient is the whole (a cat would copy it).
+  return pieces.size() == 1 ? pieces[0] : torch::cat(pieces, 0);
 }
 
 Packet connect_outputs(
@@ -188,7 +192,11 @@ Packet connect_outputs(
     }
     pieces.push_back(std::move(packet.tensors));
   }
-  Packet gathered{gather(pieces), outputs[0].atomic};
+  // One micro-batch: its outputs are the whole, and a cat would only copy
+  // them (detached above, so the history set below is theirs alone).
+  Packet gathered{
+      pieces.size() == 1 ? std::move(pieces[0]) : gather(pieces),
+      outputs[0].atomic};
   if (!pass->grad) {
     return gathered;
   }

@@ -16,34 +16,41 @@
 namespace gpipe::detail {
 
 // Note [Threads that follow the plan]
-// A CPU lane is a thread with its own intra-op pool. With a fixed count per
-// lane (cores / lanes), a lane that the plan runs alone (every cell at
-// chunks 1, the fill and the drain otherwise) leaves the other lanes' cores
-// idle: 2 lanes at chunks 1 ran at about half the plain model's speed on 2
-// threads. When GPipeOptions::threads_per_lane is 0, the lanes share the
-// cores instead: before each cell, its lane takes the cores over the number
-// of CPU lanes whose cells run beside it in the plan's simulated timeline
-// (unit costs: a forward 1, a backward 2, each part of a split backward 1),
-// so a cell the plan runs alone gets every core and cells that run together
-// split them. The timeline is the plan's, not the clock's: a cell that
-// starts early or late may briefly share a core, but no lane waits for
-// another to hand threads over.
+// A CPU lane is a thread with its own intra-op pool of cores / lanes
+// threads. A lane that the plan runs alone (every cell at chunks 1, the
+// fill and the drain otherwise) then leaves the other lanes' cores idle: 2
+// lanes at chunks 1 ran at about half the plain model's speed on 2 threads.
+// When GPipeOptions::threads_per_lane is 0, the lanes share the cores: each
+// cell's share is the cores over the number of CPU lanes whose cells run
+// beside it in the plan's simulated timeline (unit costs: a forward 1, a
+// backward 2, each part of a split backward 1), and a cell whose share is
+// every core (one that no other lane runs beside) is computed on the
+// pipeline's wide lane, a thread whose pool has every core, while its own
+// lane waits; its lane still takes its messages and sends its results, so
+// the wide lane never waits on another lane. The timeline is the plan's,
+// not the clock's: two cells the plan runs alone that meet at run time take
+// turns on the wide lane.
 //
-// at::set_num_threads also resizes LibTorch's process-wide pthreadpool
-// (used by XNNPACK and NNPACK, not by the OpenMP kernels nor by OpenBLAS):
-// about 50 us a call when the count changes, which is more than a small
-// cell's work, and a lock shared by every lane. Where the intra-op pool is
-// OpenMP's, only the calling thread's OpenMP count matters (OpenMP keeps it
-// per thread, and OpenBLAS's OpenMP build reads it per call), so the lanes
-// set that alone, through the omp_set_num_threads of the OpenMP runtime
-// LibTorch loaded (looked up at run time: a pip wheel bundles its own
-// libgomp under another file name, and linking ours would make a second
-// runtime). Where that is not found, or did not take, at::set_num_threads
-// is called. at::set_num_threads also sets the count every thread starts
-// with: a lane that called it made the caller's thread, if it had not run a
-// parallel op yet, start with the lane's count (a user's
-// torch::set_num_threads(2) before building a GPipe became 1 on its own
-// thread); the lanes' own counts now stay theirs.
+// Why a wide lane rather than each lane growing its own pool when alone:
+// GNU OpenMP counts the threads of every pool in the process, idle ones
+// included, and once they outnumber the cores it spins only about 100 times
+// at a barrier before it sleeps in the kernel. Two lanes that had each
+// grown a pool of 2 on 2 cores made every barrier of a conv layer a futex
+// wait: 5,400 context switches in 34 steps against 130, and 10% of the
+// plain model's speed. With the wide lane the pools hold the cores once
+// (lanes of one thread each when there are no more cores than lanes). A
+// caller that runs its own parallel ops on several threads (a
+// torch::set_num_threads(2) on the main thread) adds a pool of its own.
+//
+// A lane's count is set through the omp_set_num_threads of the OpenMP
+// runtime LibTorch loaded (looked up at run time: a pip wheel bundles its
+// own libgomp under another file name, and linking ours would make a
+// second runtime). at::set_num_threads would also resize LibTorch's
+// process-wide pthreadpool (about 50 us a call) and set the count every
+// thread starts with: a lane that called it made the caller's thread, if
+// it had not run a parallel op yet, start with the lane's count (a user's
+// torch::set_num_threads(2) before building a GPipe became 1). Where the
+// OpenMP call is not found, or did not take, at::set_num_threads is called.
 
 std::vector<std::vector<int64_t>> threads_of_cells(
     const Plan& plan, const std::vector<bool>& shares_cores, int64_t cores) {

@@ -1,9 +1,9 @@
 #pragma once
 
-// Threads that follow the plan: how many intra-op threads each cell of a
-// plan runs with when CPU lanes share the machine's cores, and the one call
-// that sets a lane thread's count (Note [Threads that follow the plan] in
-// lane_threads.cpp).
+// Threads that follow the plan: each cell's share of the cores when CPU
+// lanes share them (a cell whose share is every core runs on the
+// pipeline's wide lane), and the one call that sets a lane thread's count
+// (Note [Threads that follow the plan] in lane_threads.cpp).
 
 #include <cstdint>
 #include <vector>
@@ -23,8 +23,8 @@ std::vector<std::vector<int64_t>> threads_of_cells(
     const Plan& plan, const std::vector<bool>& shares_cores, int64_t cores);
 
 /// Sets the calling thread's intra-op thread count to `threads` (a no-op
-/// when it is that already), without resizing LibTorch's process-wide
-/// pthreadpool when the intra-op pool is OpenMP's.
+/// when it is that already) and no other thread's, without resizing
+/// LibTorch's process-wide pthreadpool when the intra-op pool is OpenMP's.
 void set_intra_op_threads(int64_t threads);
 
 }  // namespace gpipe::detail

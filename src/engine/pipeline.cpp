@@ -153,6 +153,14 @@ std::shared_ptr<const Plan> Pipeline::training_plan(
 
 Pipeline::~Pipeline() = default;
 
+void Pipeline::share_threads(int64_t cores) {
+  shared_cores_ = cores;
+  wide_lane_ =
+      cores > 0
+          ? std::make_unique<Lane>(lane_init(torch::Device(torch::kCPU), cores))
+          : nullptr;
+}
+
 std::shared_ptr<const std::vector<std::vector<int64_t>>> Pipeline::threads_of(
     const Plan& plan) {
   if (shared_cores_ <= 0) {

@@ -174,15 +174,19 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   const SkipLayout& skip_layout() const {
     return skip_layout_;
   }
-  /// Makes the CPU lanes share `cores` intra-op threads, each cell taking
-  /// its share of the lanes the plan runs beside it (Note [Threads that
-  /// follow the plan] in lane_threads.cpp); 0: each lane keeps the count
-  /// it was made with. Set before the first pass.
-  void share_threads(int64_t cores) {
-    shared_cores_ = cores;
-  }
+  /// Makes the CPU lanes share `cores` intra-op threads: a cell that the
+  /// plan runs while no other CPU lane runs anything takes every core, on
+  /// the pipeline's wide lane (Note [Threads that follow the plan] in
+  /// lane_threads.cpp); the others run on their lanes with the count those
+  /// were made with. 0: no sharing. Set before the first pass.
+  void share_threads(int64_t cores);
   int64_t shared_cores() const {
     return shared_cores_;
+  }
+  /// The lane of `shared_cores()` threads that runs the cells the plan runs
+  /// alone; null when the lanes do not share.
+  Lane* wide_lane() {
+    return wide_lane_.get();
   }
   /// Per lane and cell of `plan`: the intra-op threads the cell runs with
   /// (0: as it is); empty when the lanes keep their counts.
@@ -220,6 +224,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   mutable std::mutex trace_mutex_;
   std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_
   int64_t shared_cores_ = 0;
+  std::unique_ptr<Lane> wide_lane_;  // declared after stages_, as lanes_
   // The threads of the last plans run (a forward's and a backward's
   // alternate), newest first.
   std::mutex threads_mutex_;

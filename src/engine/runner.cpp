@@ -5,10 +5,11 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <future>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
-#include "engine/lane_threads.h"
 #include "engine/pipeline.h"
 #include "schedule/actions.h"
 
@@ -58,6 +59,34 @@ class Countdown {
 
 const char* phase_name(Phase phase) {
   return action_info(phase).context;
+}
+
+// Runs `f` on this thread, or, with `wide` given, on that lane while this
+// thread waits (Note [Threads that follow the plan]); its error is thrown
+// here.
+template <typename F>
+auto compute_on(Lane* wide, F&& f) -> decltype(f()) {
+  if (wide == nullptr) {
+    return f();
+  }
+  using Result = decltype(f());
+  std::promise<Result> done;
+  auto result = done.get_future();
+  at::ThreadLocalState tls;
+  wide->post([&] {
+    try {
+      at::ThreadLocalStateGuard guard(tls);
+      if constexpr (std::is_void_v<Result>) {
+        f();
+        done.set_value();
+      } else {
+        done.set_value(f());
+      }
+    } catch (...) {
+      done.set_exception(std::current_exception());
+    }
+  });
+  return result.get();
 }
 
 }  // namespace
@@ -181,13 +210,16 @@ void Pass::run(
           at::ThreadLocalStateGuard guard(tls);
           for (const auto k : c10::irange(cells.size())) {
             const bool final = !finals.empty() && finals[k] >= 0;
-            if (threads != nullptr && (*threads)[l][k] > 0) {
-              set_intra_op_threads((*threads)[l][k]);
-            }
             if (final && pass->before_final_gradients) {
               pass->gradients_final(finals[k], /*before=*/true);
             }
-            pass->run_cell(cells[k], l);
+            // A cell the plan runs alone takes every core, on the wide
+            // lane.
+            const bool alone =
+                threads != nullptr &&
+                (*threads)[l][k] >= pass->pipeline_.shared_cores();
+            pass->run_cell(
+                cells[k], l, alone ? pass->pipeline_.wide_lane() : nullptr);
             if (final) {
               pass->gradients_final(finals[k], /*before=*/false);
             }
@@ -252,14 +284,14 @@ void Pass::gradients_final(int64_t stage, bool before) {
   }
 }
 
-void Pass::run_cell(const Cell& cell, int64_t lane) {
+void Pass::run_cell(const Cell& cell, int64_t lane, Lane* wide) {
   try {
     if (transport_->aborted()) {
       return;  // a cell that depends on a failed one never starts
     }
     switch (cell.phase) {
       case Phase::Forward:
-        forward_cell(cell.micro_batch, cell.partition, lane);
+        forward_cell(cell.micro_batch, cell.partition, lane, wide);
         break;
       case Phase::Backward:
       case Phase::BackwardInput:
@@ -267,13 +299,16 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
             cell.micro_batch,
             cell.partition,
             lane,
-            cell.phase == Phase::BackwardInput);
+            cell.phase == Phase::BackwardInput,
+            wide);
         break;
       case Phase::BackwardWeight:
-        pipeline_.stage(cell.partition)
-            .backward_weight(
-                cells_[cell.micro_batch][cell.partition],
-                context(cell.micro_batch, cell.partition, lane));
+        compute_on(wide, [&] {
+          pipeline_.stage(cell.partition)
+              .backward_weight(
+                  cells_[cell.micro_batch][cell.partition],
+                  context(cell.micro_batch, cell.partition, lane));
+        });
         break;
       case Phase::Loss:
         loss_cell(cell.micro_batch, lane);
@@ -324,7 +359,7 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
   }
 }
 
-void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
+void Pass::forward_cell(int64_t i, int64_t j, int64_t lane, Lane* wide) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow in;
@@ -333,7 +368,9 @@ void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
     in.skips.push_back(t.recv_skip(Phase::Forward, i, key));
   }
   auto& c = cells_[i][j];
-  auto out = stage.forward(c, std::move(in), context(i, j, lane));
+  auto out = compute_on(wide, [&] {
+    return stage.forward(c, std::move(in), context(i, j, lane));
+  });
   for (const auto k : c10::irange(stage.skips_out().size())) {
     t.send_skip(
         Phase::Forward, i, stage.skips_out()[k], std::move(out.skips[k]));
@@ -355,7 +392,8 @@ void Pass::loss_cell(int64_t i, int64_t lane) {
   c.loss_value = torch::Tensor();
 }
 
-void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
+void Pass::backward_cell(
+    int64_t i, int64_t j, int64_t lane, bool input_only, Lane* wide) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow dy;
@@ -369,8 +407,10 @@ void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
   for (const auto& key : stage.skips_out()) {
     dy.skips.push_back(t.recv_skip(Phase::Backward, i, key));
   }
-  auto dx = stage.backward(
-      cells_[i][j], std::move(dy), context(i, j, lane), input_only);
+  auto dx = compute_on(wide, [&] {
+    return stage.backward(
+        cells_[i][j], std::move(dy), context(i, j, lane), input_only);
+  });
   for (const auto k : c10::irange(stage.skips_in().size())) {
     t.send_skip(
         Phase::Backward, i, stage.skips_in()[k], std::move(dx.skips[k]));

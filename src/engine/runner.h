@@ -86,14 +86,18 @@ class Pass {
   bool consumed = false;  // a backward freed the cells
 
  private:
-  void run_cell(const Cell& cell, int64_t lane);
+  // `wide`: the lane that computes the cell (the pipeline's wide lane, for
+  // a cell the plan runs alone), or null for this thread. Messages are
+  // taken and sent on this thread either way.
+  void run_cell(const Cell& cell, int64_t lane, Lane* wide = nullptr);
   // Calls before_final_gradients(stage) (`before`) or
   // on_gradients_final(stage) unless the pass has failed; an error it
   // throws becomes the pass's.
   void gradients_final(int64_t stage, bool before);
-  void forward_cell(int64_t i, int64_t j, int64_t lane);
+  void forward_cell(int64_t i, int64_t j, int64_t lane, Lane* wide);
   void loss_cell(int64_t i, int64_t lane);
-  void backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only);
+  void backward_cell(
+      int64_t i, int64_t j, int64_t lane, bool input_only, Lane* wide);
   CellContext context(int64_t i, int64_t j, int64_t lane) const;
 
   Pipeline& pipeline_;
