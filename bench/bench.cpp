@@ -335,6 +335,20 @@ int main(int argc, char** argv) {
       }
     }
 
+    // The same pipeline with the lanes sharing the cores by the plan (the
+    // default threads_per_lane 0): a cell the plan runs alone takes every
+    // core (Note [Threads that follow the plan]).
+    for (auto chunks : chunk_list) {
+      gpipe::GPipe model(
+          net,
+          gpipe::GPipeOptions({layers / 2, layers - layers / 2})
+              .chunks(chunks)
+              .checkpoint(Checkpoint::Never));
+      auto step = train_step(model, x);
+      const double t = time_median(step, 2, iters);
+      rows.push_back({"gpipe-2p-shared", 2, chunks, "never", t, peak_mib(step)});
+    }
+
     json configs = json::array();
     const double plain1 = rows[0].seconds;
     const double plain2 = rows[1].seconds;
