@@ -346,7 +346,8 @@ int main(int argc, char** argv) {
               .checkpoint(Checkpoint::Never));
       auto step = train_step(model, x);
       const double t = time_median(step, 2, iters);
-      rows.push_back({"gpipe-2p-shared", 2, chunks, "never", t, peak_mib(step)});
+      rows.push_back(
+          {"gpipe-2p-shared", 2, chunks, "never", t, peak_mib(step)});
     }
 
     json configs = json::array();

@@ -6,17 +6,46 @@
 // instant (a loss, a message), whether it is a message between lanes,
 // whether it is a backward that sends the input's gradient upstream,
 // whether it ends what a micro-batch holds on its stage, and which field of
-// ActionCosts prices it. Validation, the unit-time steps, the simulation,
-// CSV, the printed tables and the runner's error messages read this table
-// instead of each switching over Phase; what each action waits for is
-// `missing_input` in plan.cpp, and what it does is the runner's.
+// ActionCosts prices it, and which actions it waits for. Validation, the
+// unit-time steps, the simulation, CSV, the printed tables and the
+// runner's error messages read this table instead of each switching over
+// Phase; what each action does is the runner's.
 
 #include <gpipe/plan.h>
 #include <gpipe/schedule.h>
 
+#include <cstdint>
+#include <map>
+#include <set>
+#include <utility>
 #include <vector>
 
 namespace gpipe::detail {
+
+// What a plan holds: whether it has forwards, and which cells split their
+// backward (their inputs differ).
+struct PlanShape {
+  bool forward = false;
+  bool loss = false;  // losses are listed (else each follows its forward)
+  // Transfers are listed (else messages move when cells end and start).
+  bool transfers = false;
+  std::set<std::pair<int64_t, int64_t>> split;  // (i, j) with an input part
+  std::map<int64_t, size_t> lane;               // stage -> lane
+
+  bool is_split(int64_t i, int64_t j) const {
+    return split.count({i, j}) > 0;
+  }
+  // Messages between stages j and j + 1 go between lanes, and the plan
+  // lists them.
+  bool listed_transfer(int64_t j) const {
+    if (!transfers) {
+      return false;
+    }
+    auto a = lane.find(j);
+    auto b = lane.find(j + 1);
+    return a != lane.end() && b != lane.end() && a->second != b->second;
+  }
+};
 
 struct ActionInfo {
   Phase phase;
@@ -44,6 +73,10 @@ struct ActionInfo {
   /// Its price in `simulate`; null: none (a message's time is
   /// ActionCosts::transfer, on its receiver).
   double ActionCosts::*cost;
+  /// The actions `cell` (of this kind, in a plan of `stages` stages shaped
+  /// as `shape`) waits for, in the order they are checked.
+  std::vector<Cell> (*waits_for)(
+      const Cell& cell, int64_t stages, const PlanShape& shape);
 };
 
 /// The entry of `phase`.

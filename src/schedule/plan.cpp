@@ -50,35 +50,6 @@ Key key_of(const Cell& c) {
 
 }  // namespace
 
-namespace detail {
-
-// What a plan holds: whether it has forwards, and which cells split their
-// backward (their inputs differ).
-struct PlanShape {
-  bool forward = false;
-  bool loss = false;  // losses are listed (else each follows its forward)
-  // Transfers are listed (else messages move when cells end and start).
-  bool transfers = false;
-  std::set<std::pair<int64_t, int64_t>> split;  // (i, j) with an input part
-  std::map<int64_t, size_t> lane;               // stage -> lane
-
-  bool is_split(int64_t i, int64_t j) const {
-    return split.count({i, j}) > 0;
-  }
-  // Messages between stages j and j + 1 go between lanes, and the plan
-  // lists them.
-  bool listed_transfer(int64_t j) const {
-    if (!transfers) {
-      return false;
-    }
-    auto a = lane.find(j);
-    auto b = lane.find(j + 1);
-    return a != lane.end() && b != lane.end() && a->second != b->second;
-  }
-};
-
-}  // namespace detail
-
 using detail::PlanShape;
 
 namespace {
@@ -100,79 +71,14 @@ PlanShape shape_of(const Plan& plan) {
 }
 
 // The cell `c` waits for, or (micro_batch -1) when none is left: the first
-// of its inputs that has not finished.
+// of its inputs (its action's `waits_for`) that has not finished.
 template <typename Finished>
 Cell missing_input(
     const Cell& c, int64_t n, const PlanShape& s, const Finished& finished) {
-  const auto i = c.micro_batch;
-  const auto j = c.partition;
-  switch (c.phase) {
-    case Phase::Forward:
-      if (j > 0 && s.listed_transfer(j - 1)) {
-        for (const auto& d :
-             {Cell{i, j, Phase::RecvForward},
-              Cell{i, j - 1, Phase::SendForward}}) {
-          if (!finished(d)) {
-            return d;
-          }
-        }
-      } else if (j > 0 && !finished(Cell{i, j - 1, Phase::Forward})) {
-        return Cell{i, j - 1, Phase::Forward};
-      }
-      break;
-    case Phase::SendForward:
-      if (!finished(Cell{i, j, Phase::Forward})) {
-        return Cell{i, j, Phase::Forward};
-      }
-      break;
-    case Phase::SendBackward: {
-      const Cell b{
-          i, j, s.is_split(i, j) ? Phase::BackwardInput : Phase::Backward};
-      if (!finished(b)) {
-        return b;
-      }
-      break;
+  for (const auto& d : detail::action_info(c.phase).waits_for(c, n, s)) {
+    if (!finished(d)) {
+      return d;
     }
-    case Phase::RecvForward:
-    case Phase::RecvBackward:
-      break;  // posting a receive waits for nothing
-    case Phase::Loss:
-      if (!finished(Cell{i, j, Phase::Forward})) {
-        return Cell{i, j, Phase::Forward};
-      }
-      break;
-    case Phase::Backward:
-    case Phase::BackwardInput: {
-      if (s.forward && !finished(Cell{i, j, Phase::Forward})) {
-        return Cell{i, j, Phase::Forward};
-      }
-      if (s.loss && j + 1 == n && !finished(Cell{i, j, Phase::Loss})) {
-        return Cell{i, j, Phase::Loss};
-      }
-      if (j + 1 < n && s.listed_transfer(j)) {
-        for (const auto& d :
-             {Cell{i, j, Phase::RecvBackward},
-              Cell{i, j + 1, Phase::SendBackward}}) {
-          if (!finished(d)) {
-            return d;
-          }
-        }
-      } else if (j + 1 < n) {
-        const Cell next{
-            i,
-            j + 1,
-            s.is_split(i, j + 1) ? Phase::BackwardInput : Phase::Backward};
-        if (!finished(next)) {
-          return next;
-        }
-      }
-      break;
-    }
-    case Phase::BackwardWeight:
-      if (!finished(Cell{i, j, Phase::BackwardInput})) {
-        return Cell{i, j, Phase::BackwardInput};
-      }
-      break;
   }
   return Cell{-1, -1, Phase::Forward};
 }
