@@ -209,7 +209,10 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   SkipLayout skip_layout_;
   std::vector<std::unique_ptr<Stage>> stages_;
   std::vector<bool> local_;  // per partition
-  // Declared after stages_ so that lanes are joined before stages go away.
+  // Declared after stages_ so that lanes are joined before stages go away;
+  // the wide lane (see share_threads) before the lanes, so that it is
+  // joined after the lanes that post to it.
+  std::unique_ptr<Lane> wide_lane_;
   // Null for a lane whose partitions run in another process.
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;
@@ -224,7 +227,6 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   mutable std::mutex trace_mutex_;
   std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_
   int64_t shared_cores_ = 0;
-  std::unique_ptr<Lane> wide_lane_;  // declared after stages_, as lanes_
   // The threads of the last plans run (a forward's and a backward's
   // alternate), newest first.
   std::mutex threads_mutex_;
