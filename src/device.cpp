@@ -5,6 +5,7 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <thread>
 
 #include "engine/lane_threads.h"
@@ -32,6 +33,15 @@ torch::Device normalize_device(torch::Device device) {
 }
 
 int64_t available_cores() {
+  // As LibTorch's own default count: OMP_NUM_THREADS caps what a process
+  // uses (the first number of a list; anything else is ignored).
+  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
+    char* end = nullptr;
+    const long value = std::strtol(env, &end, 10);
+    if (end != env && value > 0) {
+      return value;
+    }
+  }
   return std::max<int64_t>(1, std::thread::hardware_concurrency());
 }
 

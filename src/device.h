@@ -19,7 +19,9 @@ std::vector<torch::Device> default_devices(int64_t partitions);
 /// other device is returned as it is.
 torch::Device normalize_device(torch::Device device);
 
-/// The cores the lanes share: the hardware's threads, at least 1.
+/// The cores the lanes share: OMP_NUM_THREADS when it is set to a positive
+/// count (as LibTorch's default intra-op count), else the hardware's
+/// threads, at least 1.
 int64_t available_cores();
 
 /// Intra-op threads per CPU lane: `requested` when positive, else the cores

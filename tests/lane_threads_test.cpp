@@ -9,11 +9,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "device.h"
 
 namespace gpipe {
 namespace {
@@ -154,9 +158,9 @@ Recorded threads_seen(int64_t chunks, int64_t threads_per_lane) {
 }
 
 TEST(LaneThreadsTest, ALaneThePlanRunsAloneUsesEveryCore) {
-  const int64_t cores = std::thread::hardware_concurrency();
+  const int64_t cores = detail::available_cores();
   if (cores < 2) {
-    GTEST_SKIP() << "one core: nothing to share";
+    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   // One micro-batch: no two lanes ever run at once.
   auto seen = threads_seen(1, 0);
@@ -186,8 +190,8 @@ struct ThreadOfImpl : torch::nn::Module {
 TORCH_MODULE(ThreadOf);
 
 TEST(LaneThreadsTest, CellsThePlanRunsAloneShareOneWideLane) {
-  if (std::thread::hardware_concurrency() < 2) {
-    GTEST_SKIP() << "one core: nothing to share";
+  if (detail::available_cores() < 2) {
+    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   // One pool holds the cores (Note [Threads that follow the plan]): at
   // chunks 1 both partitions compute on the same thread, not on their
@@ -241,8 +245,8 @@ TEST(LaneThreadsTest, AnErrorOnTheWideLaneIsTheCellsAndTheModelGoesOn) {
 }
 
 TEST(LaneThreadsTest, OnlyTheDefaultFollowsThePlan) {
-  if (std::thread::hardware_concurrency() < 2) {
-    GTEST_SKIP() << "one core: nothing to share";
+  if (detail::available_cores() < 2) {
+    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
   EXPECT_TRUE(GPipe(net, GPipeOptions({1, 1}))->threads_follow_plan());
@@ -252,6 +256,23 @@ TEST(LaneThreadsTest, OnlyTheDefaultFollowsThePlan) {
   torch::nn::Sequential one(torch::nn::Linear(4, 4));
   EXPECT_FALSE(GPipe(one, GPipeOptions({1}))->threads_follow_plan())
       << "a single lane has every core anyway";
+}
+
+TEST(LaneThreadsTest, OmpNumThreadsCapsTheSharedCores) {
+  // As LibTorch's default: OMP_NUM_THREADS=1 leaves one thread per lane and
+  // nothing to share.
+  const char* before = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = before != nullptr ? before : "";
+  setenv("OMP_NUM_THREADS", "1", 1);
+  torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  GPipe model(net, GPipeOptions({1, 1}));
+  if (before != nullptr) {
+    setenv("OMP_NUM_THREADS", saved.c_str(), 1);
+  } else {
+    unsetenv("OMP_NUM_THREADS");
+  }
+  EXPECT_FALSE(model->threads_follow_plan());
+  EXPECT_EQ(model->threads_per_lane(), 1);
 }
 
 TEST(LaneThreadsTest, SharedThreadsTrainAsFixedOnes) {

@@ -74,6 +74,7 @@ auto compute_on(Lane* wide, F&& f) -> decltype(f()) {
   auto result = done.get_future();
   at::ThreadLocalState tls;
   wide->post([&] {
+    std::exception_ptr error;
     try {
       at::ThreadLocalStateGuard guard(tls);
       if constexpr (std::is_void_v<Result>) {
@@ -83,7 +84,12 @@ auto compute_on(Lane* wide, F&& f) -> decltype(f()) {
         done.set_value(f());
       }
     } catch (...) {
-      done.set_exception(std::current_exception());
+      error = std::current_exception();
+    }
+    // Handed over once this thread is done with it: the waiting lane adds
+    // its context to the same exception object.
+    if (error) {
+      done.set_exception(std::move(error));
     }
   });
   return result.get();
