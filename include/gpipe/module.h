@@ -128,8 +128,9 @@ class GPipeImpl : public torch::nn::Module {
   }
   /// True when the CPU lanes share the machine's cores by the plan (the
   /// default, threads_per_lane 0, with more cores than CPU lanes' threads):
-  /// a cell the plan runs while no other CPU lane works takes every core,
-  /// cells that run beside others take threads_per_lane().
+  /// in a plan that never runs two CPU lanes at once (every plan at chunks
+  /// 1) each cell takes every core; other plans' cells take
+  /// threads_per_lane().
   bool threads_follow_plan() const {
     return threads_follow_plan_;
   }

@@ -77,10 +77,10 @@ struct GPipeOptions {
   TORCH_ARG(bool, deferred_batch_norm) = false;
 
   /// Intra-op threads of each CPU lane. 0 (the default): max(1, cores /
-  /// CPU lanes), and the CPU lanes share the machine's cores by the plan: a
-  /// cell that the plan runs while no other CPU lane works (every cell at
-  /// chunks 1, the fill and the drain otherwise) is computed with every
-  /// core. A positive count is each lane's throughout.
+  /// CPU lanes) (cores: OMP_NUM_THREADS when set, else the hardware's), and
+  /// the CPU lanes share the cores by the plan: in a plan that never runs
+  /// two CPU lanes at once (every plan at chunks 1), each cell is computed
+  /// with every core. A positive count is each lane's throughout.
   TORCH_ARG(int64_t, threads_per_lane) = 0;
 };
 

@@ -23,14 +23,24 @@ namespace gpipe::detail {
 // When GPipeOptions::threads_per_lane is 0, the lanes share the cores: each
 // cell's share is the cores over the number of CPU lanes whose cells run
 // beside it in the plan's simulated timeline (unit costs: a forward 1, a
-// backward 2, each part of a split backward 1), and a cell whose share is
-// every core (one that no other lane runs beside) is computed on the
-// pipeline's wide lane, a thread whose pool has every core, while its own
-// lane waits; its lane still takes its messages and sends its results, so
-// the wide lane never waits on another lane. The timeline is the plan's,
-// not the clock's: two cells the plan runs alone that meet at run time take
-// turns on the wide lane.
+// backward 2, each part of a split backward 1). In a plan that never runs
+// two sharing lanes at once (every plan at chunks 1), every cell is
+// computed on the pipeline's wide lane, a thread whose pool has every core,
+// while its own lane waits; its lane still takes its messages and sends its
+// results, so the wide lane never waits on another lane. In a plan whose
+// lanes overlap, every cell runs on its own lane, with the lane's count.
 //
+// Why not the fill and the drain too, which also run alone: after a
+// parallel region GNU OpenMP's threads spin for about 3 ms (300,000 turns,
+// unless OMP_WAIT_POLICY or GOMP_SPINCOUNT say otherwise) before they
+// sleep, so a wide cell leaves its worker spinning on a core while the
+// lanes go on. With the fill and the drain on the wide lane the cnn of
+// gpipe-train (cells of 1 to 3 ms) at chunks 4 ran 7% slower than with a
+// thread per lane (and 7% faster with GOMP_SPINCOUNT=10000); with only the
+// last cell of each pass, still 6 to 8% slower, as the next pass starts on
+// the lanes at once. (The 64-image conv model, cells of about 20 ms, gained
+// 13% at chunks 4 from the fill and the drain.)
+
 // Why a wide lane rather than each lane growing its own pool when alone:
 // GNU OpenMP counts the threads of every pool in the process, idle ones
 // included, and once they outnumber the cores it spins only about 100 times
@@ -83,6 +93,28 @@ std::vector<std::vector<int64_t>> threads_of_cells(
         beside += overlaps ? 1 : 0;
       }
       threads[l][k] = std::max<int64_t>(1, cores / beside);
+    }
+  }
+  // Every core only where the whole plan is serial (no two sharing lanes
+  // ever work at once: every plan at chunks 1). In a plan whose lanes
+  // overlap, an alone cell (the fill, the drain) would leave the wide
+  // lane's OpenMP threads spinning beside the lanes' next cells; it runs on
+  // its own lane, with its share of all the lanes.
+  bool overlapping = false;
+  int64_t sharing = 0;
+  for (const auto l : c10::irange(lanes)) {
+    sharing += l < shares_cores.size() && shares_cores[l] ? 1 : 0;
+    for (const auto t : threads[l]) {
+      overlapping = overlapping || (t > 0 && t < cores);
+    }
+  }
+  if (overlapping) {
+    const auto own =
+        std::max<int64_t>(1, cores / std::max<int64_t>(1, sharing));
+    for (auto& row : threads) {
+      for (auto& t : row) {
+        t = t == cores ? own : t;
+      }
     }
   }
   return threads;
