@@ -174,17 +174,18 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   const SkipLayout& skip_layout() const {
     return skip_layout_;
   }
-  /// Makes the CPU lanes share `cores` intra-op threads: a cell that the
-  /// plan runs while no other CPU lane runs anything takes every core, on
-  /// the pipeline's wide lane (Note [Threads that follow the plan] in
-  /// lane_threads.cpp); the others run on their lanes with the count those
-  /// were made with. 0: no sharing. Set before the first pass.
+  /// Makes the CPU lanes share `cores` intra-op threads: each cell of a
+  /// plan that never runs two CPU lanes at once takes every core, on the
+  /// pipeline's wide lane (Note [Threads that follow the plan] in
+  /// lane_threads.cpp); the cells of other plans run on their lanes with
+  /// the count those were made with. 0: no sharing. Set before the first
+  /// pass.
   void share_threads(int64_t cores);
   int64_t shared_cores() const {
     return shared_cores_;
   }
-  /// The lane of `shared_cores()` threads that runs the cells the plan runs
-  /// alone; null when the lanes do not share.
+  /// The lane of `shared_cores()` threads that runs the cells of serial
+  /// plans; null when the lanes do not share.
   Lane* wide_lane() {
     return wide_lane_.get();
   }

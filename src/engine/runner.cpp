@@ -219,8 +219,8 @@ void Pass::run(
             if (final && pass->before_final_gradients) {
               pass->gradients_final(finals[k], /*before=*/true);
             }
-            // A cell the plan runs alone takes every core, on the wide
-            // lane.
+            // A cell given every core (threads_of: a serial plan's) runs
+            // on the wide lane.
             const bool alone =
                 threads != nullptr &&
                 (*threads)[l][k] >= pass->pipeline_.shared_cores();
