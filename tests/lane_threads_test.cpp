@@ -148,6 +148,8 @@ Recorded threads_seen(int64_t chunks, int64_t threads_per_lane) {
 TEST(LaneThreadsTest, ALaneThePlanRunsAloneUsesEveryCore) {
   const int64_t cores = detail::available_cores();
   if (cores < 2) {
+    // Skipped on a one-core machine and under scripts/tsan.sh
+    // (OMP_NUM_THREADS=1): there are no cores to share.
     GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   // One micro-batch: no two lanes ever run at once.
@@ -180,6 +182,8 @@ TORCH_MODULE(ThreadOf);
 
 TEST(LaneThreadsTest, CellsThePlanRunsAloneShareOneWideLane) {
   if (detail::available_cores() < 2) {
+    // Skipped on a one-core machine and under scripts/tsan.sh
+    // (OMP_NUM_THREADS=1): there are no cores to share.
     GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   // One pool holds the cores (Note [Threads that follow the plan]): at
@@ -235,6 +239,8 @@ TEST(LaneThreadsTest, AnErrorOnTheWideLaneIsTheCellsAndTheModelGoesOn) {
 
 TEST(LaneThreadsTest, OnlyTheDefaultFollowsThePlan) {
   if (detail::available_cores() < 2) {
+    // Skipped on a one-core machine and under scripts/tsan.sh
+    // (OMP_NUM_THREADS=1): there are no cores to share.
     GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
