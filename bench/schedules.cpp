@@ -47,29 +47,6 @@ namespace {
 
 using gpipe::Schedule;
 
-const Schedule kSchedules[] = {
-    Schedule::FillDrain,
-    Schedule::OneFOneB,
-    Schedule::Interleaved1F1B,
-    Schedule::ZeroBubble,
-    Schedule::ZeroBubbleV,
-    Schedule::LoopedBFS};
-
-// Where each schedule runs its stages on `lanes` lanes: two per lane for
-// interleaved and looped BFS (stage j on lane j % lanes) and in a V for
-// ZB-V, else one.
-Placement placement_of(Schedule s, int64_t lanes) {
-  switch (s) {
-    case Schedule::Interleaved1F1B:
-    case Schedule::LoopedBFS:
-      return Placement::modulo(lanes, 2);
-    case Schedule::ZeroBubbleV:
-      return Placement::v_shape(lanes);
-    default:
-      return Placement::modulo(lanes);
-  }
-}
-
 torch::Tensor mse(torch::Tensor y, torch::Tensor t) {
   return torch::mse_loss(y, t);
 }
@@ -164,8 +141,8 @@ nlohmann::json timed_table(int iters) {
       "lane_KiB",
       "vs_1f1b");
   nlohmann::json rows = nlohmann::json::array();
-  for (auto schedule : kSchedules) {
-    const auto placement = placement_of(schedule, lanes);
+  for (auto schedule : gpipe::schedules()) {
+    const auto placement = gpipe::placement_for(schedule, lanes);
     const auto stages = placement.stages();
     const auto v = stages / lanes;
     // Each stage: a LaneTag of its lane (which copies the stage's input,
@@ -321,8 +298,8 @@ nlohmann::json real_table(int iters) {
       "vs_1f1b");
   auto& counter = CountingAllocator::install();
   nlohmann::json rows = nlohmann::json::array();
-  for (auto schedule : kSchedules) {
-    const auto placement = placement_of(schedule, lanes);
+  for (auto schedule : gpipe::schedules()) {
+    const auto placement = gpipe::placement_for(schedule, lanes);
     const auto stages = placement.stages();
     const auto v = stages / lanes;
     const auto per_stage = static_cast<int64_t>(net->size()) / stages;

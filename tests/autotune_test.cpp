@@ -2,16 +2,21 @@
 // rejected and why, options that build a pipeline which trains as the
 // plain model does, and clear errors.
 
+#include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 #include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
+#include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "common.h"
+#include "device.h"
 
 namespace gpipe {
 namespace {
@@ -124,6 +129,88 @@ TEST_F(AutotuneTest, ItsOptionsTrainAsThePlainModel) {
   EXPECT_EQ(
       make_plan(tuned.schedule, tuned.chunks, tuned.placement).to_csv(),
       tuned.plan.to_csv());
+}
+
+// A layer whose forward sleeps 12 ms over the calling thread's intra-op
+// threads: it gains from more cores as a wide layer does, however loaded
+// the machine is.
+struct SleepOverThreadsImpl : torch::nn::Cloneable<SleepOverThreadsImpl> {
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    std::this_thread::sleep_for(
+        std::chrono::microseconds(12000 / std::max(1, at::get_num_threads())));
+    return x * 1.0;
+  }
+};
+TORCH_MODULE(SleepOverThreads);
+
+// With threads_per_lane 0 the planner chooses the threads: a plan whose
+// lanes never work at once (chunks 1) is weighed with every core per cell,
+// as GPipe runs it by default, and with the lanes' own count fixed; plans
+// whose lanes overlap only as they run.
+TEST_F(AutotuneTest, ChoosesThreadsPerLaneWhereThePlanIsSerial) {
+  const int64_t cores = detail::available_cores();
+  if (cores < 2) {
+    // Skipped on a one-core machine and under scripts/tsan.sh
+    // (OMP_NUM_THREADS=1): there are no cores to share.
+    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+  }
+  const int64_t own = std::max<int64_t>(1, cores / 2);
+  torch::nn::Sequential net;
+  for (int k = 0; k < 4; ++k) {
+    net->push_back(torch::nn::Linear(16, 16));
+    net->push_back(SleepOverThreads());
+  }
+  auto x = torch::randn({16, 16});
+  auto y = torch::randint(0, 10, {16});
+  const auto options = AutotuneOptions(2)
+                           .profile_seconds(0.05)
+                           .schedules({Schedule::FillDrain, Schedule::OneFOneB})
+                           .chunks({1, 4})
+                           .checkpoints({Checkpoint::Never});
+  const auto tuned = autotune(net, x, y, loss_of, options);
+  // (schedule, chunks, balance) -> predicted seconds by threads_per_lane.
+  std::map<std::string, std::map<int64_t, double>> seen;
+  for (const auto& c : tuned.candidates) {
+    std::ostringstream key;
+    key << to_string(c.schedule) << " " << c.chunks << " [";
+    for (const auto b : c.balance) {
+      key << b << ",";
+    }
+    key << "]";
+    EXPECT_TRUE(c.threads_per_lane == 0 || c.threads_per_lane == own)
+        << key.str() << ": " << c.threads_per_lane;
+    EXPECT_TRUE(seen[key.str()]
+                    .emplace(c.threads_per_lane, c.predicted_step_seconds)
+                    .second)
+        << key.str();
+  }
+  ASSERT_FALSE(seen.empty());
+  for (const auto& [key, by_threads] : seen) {
+    if (key.find(" 1 [") != std::string::npos) {
+      // Both ways; these layers gain from every core (a forward at `own`
+      // threads sleeps 12 ms / own, at every core 12 ms / cores).
+      ASSERT_EQ(by_threads.size(), 2u) << key;
+      EXPECT_LT(by_threads.at(0), by_threads.at(own)) << key;
+    } else {
+      ASSERT_EQ(by_threads.size(), 1u) << key;
+      EXPECT_EQ(by_threads.begin()->first, 0) << key;
+    }
+  }
+  EXPECT_EQ(tuned.options().threads_per_lane(), tuned.threads_per_lane);
+  EXPECT_NE(tuned.report().find("threads"), std::string::npos);
+  // The choice builds a pipeline that shares the cores as simulated.
+  GPipe model(testing::copy_of(net), tuned.options());
+  EXPECT_EQ(model->threads_follow_plan(), tuned.threads_per_lane == 0);
+
+  // A count given is kept by every candidate.
+  const auto fixed = autotune(
+      net, x, y, loss_of, AutotuneOptions(options).threads_per_lane(1));
+  for (const auto& c : fixed.candidates) {
+    EXPECT_EQ(c.threads_per_lane, 1);
+  }
+  EXPECT_EQ(fixed.threads_per_lane, 1);
+  EXPECT_EQ(fixed.options().threads_per_lane(), 1);
 }
 
 TEST_F(AutotuneTest, AMemoryLimitNothingFitsIsAClearError) {

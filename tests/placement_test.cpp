@@ -156,6 +156,62 @@ TEST(PlacementTest, SchedulesRefusePlacementsTheyCannotRun) {
   EXPECT_EQ(to_string(Schedule::LoopedBFS), "looped_bfs");
 }
 
+// Every schedule comes from one table (src/schedule/schedules.def): the
+// list, the names, each one's placement and its plan agree.
+TEST(PlacementTest, EverySchedulePlacesItselfAndRunsThere) {
+  const std::vector<Schedule> expected{
+      Schedule::FillDrain,
+      Schedule::OneFOneB,
+      Schedule::Interleaved1F1B,
+      Schedule::ZeroBubble,
+      Schedule::ZeroBubbleV,
+      Schedule::LoopedBFS};
+  EXPECT_EQ(gpipe::schedules(), expected);
+  for (const auto s : gpipe::schedules()) {
+    SCOPED_TRACE(to_string(s));
+    EXPECT_EQ(schedule_from_string(to_string(s)), s);
+    for (int64_t lanes : {1, 2, 3}) {
+      const auto own = placement_for(s, lanes);
+      EXPECT_EQ(own.lanes(), lanes);
+      const bool two = s == Schedule::Interleaved1F1B ||
+                       s == Schedule::LoopedBFS || s == Schedule::ZeroBubbleV;
+      EXPECT_EQ(own.stages(), (two ? 2 : 1) * lanes);
+      EXPECT_EQ(
+          own,
+          s == Schedule::ZeroBubbleV ? Placement::v_shape(lanes)
+                                     : Placement::modulo(lanes, two ? 2 : 1));
+      // The schedule runs where it places itself, for any micro-batches.
+      for (int64_t m : {1, 4, 7}) {
+        const auto plan = make_plan(s, m, own);
+        EXPECT_EQ(plan.placement, own);
+        EXPECT_NO_THROW(plan.validate());
+      }
+    }
+    if (s != Schedule::ZeroBubbleV) {
+      EXPECT_EQ(placement_for(s, 2, 3), Placement::modulo(2, 3));
+      EXPECT_EQ(make_plan(s, 4, 2, 3).placement, Placement::modulo(2, 3));
+    }
+  }
+  EXPECT_EQ(placement_for(Schedule::ZeroBubbleV, 3, 2), Placement::v_shape(3));
+  EXPECT_NE(
+      error_of([] {
+        placement_for(Schedule::ZeroBubbleV, 2, 3);
+      }).find("zero_bubble_v runs 2 stages on each lane"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        placement_for(Schedule::FillDrain, 0);
+      }).find("expected lanes >= 1, but got 0"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        placement_for(Schedule::OneFOneB, 2, -1);
+      }).find("expected stages_per_lane >= 0"),
+      std::string::npos);
+  EXPECT_THROW(placement_for(Schedule::FillDrain, 0), c10::ValueError);
+  EXPECT_THROW(placement_for(static_cast<Schedule>(99), 2), c10::ValueError);
+}
+
 TEST(PlacementTest, ValidateChecksCellsAgainstThePlacement) {
   auto plan = make_plan(Schedule::FillDrain, 2, Placement::v_shape(2));
   plan.placement = Placement::modulo(2, 2);

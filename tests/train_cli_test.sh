@@ -262,6 +262,16 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --autotune: $(grep '^autotune: ' "$tmp/err")"
   fi
+  # It trains with the threads per lane it chose: a count it fixed is the
+  # run's count ("plan" is the default, the lanes sharing by the plan).
+  chosen=$(grep -o 'threads per lane [0-9a-z]*' "$tmp/err" | head -n 1 | awk '{print $4}')
+  if [[ -z $chosen ]]; then
+    fail "--autotune printed no threads per lane: $(head -c 800 "$tmp/err")"
+  elif [[ $chosen =~ ^[0-9]+$ ]] && ! grep -q "\"threads_per_lane\":$chosen[,}]" "$tmp/out"; then
+    fail "--autotune chose $chosen threads per lane, but the run says $(grep -o '"threads_per_lane":[0-9]*' "$tmp/out")"
+  else
+    echo "ok: --autotune threads per lane: $chosen"
+  fi
   # A limit nothing fits: a clear error naming the smallest peak, exit 1.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --autotune \
     --memory-limit 1K

@@ -212,18 +212,11 @@ void add_options(CLI::App& app, Args& args) {
   app.add_option(
          "--schedule",
          args.schedule,
-         "autograd: forward, then loss.backward(); fill_drain | 1f1b | "
-         "interleaved | zero_bubble | zero_bubble_v | looped_bfs: train_step "
-         "with the loss inside the pipeline (zero_bubble_v puts 2 "
-         "partitions on each lane in a V: j and 2 lanes - 1 - j on lane j)")
-      ->check(CLI::IsMember(
-          {"autograd",
-           "fill_drain",
-           "1f1b",
-           "interleaved",
-           "zero_bubble",
-           "zero_bubble_v",
-           "looped_bfs"}));
+         "autograd: forward, then loss.backward(); " + train_step_schedules() +
+             ": train_step with the loss inside the pipeline (zero_bubble_v "
+             "puts 2 partitions on each lane in a V: j and 2 lanes - 1 - j "
+             "on lane j)")
+      ->check(CLI::IsMember(schedule_names()));
   app.add_option(
          "--stages-per-lane",
          args.stages_per_lane,
@@ -335,10 +328,8 @@ void verify_args(const CLI::App& app, Args& args) {
   const int64_t pipeline_ranks = args.pipeline_size;
   if (args.world_size > 1) {
     // The autograd schedule needs the whole pipeline in one process.
-    if (!per_lane &&
-        (args.schedule == "interleaved" || args.schedule == "looped_bfs" ||
-         args.schedule == "zero_bubble_v")) {
-      args.stages_per_lane = 2;
+    if (!per_lane) {
+      args.stages_per_lane = own_stages_per_lane(args.schedule);
     }
     ranks_partitions = pipeline_ranks * args.stages_per_lane;
     if (app.count("--partitions") == 0 && app.count("--balance") == 0) {
@@ -362,9 +353,8 @@ void verify_args(const CLI::App& app, Args& args) {
     }
     usage_check(
         args.schedule != "autograd",
-        "--schedule autograd runs in one process; across ranks use "
-        "fill_drain, 1f1b, interleaved, zero_bubble, zero_bubble_v or "
-        "looped_bfs");
+        "--schedule autograd runs in one process; across ranks use ",
+        train_step_schedules());
   }
   usage_check(
       args.partitions >= 1 && args.partitions <= spec.layers,
@@ -460,23 +450,25 @@ void verify_args(const CLI::App& app, Args& args) {
         "'; give them different files");
   }
 
-  if (!per_lane &&
-      (args.schedule == "interleaved" || args.schedule == "looped_bfs") &&
-      args.world_size == 1 && args.partitions >= 4 &&
-      args.partitions % 2 == 0) {
+  if (!per_lane && !runs_in_a_v(args.schedule) &&
+      own_stages_per_lane(args.schedule) == 2 && args.world_size == 1 &&
+      args.partitions >= 4 && args.partitions % 2 == 0) {
     args.stages_per_lane = 2;
   }
-  if (args.schedule == "zero_bubble_v") {
+  if (runs_in_a_v(args.schedule)) {
     usage_check(
         !per_lane || args.stages_per_lane == 2,
-        "--schedule zero_bubble_v runs 2 partitions on each lane (a V: "
-        "partition j and 2 lanes - 1 - j on lane j), but --stages-per-lane "
-        "is ",
+        "--schedule ",
+        args.schedule,
+        " runs 2 partitions on each lane (a V: partition j and 2 lanes - 1 "
+        "- j on lane j), but --stages-per-lane is ",
         args.stages_per_lane);
     usage_check(
         args.partitions % 2 == 0,
-        "--schedule zero_bubble_v runs 2 partitions on each lane, so it "
-        "needs an even number of partitions, but there are ",
+        "--schedule ",
+        args.schedule,
+        " runs 2 partitions on each lane, so it needs an even number of "
+        "partitions, but there are ",
         args.partitions);
     args.stages_per_lane = 2;
   }
@@ -488,9 +480,9 @@ void verify_args(const CLI::App& app, Args& args) {
       args.stages_per_lane);
   usage_check(
       !per_lane || args.schedule != "autograd" || app.count("--plan") > 0,
-      "--stages-per-lane needs a train_step schedule (fill_drain, 1f1b, "
-      "interleaved, zero_bubble, zero_bubble_v or looped_bfs), but "
-      "--schedule is autograd");
+      "--stages-per-lane needs a train_step schedule (",
+      train_step_schedules(),
+      "), but --schedule is autograd");
   read_plan(app, args);
 
   // Last, so that an uninstalled data set does not hide other mistakes.

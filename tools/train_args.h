@@ -156,6 +156,17 @@ void verify_args(const CLI::App& app, Args& args);
 /// becomes the plan's micro-batches) (throws UsageError), and sets args.plan
 /// and args.schedule "plan". Nothing without --plan.
 void read_plan(const CLI::App& app, Args& args);
+/// The names --schedule takes: "autograd", then every train_step schedule
+/// gpipe has (gpipe::schedules(), train_plan.cpp).
+std::vector<std::string> schedule_names();
+/// "fill_drain, 1f1b, ... or looped_bfs": the train_step schedules.
+std::string train_step_schedules();
+/// How many partitions the named train_step schedule runs on each lane when
+/// --stages-per-lane is left out (2 for interleaved, looped_bfs and
+/// zero_bubble_v); 1 for "autograd" and "plan".
+int64_t own_stages_per_lane(const std::string& schedule);
+/// Whether the named schedule runs its partitions in a V (zero_bubble_v).
+bool runs_in_a_v(const std::string& schedule);
 /// --devices (train_devices.cpp): the flag, and its check, which fills
 /// args.devices (throws UsageError); after verify_args.
 void add_devices_option(CLI::App& app, Args& args);
@@ -205,7 +216,8 @@ std::vector<int64_t> choose_balance(
     const torch::Tensor& images,
     const gpipe::dist::World* world);
 /// Which lane (under a launcher, pipeline rank) runs each partition
-/// (train_plan.cpp): --plan's own placement, ZB-V's V, or modulo.
+/// (train_plan.cpp): --plan's own placement, or the schedule's
+/// (gpipe::placement_for).
 gpipe::Placement pipeline_placement(const Args& args);
 /// --trace-steps against the run (train_save.cpp): throws UsageError
 /// when --epochs of `n` images in --batch-size batches make too few steps

@@ -8,10 +8,12 @@
 #include <gpipe/dist.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 #include "train_args.h"
 
@@ -22,9 +24,10 @@ void add_autotune_options(CLI::App& app, Args& args) {
       "--autotune",
       args.autotune,
       "Let gpipe::autotune choose --balance, --chunks, --schedule (and its "
-      "placement) and --checkpoint for the lanes (--partitions in one "
-      "process, the pipeline's ranks under a launcher), under "
-      "--memory-limit; prints its choice");
+      "placement), --checkpoint and, in one process with "
+      "--threads-per-lane 0, the threads per lane for the lanes "
+      "(--partitions in one process, the pipeline's ranks under a "
+      "launcher), under --memory-limit; prints its choice");
   app.add_option(
       "--memory-limit",
       args.memory_limit_text,
@@ -116,12 +119,23 @@ void autotune_args(
     std::FILE* out) {
   const int64_t lanes = world != nullptr ? args.pipeline_size : args.partitions;
   auto words = torch::zeros({kWords}, torch::kLong);
+  int64_t chosen_threads = args.threads_per_lane;
   if (world == nullptr || world->rank() == 0) {
     const auto rows = std::min<int64_t>(args.batch_size, images.size(0));
+    // Ranks do not share their cores by the plan: under a launcher the
+    // choice is made for the count each rank keeps (PipelineStage's
+    // default: the host's threads over its ranks).
+    const int64_t threads =
+        world != nullptr && args.threads_per_lane == 0
+            ? std::max<int64_t>(
+                  1,
+                  static_cast<int64_t>(std::thread::hardware_concurrency()) /
+                      std::max<int64_t>(1, world->local_size()))
+            : args.threads_per_lane;
     auto options = gpipe::AutotuneOptions(lanes)
                        .memory_limit(args.memory_limit)
                        .batch_size(rows)
-                       .threads_per_lane(args.threads_per_lane);
+                       .threads_per_lane(threads);
     std::vector<int64_t> chunks;
     for (int64_t m = 1; m <= rows && m <= 32; m *= 2) {
       chunks.push_back(m);
@@ -143,6 +157,7 @@ void autotune_args(
         "autotune: a balance of more than ",
         kWords - 4,
         " partitions does not fit the message to the other ranks");
+    chosen_threads = tuned.threads_per_lane;
     w[0] = tuned.chunks;
     w[1] = static_cast<int64_t>(tuned.schedule);
     w[2] = static_cast<int64_t>(tuned.checkpoint);
@@ -165,6 +180,9 @@ void autotune_args(
   args.balance.assign(w + 4, w + 4 + w[3]);
   args.balance_given = true;
   args.stages_per_lane = args.partitions / lanes;
+  if (world == nullptr) {
+    args.threads_per_lane = chosen_threads;
+  }
 }
 
 }  // namespace gpipe_train

@@ -84,11 +84,57 @@ gpipe::Placement pipeline_placement(const Args& args) {
   if (args.schedule == "plan" && !args.plan.placement.empty()) {
     return args.plan.placement;  // a --plan that carries one runs on it
   }
-  if (args.schedule == "zero_bubble_v") {
-    return gpipe::Placement::v_shape(args.partitions / 2);
+  const auto v = args.stages_per_lane;
+  if (args.schedule == "plan" || args.schedule == "autograd") {
+    return gpipe::Placement::modulo(args.partitions / v, v);
   }
-  return gpipe::Placement::modulo(
-      args.partitions / args.stages_per_lane, args.stages_per_lane);
+  return gpipe::placement_for(
+      gpipe::schedule_from_string(args.schedule), args.partitions / v, v);
+}
+
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> names{"autograd"};
+  for (const auto s : gpipe::schedules()) {
+    names.push_back(gpipe::to_string(s));
+  }
+  return names;
+}
+
+std::string train_step_schedules() {
+  const auto& all = gpipe::schedules();
+  std::string out;
+  for (size_t k = 0; k < all.size(); ++k) {
+    out += (k == 0                ? ""
+            : k + 1 == all.size() ? " or "
+                                  : ", ") +
+           gpipe::to_string(all[k]);
+  }
+  return out;
+}
+
+namespace {
+
+// The placement the named schedule chooses on 2 lanes; none for
+// "autograd" and "plan".
+gpipe::Placement own_placement(const std::string& schedule) {
+  for (const auto s : gpipe::schedules()) {
+    if (gpipe::to_string(s) == schedule) {
+      return gpipe::placement_for(s, 2);
+    }
+  }
+  return gpipe::Placement();
+}
+
+}  // namespace
+
+int64_t own_stages_per_lane(const std::string& schedule) {
+  const auto p = own_placement(schedule);
+  return p.empty() ? 1 : p.stages() / p.lanes();
+}
+
+bool runs_in_a_v(const std::string& schedule) {
+  const auto p = own_placement(schedule);
+  return !p.empty() && p == gpipe::Placement::v_shape(2);
 }
 
 }  // namespace gpipe_train

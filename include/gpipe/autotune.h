@@ -41,15 +41,10 @@ struct AutotuneOptions {
   TORCH_ARG(int64_t, memory_limit) = 0;
   /// Rows of the mini-batch each step trains on; 0: the sample's.
   TORCH_ARG(int64_t, batch_size) = 0;
-  /// The schedules tried. Interleaved and looped BFS run 2 partitions per
-  /// lane (modulo), ZB-V 2 in a V; the others 1.
-  TORCH_ARG(std::vector<Schedule>, schedules) = {
-      Schedule::FillDrain,
-      Schedule::OneFOneB,
-      Schedule::Interleaved1F1B,
-      Schedule::ZeroBubble,
-      Schedule::ZeroBubbleV,
-      Schedule::LoopedBFS};
+  /// The schedules tried (every one by default), each on
+  /// `placement_for(schedule, lanes)`: interleaved and looped BFS run 2
+  /// partitions per lane (modulo), ZB-V 2 in a V, the others 1.
+  TORCH_ARG(std::vector<Schedule>, schedules) = gpipe::schedules();
   /// The micro-batch counts tried (those above the batch size are skipped).
   TORCH_ARG(std::vector<int64_t>, chunks) = {1, 2, 4, 8, 16, 32};
   /// The checkpoint modes tried.
@@ -63,8 +58,12 @@ struct AutotuneOptions {
   /// What running one cell costs beyond its layers (the engine's own work
   /// per forward or backward action).
   TORCH_ARG(double, cell_overhead_seconds) = 50e-6;
-  /// Intra-op threads each CPU lane profiles and runs with; 0:
-  /// max(1, cores / lanes), as GPipe's default.
+  /// Intra-op threads each CPU lane profiles and runs with. 0 (as GPipe's
+  /// default): max(1, cores / lanes), and the lanes of one process share
+  /// the cores by the plan, so a plan whose lanes never work at once runs
+  /// every cell on all of them; the search then weighs such plans both
+  /// ways and chooses (`Autotuned::threads_per_lane`). Cores are
+  /// OMP_NUM_THREADS when set, else the hardware's threads.
   TORCH_ARG(int64_t, threads_per_lane) = 0;
 };
 
@@ -75,6 +74,9 @@ struct AutotuneCandidate {
   Schedule schedule = Schedule::FillDrain;
   Placement placement;
   Checkpoint checkpoint = Checkpoint::ExceptLast;
+  /// GPipeOptions::threads_per_lane it was simulated with: 0, the lanes
+  /// share the cores by the plan; else that count on every lane.
+  int64_t threads_per_lane = 0;
   double predicted_step_seconds = 0;
   /// Per lane: the most bytes it holds (parameters and activations).
   std::vector<double> predicted_peak_bytes;
@@ -95,8 +97,10 @@ struct Autotuned {
   double predicted_step_seconds = 0;
   /// Per lane.
   std::vector<double> predicted_peak_bytes;
-  /// Intra-op threads per CPU lane it profiled with.
-  int64_t threads_per_lane = 1;
+  /// GPipeOptions::threads_per_lane of the choice: 0 (the lanes share the
+  /// cores by the plan, GPipe's default), or a count fixed on every lane
+  /// where the simulation found that faster (or it was given).
+  int64_t threads_per_lane = 0;
   /// Every candidate, fastest first, the rejected ones with their reason.
   std::vector<AutotuneCandidate> candidates;
 

@@ -108,12 +108,21 @@ struct Plan {
   Steps steps() const;
 };
 
+/// Where `schedule` runs on `lanes` lanes with `stages_per_lane` stages on
+/// each: `Placement::modulo(lanes, stages_per_lane)` (stage j on lane
+/// j % lanes), or for `Schedule::ZeroBubbleV` (which needs 2 stages per
+/// lane) `Placement::v_shape(lanes)`. With `stages_per_lane` 0 the schedule
+/// chooses: 2 for interleaved, looped BFS and ZB-V, 1 for the others.
+/// Throws `c10::ValueError` for `lanes` below 1, a negative
+/// `stages_per_lane`, or one the schedule cannot run on.
+Placement placement_for(
+    Schedule schedule, int64_t lanes, int64_t stages_per_lane = 0);
+
 /// The training step of `schedule` on `lanes` lanes holding
-/// `stages_per_lane` stages each, for `micro_batches` micro-batches: on
-/// `Placement::modulo(lanes, stages_per_lane)` (stage j on lane j % lanes),
-/// or for `Schedule::ZeroBubbleV` (which needs stages_per_lane 2) on
-/// `Placement::v_shape(lanes)`. Throws `c10::ValueError` for sizes below 1
-/// (0 micro-batches gives an empty plan).
+/// `stages_per_lane` stages each, for `micro_batches` micro-batches, on
+/// `placement_for(schedule, lanes, stages_per_lane)`. Throws
+/// `c10::ValueError` for sizes below 1 (0 micro-batches gives an empty
+/// plan).
 Plan make_plan(
     Schedule schedule,
     int64_t micro_batches,

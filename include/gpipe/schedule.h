@@ -131,6 +131,9 @@ enum class Schedule {
   LoopedBFS,
 };
 
+/// Every schedule, in the enum's order.
+const std::vector<Schedule>& schedules();
+
 /// "fill_drain" / "1f1b" / "interleaved" / "zero_bubble" / "zero_bubble_v"
 /// / "looped_bfs".
 std::string to_string(Schedule schedule);

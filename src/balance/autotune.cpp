@@ -23,14 +23,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iomanip>
 #include <map>
 #include <ostream>
 #include <set>
 #include <sstream>
-#include <thread>
 
 #include "balance/layer_costs.h"
+#include "device.h"
+#include "engine/lane_threads.h"
 #include "text.h"
 
 namespace gpipe {
@@ -38,18 +40,6 @@ namespace gpipe {
 namespace {
 
 using detail::LayerCosts;
-
-Placement placement_for(Schedule s, int64_t lanes) {
-  switch (s) {
-    case Schedule::Interleaved1F1B:
-    case Schedule::LoopedBFS:
-      return Placement::modulo(lanes, 2);
-    case Schedule::ZeroBubbleV:
-      return Placement::v_shape(lanes);
-    default:
-      return Placement::modulo(lanes);
-  }
-}
 
 // Sums of the layers' costs per stage.
 struct StageCosts {
@@ -90,17 +80,37 @@ struct Evaluated {
   std::vector<double> peaks;
 };
 
+// A cell's key among a plan's cells.
+int64_t key_of(const Cell& c, int64_t stages) {
+  return (c.micro_batch * stages + c.partition) * 16 +
+         static_cast<int64_t>(c.phase);
+}
+
+// Each cell costs its stage's `s_own`, or, where `cell_threads` (the plan's
+// threads_of_cells) gives it a count, its stage's `at(count)`.
 Evaluated evaluate(
     const Plan& plan,
-    const StageCosts& s,
+    const StageCosts& s_own,
     const LayerCosts& costs,
     Checkpoint mode,
     double overhead,
-    double param_scale) {
+    double param_scale,
+    const std::vector<std::vector<int64_t>>& cell_threads = {},
+    const std::function<const StageCosts&(int64_t)>& at = {}) {
   const auto m = plan.micro_batches;
+  std::map<int64_t, const StageCosts*> other;  // cells at another count
+  for (const auto l : c10::irange(cell_threads.size())) {
+    for (const auto k : c10::irange(cell_threads[l].size())) {
+      if (cell_threads[l][k] > 0) {
+        other[key_of(plan.lanes[l][k], plan.stages)] = &at(cell_threads[l][k]);
+      }
+    }
+  }
   ActionCosts ac;
   ac.cost = [&](const Cell& c) {
     const auto j = static_cast<size_t>(c.partition);
+    const auto found = other.find(key_of(c, plan.stages));
+    const auto& s = found == other.end() ? s_own : *found->second;
     const double recompute =
         checkpointed(mode, c.micro_batch, m) ? s.forward[j] : 0.0;
     switch (c.phase) {
@@ -119,6 +129,7 @@ Evaluated evaluate(
     }
   };
   const auto sim = simulate(plan, ac);
+  const auto& s = s_own;  // memory does not depend on threads
   Evaluated e;
   e.seconds = sim.makespan;
   for (const auto l : c10::irange(sim.lanes.size())) {
@@ -209,6 +220,12 @@ std::string balance_text(const std::vector<int64_t>& b) {
   return out.str();
 }
 
+// "plan" for threads_per_lane 0 (the lanes share the cores by the plan),
+// else the count.
+std::string threads_text(int64_t threads_per_lane) {
+  return threads_per_lane == 0 ? "plan" : std::to_string(threads_per_lane);
+}
+
 double most(const std::vector<double>& v) {
   return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end());
 }
@@ -228,7 +245,8 @@ std::string Autotuned::report(size_t rows) const {
   out << *this << "\n";
   out << std::left << std::setw(14) << "schedule" << std::setw(7) << "chunks"
       << std::setw(12) << "checkpoint" << std::setw(22) << "balance"
-      << std::right << std::setw(10) << "step_ms" << std::setw(14) << "peak_MiB"
+      << std::setw(8) << "threads" << std::right << std::setw(10) << "step_ms"
+      << std::setw(14) << "peak_MiB"
       << "  verdict\n";
   size_t fitting = 0;
   size_t rejected = 0;
@@ -239,7 +257,8 @@ std::string Autotuned::report(size_t rows) const {
     }
     out << std::left << std::setw(14) << to_string(c.schedule) << std::setw(7)
         << c.chunks << std::setw(12) << to_string(c.checkpoint) << std::setw(22)
-        << balance_text(c.balance) << std::right << std::fixed
+        << balance_text(c.balance) << std::setw(8)
+        << threads_text(c.threads_per_lane) << std::right << std::fixed
         << std::setprecision(2) << std::setw(10)
         << c.predicted_step_seconds * 1e3 << std::setprecision(1)
         << std::setw(14) << most(c.predicted_peak_bytes) / (1024.0 * 1024.0)
@@ -253,7 +272,8 @@ std::ostream& operator<<(std::ostream& out, const Autotuned& t) {
   return out << "balance " << balance_text(t.balance) << ", chunks " << t.chunks
              << ", schedule " << to_string(t.schedule) << " on "
              << to_string(t.placement) << ", checkpoint "
-             << to_string(t.checkpoint) << ": predicted " << std::fixed
+             << to_string(t.checkpoint) << ", threads per lane "
+             << threads_text(t.threads_per_lane) << ": predicted " << std::fixed
              << std::setprecision(2) << t.predicted_step_seconds * 1e3
              << " ms per step, peak " << mib(most(t.predicted_peak_bytes))
              << " on the most loaded lane";
@@ -326,36 +346,48 @@ Autotuned autotune(
       ") is tried, but the sample has ",
       sample_input.size(0),
       " rows; give a sample of at least that many");
-  const int64_t cores =
-      std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t cores = detail::available_cores();
   const int64_t threads = options.threads_per_lane() > 0
                               ? options.threads_per_lane()
                               : std::max<int64_t>(1, cores / lanes);
+  // With threads_per_lane 0, GPipe's CPU lanes share the cores by the plan
+  // (Note [Threads that follow the plan] in src/engine/lane_threads.cpp):
+  // a plan whose lanes never work at once runs each cell on every core. The
+  // search then weighs each such plan both ways: following the plan
+  // (threads_per_lane 0), and with `threads` per lane fixed, which is
+  // faster where the layers are too small to gain from more threads.
+  const bool share = options.threads_per_lane() == 0 && lanes > 1 &&
+                     cores > threads && sample_input.is_cpu();
 
   // Costs per micro-batch size (the rows scatter gives the first, largest
-  // micro-batch).
-  std::map<int64_t, LayerCosts> costs_by_rows;
-  for (const auto m : options.chunks()) {
-    if (m > batch) {
-      continue;
+  // micro-batch) and thread count, profiled when first needed.
+  std::map<std::pair<int64_t, int64_t>, LayerCosts> profiled;
+  const auto costs_at = [&](int64_t rows, int64_t t) -> const LayerCosts& {
+    auto found = profiled.find({rows, t});
+    if (found == profiled.end()) {
+      // Beside a cell at the lanes' own count work the other lanes; beside
+      // one at more threads, about cores / t lanes' cells in all.
+      const auto beside =
+          t == threads
+              ? lanes
+              : std::min<int64_t>(lanes, std::max<int64_t>(1, cores / t));
+      found = profiled
+                  .emplace(
+                      std::make_pair(rows, t),
+                      detail::profile_layer_costs(
+                          net,
+                          sample_input,
+                          sample_target,
+                          loss_fn,
+                          rows,
+                          options.profile_seconds(),
+                          t,
+                          /*busy_lanes=*/beside - 1))
+                  .first;
     }
-    const auto rows = (batch + m - 1) / m;
-    if (costs_by_rows.count(rows) == 0) {
-      costs_by_rows.emplace(
-          rows,
-          detail::profile_layer_costs(
-              net,
-              sample_input,
-              sample_target,
-              loss_fn,
-              rows,
-              options.profile_seconds(),
-              threads,
-              /*busy_lanes=*/lanes - 1));
-    }
-  }
+    return found->second;
+  };
   Autotuned tuned;
-  tuned.threads_per_lane = threads;
   for (const auto schedule : options.schedules()) {
     const auto placement = placement_for(schedule, lanes);
     const auto stages = placement.stages();
@@ -366,37 +398,75 @@ Autotuned autotune(
       if (m > batch) {
         continue;
       }
-      const auto& costs = costs_by_rows.at((batch + m - 1) / m);
+      const auto rows = (batch + m - 1) / m;
+      const auto& costs = costs_at(rows, threads);
       const auto plan = make_plan(schedule, m, placement);
+      // (threads_per_lane, each cell's count): the plan's, and where it
+      // gives some cell another count than `threads`, `threads` fixed.
+      std::vector<std::pair<int64_t, std::vector<std::vector<int64_t>>>>
+          variants;
+      if (share) {
+        auto by_plan = detail::threads_of_cells(
+            plan, std::vector<bool>(static_cast<size_t>(lanes), true), cores);
+        bool differs = false;
+        for (const auto& row : by_plan) {
+          for (const auto t : row) {
+            differs = differs || (t > 0 && t != threads);
+          }
+        }
+        variants.emplace_back(0, std::move(by_plan));
+        if (differs) {
+          variants.emplace_back(threads, std::vector<std::vector<int64_t>>{});
+        }
+      } else {
+        variants.emplace_back(
+            options.threads_per_lane(), std::vector<std::vector<int64_t>>{});
+      }
       for (const auto mode : options.checkpoints()) {
         for (const auto& balance :
              balances_for(costs, stages, mode, options.param_scale())) {
           const auto s = stage_costs(costs, balance);
-          const auto e = evaluate(
-              plan,
-              s,
-              costs,
-              mode,
-              options.cell_overhead_seconds(),
-              options.param_scale());
-          AutotuneCandidate c;
-          c.balance = balance;
-          c.chunks = m;
-          c.schedule = schedule;
-          c.placement = placement;
-          c.checkpoint = mode;
-          c.predicted_step_seconds = e.seconds;
-          c.predicted_peak_bytes = e.peaks;
-          const auto peak = most(e.peaks);
-          if (options.memory_limit() > 0 &&
-              peak > static_cast<double>(options.memory_limit())) {
-            const auto lane = std::max_element(e.peaks.begin(), e.peaks.end()) -
-                              e.peaks.begin();
-            c.rejected = "lane " + std::to_string(lane) + " peaks at " +
-                         mib(peak) + ", over the limit of " +
-                         mib(static_cast<double>(options.memory_limit()));
+          std::map<int64_t, StageCosts> by_threads;
+          const auto at = [&](int64_t t) -> const StageCosts& {
+            auto found = by_threads.find(t);
+            if (found == by_threads.end()) {
+              found =
+                  by_threads.emplace(t, stage_costs(costs_at(rows, t), balance))
+                      .first;
+            }
+            return found->second;
+          };
+          for (const auto& [threads_option, cell_threads] : variants) {
+            const auto e = evaluate(
+                plan,
+                s,
+                costs,
+                mode,
+                options.cell_overhead_seconds(),
+                options.param_scale(),
+                cell_threads,
+                at);
+            AutotuneCandidate c;
+            c.balance = balance;
+            c.chunks = m;
+            c.schedule = schedule;
+            c.placement = placement;
+            c.checkpoint = mode;
+            c.threads_per_lane = threads_option;
+            c.predicted_step_seconds = e.seconds;
+            c.predicted_peak_bytes = e.peaks;
+            const auto peak = most(e.peaks);
+            if (options.memory_limit() > 0 &&
+                peak > static_cast<double>(options.memory_limit())) {
+              const auto lane =
+                  std::max_element(e.peaks.begin(), e.peaks.end()) -
+                  e.peaks.begin();
+              c.rejected = "lane " + std::to_string(lane) + " peaks at " +
+                           mib(peak) + ", over the limit of " +
+                           mib(static_cast<double>(options.memory_limit()));
+            }
+            tuned.candidates.push_back(std::move(c));
           }
-          tuned.candidates.push_back(std::move(c));
         }
       }
     }
@@ -447,6 +517,7 @@ Autotuned autotune(
   tuned.schedule = best->schedule;
   tuned.placement = best->placement;
   tuned.checkpoint = best->checkpoint;
+  tuned.threads_per_lane = best->threads_per_lane;
   tuned.predicted_step_seconds = best->predicted_step_seconds;
   tuned.predicted_peak_bytes = best->predicted_peak_bytes;
   tuned.plan = make_plan(tuned.schedule, tuned.chunks, tuned.placement);

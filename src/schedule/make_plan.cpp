@@ -43,6 +43,14 @@ std::vector<std::vector<Cell>> folded_rows(
   return fold_onto_lanes(flat, placement).lanes;
 }
 
+Placement one_stage_per_lane(int64_t lanes, int64_t stages_per_lane) {
+  return Placement::modulo(lanes, stages_per_lane == 0 ? 1 : stages_per_lane);
+}
+
+Placement two_stages_per_lane(int64_t lanes, int64_t stages_per_lane) {
+  return Placement::modulo(lanes, stages_per_lane == 0 ? 2 : stages_per_lane);
+}
+
 Plan with_losses(Plan plan) {
   for (auto& lane : plan.lanes) {
     std::vector<Cell> cells;
@@ -76,6 +84,18 @@ Plan make_plan(
   return detail::with_losses(std::move(plan));
 }
 
+Placement placement_for(
+    Schedule schedule, int64_t lanes, int64_t stages_per_lane) {
+  TORCH_CHECK_VALUE(
+      lanes >= 1, "placement_for: expected lanes >= 1, but got ", lanes);
+  TORCH_CHECK_VALUE(
+      stages_per_lane >= 0,
+      "placement_for: expected stages_per_lane >= 0 (0: the schedule's own "
+      "choice), but got ",
+      stages_per_lane);
+  return detail::schedule_entry(schedule).placement(lanes, stages_per_lane);
+}
+
 Plan make_plan(
     Schedule schedule,
     int64_t micro_batches,
@@ -91,16 +111,8 @@ Plan make_plan(
       stages_per_lane >= 1,
       "make_plan: expected stages_per_lane >= 1, but got ",
       stages_per_lane);
-  if (schedule == Schedule::ZeroBubbleV) {
-    TORCH_CHECK_VALUE(
-        stages_per_lane == 2,
-        "make_plan: zero_bubble_v runs 2 stages on each lane "
-        "(Placement::v_shape), but got stages_per_lane ",
-        stages_per_lane);
-    return make_plan(schedule, micro_batches, Placement::v_shape(lanes));
-  }
   return make_plan(
-      schedule, micro_batches, Placement::modulo(lanes, stages_per_lane));
+      schedule, micro_batches, placement_for(schedule, lanes, stages_per_lane));
 }
 
 }  // namespace gpipe

@@ -53,18 +53,26 @@ void validate_transfers(
 // A schedule is its rows: a function from the micro-batches and a
 // placement to each lane's compute cells (losses are added by make_plan),
 // which throws c10::ValueError naming the placement it needs when given
-// another. schedule_table() (schedule.cpp) lists each schedule's enum value,
-// its name and that function; make_plan, lane_order, the names and their
-// parsing read it. A new schedule is its file, its enum value and its entry.
+// another, and the placement it runs on when the caller gives only lanes.
+// schedules.def lists each schedule's enumerator, its name and those two
+// functions; this header declares the functions from it and
+// schedule_table() (schedule.cpp) lists them, which make_plan,
+// placement_for, lane_order, the names, their parsing, the autotuner and
+// gpipe-train all read. A new schedule is its file, its enumerator and its
+// line in schedules.def.
 
 /// A schedule's rows, one per lane of `placement`, for `m` micro-batches.
 using ScheduleRows =
     std::vector<std::vector<Cell>> (*)(int64_t m, const Placement& placement);
+/// Where a schedule runs on `lanes` lanes with `stages_per_lane` stages on
+/// each (0: its own choice); throws c10::ValueError when it cannot.
+using SchedulePlacement = Placement (*)(int64_t lanes, int64_t stages_per_lane);
 
 struct ScheduleEntry {
   Schedule schedule;
   const char* name;
   ScheduleRows rows;
+  SchedulePlacement placement;
 };
 
 /// Every schedule, in Schedule's order.
@@ -80,14 +88,19 @@ std::vector<std::vector<Cell>> folded_rows(
     const Placement& placement,
     std::vector<Cell> (*order)(int64_t, int64_t, int64_t));
 
-/// Each schedule's rows (one file each).
-std::vector<std::vector<Cell>> fill_drain_rows(int64_t m, const Placement& p);
-std::vector<std::vector<Cell>> one_f_one_b_rows(int64_t m, const Placement& p);
-std::vector<std::vector<Cell>> interleaved_rows(int64_t m, const Placement& p);
-std::vector<std::vector<Cell>> zero_bubble_rows(int64_t m, const Placement& p);
-std::vector<std::vector<Cell>> zero_bubble_v_rows(
-    int64_t m, const Placement& p);
-std::vector<std::vector<Cell>> looped_bfs_rows(int64_t m, const Placement& p);
+/// `Placement::modulo(lanes, stages_per_lane)`, one stage per lane when
+/// `stages_per_lane` is 0 (make_plan.cpp).
+Placement one_stage_per_lane(int64_t lanes, int64_t stages_per_lane);
+/// The same with two stages per lane when `stages_per_lane` is 0.
+Placement two_stages_per_lane(int64_t lanes, int64_t stages_per_lane);
+
+// Each schedule's two functions, from its line in schedules.def (the rows
+// in its own file).
+#define GPIPE_SCHEDULE(value, name, rows, placement)                  \
+  std::vector<std::vector<Cell>> rows(int64_t m, const Placement& p); \
+  Placement placement(int64_t lanes, int64_t stages_per_lane);
+#include "schedule/schedules.def"
+#undef GPIPE_SCHEDULE
 
 /// The cells stage j of n runs in a training step with one lane per
 /// stage, for the schedules given that way.

@@ -36,12 +36,10 @@ namespace detail {
 
 const std::vector<ScheduleEntry>& schedule_table() {
   static const std::vector<ScheduleEntry> table{
-      {Schedule::FillDrain, "fill_drain", &fill_drain_rows},
-      {Schedule::OneFOneB, "1f1b", &one_f_one_b_rows},
-      {Schedule::Interleaved1F1B, "interleaved", &interleaved_rows},
-      {Schedule::ZeroBubble, "zero_bubble", &zero_bubble_rows},
-      {Schedule::ZeroBubbleV, "zero_bubble_v", &zero_bubble_v_rows},
-      {Schedule::LoopedBFS, "looped_bfs", &looped_bfs_rows},
+#define GPIPE_SCHEDULE(value, name, rows, placement) \
+  {Schedule::value, name, &rows, &placement},
+#include "schedule/schedules.def"
+#undef GPIPE_SCHEDULE
   };
   return table;
 }
@@ -57,6 +55,17 @@ const ScheduleEntry& schedule_entry(Schedule schedule) {
 }
 
 }  // namespace detail
+
+const std::vector<Schedule>& schedules() {
+  static const std::vector<Schedule> all = [] {
+    std::vector<Schedule> out;
+    for (const auto& entry : detail::schedule_table()) {
+      out.push_back(entry.schedule);
+    }
+    return out;
+  }();
+  return all;
+}
 
 std::string to_string(Schedule schedule) {
   for (const auto& entry : detail::schedule_table()) {

@@ -160,4 +160,13 @@ std::vector<std::vector<Cell>> zero_bubble_v_rows(
   return rows;
 }
 
+Placement zero_bubble_v_placement(int64_t lanes, int64_t stages_per_lane) {
+  TORCH_CHECK_VALUE(
+      stages_per_lane == 0 || stages_per_lane == 2,
+      "schedule: zero_bubble_v runs 2 stages on each lane "
+      "(Placement::v_shape), but got stages_per_lane ",
+      stages_per_lane);
+  return Placement::v_shape(lanes);
+}
+
 }  // namespace gpipe::detail
