@@ -134,13 +134,16 @@ TEST_F(AutotuneTest, ItsOptionsTrainAsThePlainModel) {
 // A layer whose forward sleeps 12 ms over the calling thread's intra-op
 // threads: it gains from more cores as a wide layer does, however loaded
 // the machine is.
+// With `draws`, it also draws a random number, as dropout does.
 struct SleepOverThreadsImpl : torch::nn::Cloneable<SleepOverThreadsImpl> {
+  explicit SleepOverThreadsImpl(bool draws = false) : draws(draws) {}
   void reset() override {}
   torch::Tensor forward(torch::Tensor x) {
     std::this_thread::sleep_for(
         std::chrono::microseconds(12000 / std::max(1, at::get_num_threads())));
-    return x * 1.0;
+    return draws ? x * torch::rand({1}) : x * 1.0;
   }
+  bool draws;
 };
 TORCH_MODULE(SleepOverThreads);
 
@@ -211,6 +214,37 @@ TEST_F(AutotuneTest, ChoosesThreadsPerLaneWhereThePlanIsSerial) {
   }
   EXPECT_EQ(fixed.threads_per_lane, 1);
   EXPECT_EQ(fixed.options().threads_per_lane(), 1);
+}
+
+// On CPU lanes a cell that draws random numbers holds the default
+// generators alone (Note [Random streams of concurrent cells]), so the
+// planner predicts such forwards one at a time.
+TEST_F(AutotuneTest, ForwardsThatDrawArePredictedOneAtATime) {
+  const auto predicted = [](bool draws) {
+    torch::nn::Sequential net;
+    for (int k = 0; k < 4; ++k) {
+      net->push_back(torch::nn::Linear(16, 16));
+      net->push_back(SleepOverThreads(draws));
+    }
+    const auto tuned = autotune(
+        net,
+        torch::randn({16, 16}),
+        torch::randint(0, 10, {16}),
+        loss_of,
+        AutotuneOptions(2)
+            .threads_per_lane(1)
+            .profile_seconds(0.05)
+            .schedules({Schedule::FillDrain})
+            .chunks({4})
+            .checkpoints({Checkpoint::Never}));
+    EXPECT_EQ(tuned.balance, (std::vector<int64_t>{4, 4}));
+    return tuned.predicted_step_seconds;
+  };
+  // Forwards of 24 ms a stage: 5 of them in a row when the lanes overlap,
+  // 8 when they run one at a time.
+  const double apart = predicted(false);
+  const double alone = predicted(true);
+  EXPECT_GT(alone, apart * 1.3) << apart << " " << alone;
 }
 
 TEST_F(AutotuneTest, AMemoryLimitNothingFitsIsAClearError) {

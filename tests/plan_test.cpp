@@ -6,9 +6,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <functional>
 #include <sstream>
 
 #include "schedule/actions.h"
+#include "schedule/simulate.h"
 
 namespace gpipe {
 namespace {
@@ -273,6 +275,88 @@ TEST(PlanTest, SimulationTimesActionsByCostAndTransfer) {
   EXPECT_DOUBLE_EQ(sim.busy[1], 2.0);
   EXPECT_DOUBLE_EQ(sim.bubble, 4.0);
   EXPECT_THROW(simulate(Plan::from_csv("0B0,0F0\n")), c10::ValueError);
+}
+
+// Cells that draw random numbers on CPU lanes hold the generators alone
+// (Note [Random streams of concurrent cells]); the planner's simulation
+// runs such actions beside no other holder of the lease.
+TEST(PlanTest, ExclusiveHoldersOfTheLeaseRunAlone) {
+  using detail::Held;
+  using detail::Lease;
+  for (const auto schedule : gpipe::schedules()) {
+    SCOPED_TRACE(to_string(schedule));
+    const auto plan = make_plan(schedule, 4, placement_for(schedule, 2));
+    ActionCosts costs;
+    costs.transfer = 0.25;
+    // No lease, or only shared ones: the plain simulation, action for
+    // action.
+    const auto plain = simulate(plan, costs);
+    for (const auto& free :
+         {std::function<Held(const Cell&)>{},
+          std::function<Held(const Cell&)>(
+              [](const Cell&) { return Held{Lease::Shared}; })}) {
+      const auto same = detail::simulate_with_lease(plan, costs, free);
+      EXPECT_DOUBLE_EQ(same.makespan, plain.makespan);
+      ASSERT_EQ(same.lanes.size(), plain.lanes.size());
+      for (size_t l = 0; l < plain.lanes.size(); ++l) {
+        ASSERT_EQ(same.lanes[l].size(), plain.lanes[l].size());
+        for (size_t k = 0; k < plain.lanes[l].size(); ++k) {
+          EXPECT_EQ(same.lanes[l][k].cell, plain.lanes[l][k].cell);
+          EXPECT_DOUBLE_EQ(same.lanes[l][k].start, plain.lanes[l][k].start);
+        }
+      }
+    }
+    // Forwards exclusive, backwards without the lease: no forward beside
+    // another, backwards beside forwards allowed.
+    const auto lease = [](const Cell& c) {
+      return Held{c.phase == Phase::Forward ? Lease::Exclusive : Lease::None};
+    };
+    const auto sim = detail::simulate_with_lease(plan, costs, lease);
+    EXPECT_GT(sim.makespan, plain.makespan);
+    std::vector<SimulatedAction> forwards;
+    for (const auto& lane : sim.lanes) {
+      for (const auto& a : lane) {
+        if (a.cell.phase == Phase::Forward) {
+          forwards.push_back(a);
+        }
+      }
+    }
+    for (const auto& a : forwards) {
+      for (const auto& b : forwards) {
+        if (!(a.cell == b.cell)) {
+          EXPECT_FALSE(std::min(a.end, b.end) > std::max(a.start, b.start))
+              << to_string(a.cell) << " beside " << to_string(b.cell);
+        }
+      }
+    }
+  }
+  // A backward that holds the lease only while it recomputes (the first
+  // half here) lets the other lane's forwards start before it ends.
+  const auto plan = make_plan(Schedule::OneFOneB, 4, 2);
+  const auto holding = [](double backward_hold) {
+    return [backward_hold](const Cell& c) {
+      if (c.phase == Phase::Forward) {
+        return Held{Lease::Exclusive};
+      }
+      return c.phase == Phase::Backward ? Held{Lease::Exclusive, backward_hold}
+                                        : Held{};
+    };
+  };
+  const auto whole =
+      detail::simulate_with_lease(plan, ActionCosts(), holding(-1)).makespan;
+  const auto half =
+      detail::simulate_with_lease(plan, ActionCosts(), holding(1.0)).makespan;
+  EXPECT_LT(half, whole);
+  EXPECT_GE(half, simulate(plan).makespan);
+  // One lane: nothing beside anything, so the same time.
+  const auto one = make_plan(Schedule::FillDrain, 3, 1);
+  EXPECT_DOUBLE_EQ(
+      detail::simulate_with_lease(
+          one,
+          ActionCosts(),
+          [](const Cell&) { return Held{Lease::Exclusive}; })
+          .makespan,
+      simulate(one).makespan);
 }
 
 }  // namespace

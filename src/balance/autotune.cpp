@@ -1,19 +1,7 @@
-// autotune: balance x schedule x micro-batches x checkpoint mode, each
-// simulated with per-layer costs measured on the model, the fastest that
-// fits the memory limit per lane chosen.
-//
-// The model of a step. A stage's forward costs its layers' forward times,
-// its input part their input-gradient times, its weight part their
-// weight-gradient times (a whole backward both), each plus the engine's
-// overhead per cell; a checkpointed micro-batch's backward also recomputes
-// the forward. The last stage's loss costs the loss's time. `simulate` runs
-// the plan with those costs. Memory, per lane, walks the lane's simulated
-// actions in order: a forward keeps what the stage's layers keep (a
-// checkpointed micro-batch only the stage's input), its backward (or its
-// weight part) frees it; a checkpointed backward holds what the recomputed
-// forward keeps while it runs (until the weight part, when split). The
-// lane's peak of that, plus its parameters times param_scale, must fit the
-// limit.
+// autotune: balance x schedule x micro-batches x checkpoint mode (x
+// threads per lane), each simulated with per-layer costs measured on the
+// model (step_model.h), the fastest that fits the memory limit per lane
+// chosen.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -31,6 +19,7 @@
 #include <sstream>
 
 #include "balance/layer_costs.h"
+#include "balance/step_model.h"
 #include "device.h"
 #include "engine/lane_threads.h"
 #include "text.h"
@@ -39,135 +28,10 @@ namespace gpipe {
 
 namespace {
 
+using detail::evaluate;
 using detail::LayerCosts;
-
-// Sums of the layers' costs per stage.
-struct StageCosts {
-  std::vector<double> forward, input, weight, kept, in, params;
-};
-
-StageCosts stage_costs(
-    const LayerCosts& c, const std::vector<int64_t>& balance) {
-  StageCosts s;
-  size_t k = 0;
-  for (const auto b : balance) {
-    double f = 0, i = 0, w = 0, kept = 0, params = 0;
-    const double in = c.input_bytes[k];
-    for (int64_t l = 0; l < b; ++l, ++k) {
-      f += c.forward[k];
-      i += c.input[k];
-      w += c.weight[k];
-      kept += c.kept_bytes[k];
-      params += c.param_bytes[k];
-    }
-    s.forward.push_back(f);
-    s.input.push_back(i);
-    s.weight.push_back(w);
-    s.kept.push_back(kept);
-    s.in.push_back(in);
-    s.params.push_back(params);
-  }
-  return s;
-}
-
-bool checkpointed(Checkpoint mode, int64_t i, int64_t m) {
-  return mode == Checkpoint::Always ||
-         (mode == Checkpoint::ExceptLast && i + 1 < m);
-}
-
-struct Evaluated {
-  double seconds = 0;
-  std::vector<double> peaks;
-};
-
-// A cell's key among a plan's cells.
-int64_t key_of(const Cell& c, int64_t stages) {
-  return (c.micro_batch * stages + c.partition) * 16 +
-         static_cast<int64_t>(c.phase);
-}
-
-// Each cell costs its stage's `s_own`, or, where `cell_threads` (the plan's
-// threads_of_cells) gives it a count, its stage's `at(count)`.
-Evaluated evaluate(
-    const Plan& plan,
-    const StageCosts& s_own,
-    const LayerCosts& costs,
-    Checkpoint mode,
-    double overhead,
-    double param_scale,
-    const std::vector<std::vector<int64_t>>& cell_threads = {},
-    const std::function<const StageCosts&(int64_t)>& at = {}) {
-  const auto m = plan.micro_batches;
-  std::map<int64_t, const StageCosts*> other;  // cells at another count
-  for (const auto l : c10::irange(cell_threads.size())) {
-    for (const auto k : c10::irange(cell_threads[l].size())) {
-      if (cell_threads[l][k] > 0) {
-        other[key_of(plan.lanes[l][k], plan.stages)] = &at(cell_threads[l][k]);
-      }
-    }
-  }
-  ActionCosts ac;
-  ac.cost = [&](const Cell& c) {
-    const auto j = static_cast<size_t>(c.partition);
-    const auto found = other.find(key_of(c, plan.stages));
-    const auto& s = found == other.end() ? s_own : *found->second;
-    const double recompute =
-        checkpointed(mode, c.micro_batch, m) ? s.forward[j] : 0.0;
-    switch (c.phase) {
-      case Phase::Forward:
-        return s.forward[j] + overhead;
-      case Phase::Backward:
-        return s.input[j] + s.weight[j] + recompute + overhead;
-      case Phase::BackwardInput:
-        return s.input[j] + recompute + overhead;
-      case Phase::BackwardWeight:
-        return s.weight[j] + overhead;
-      case Phase::Loss:
-        return costs.loss;
-      default:
-        return 0.0;
-    }
-  };
-  const auto sim = simulate(plan, ac);
-  const auto& s = s_own;  // memory does not depend on threads
-  Evaluated e;
-  e.seconds = sim.makespan;
-  for (const auto l : c10::irange(sim.lanes.size())) {
-    double params = 0;
-    for (const auto j : plan.placement.stages_of(static_cast<int64_t>(l))) {
-      params += s.params[static_cast<size_t>(j)] * param_scale;
-    }
-    double live = 0;
-    double peak = 0;
-    for (const auto& a : sim.lanes[l]) {
-      const auto& c = a.cell;
-      const auto j = static_cast<size_t>(c.partition);
-      const bool ckpt = checkpointed(mode, c.micro_batch, m);
-      switch (c.phase) {
-        case Phase::Forward:
-          live += ckpt ? s.in[j] : s.kept[j];
-          peak = std::max(peak, live);
-          break;
-        case Phase::Backward:
-          peak = std::max(peak, live + (ckpt ? s.kept[j] : 0.0));
-          live -= ckpt ? s.in[j] : s.kept[j];
-          break;
-        case Phase::BackwardInput:
-          // The recomputed forward stays until the weight part.
-          live += ckpt ? s.kept[j] : 0.0;
-          peak = std::max(peak, live);
-          break;
-        case Phase::BackwardWeight:
-          live -= ckpt ? s.in[j] + s.kept[j] : s.kept[j];
-          break;
-        default:
-          break;
-      }
-    }
-    e.peaks.push_back(params + peak);
-  }
-  return e;
-}
+using detail::stage_costs;
+using detail::StageCosts;
 
 // Balances worth trying for `stages` stages: by time, by memory, and by
 // their normalised sum.
@@ -444,6 +308,7 @@ Autotuned autotune(
                 mode,
                 options.cell_overhead_seconds(),
                 options.param_scale(),
+                sample_input.is_cpu(),
                 cell_threads,
                 at);
             AutotuneCandidate c;

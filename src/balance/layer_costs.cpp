@@ -16,6 +16,7 @@
 #include "balance/sandbox.h"
 #include "engine/lane.h"
 #include "packet.h"
+#include "random.h"
 #include "skip.h"
 
 namespace gpipe::detail {
@@ -89,7 +90,9 @@ void one_pass(
         costs.forward[k] += seconds_since(tick);
       } else {
         CountingWindow window;
+        const GeneratorSnapshot before(torch::kCPU);
         y = call_layer(layer.module(), x, k);
+        costs.draws[k] = GeneratorSnapshot(torch::kCPU) != before;
         costs.kept_bytes[k] = static_cast<double>(window.bytes());
         costs.input_bytes[k] = bytes_of(x);
         costs.param_bytes[k] = parameter_bytes(*layer.module().ptr());
@@ -200,6 +203,7 @@ LayerCosts profile_layer_costs(
   costs.kept_bytes.assign(n, 0.0);
   costs.input_bytes.assign(n, 0.0);
   costs.param_bytes.assign(n, 0.0);
+  costs.draws.assign(n, false);
   {
     // The first pass counts bytes (and warms up): not timed.
     CountingAllocatorScope counting;

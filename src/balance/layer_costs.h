@@ -25,6 +25,10 @@ struct LayerCosts {
   std::vector<double> input_bytes;  // the layer's input
   std::vector<double> param_bytes;  // its parameters (once each)
   double loss = 0;                  // loss_fn and its gradient, seconds
+  /// Whether the layer's forward draws from the default CPU generator (a
+  /// stage that draws runs its forwards alone on CPU lanes: Note [Random
+  /// streams of concurrent cells] in src/random.h).
+  std::vector<bool> draws;
 
   size_t size() const {
     return forward.size();

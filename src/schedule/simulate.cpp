@@ -1,10 +1,13 @@
 // simulate: a plan run with fixed action costs, for bubbles and memory
 // before anything runs.
 
+#include "schedule/simulate.h"
+
 #include <c10/util/Exception.h>
 #include <gpipe/plan.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <tuple>
 
@@ -34,7 +37,12 @@ Key key_of(const Cell& c) {
 
 }  // namespace
 
-Simulation simulate(const Plan& plan, const ActionCosts& costs) {
+namespace detail {
+
+Simulation simulate_with_lease(
+    const Plan& plan,
+    const ActionCosts& costs,
+    const std::function<Held(const Cell&)>& lease) {
   plan.validate();
   const detail::CellInputs inputs(plan);
   const auto lanes = plan.lanes.size();
@@ -48,39 +56,86 @@ Simulation simulate(const Plan& plan, const ActionCosts& costs) {
   for (const auto& lane : plan.lanes) {
     remaining += lane.size();
   }
-  // validate() proved the plan runs, so every sweep makes progress.
+  // The earliest start of lane l's next action, or -1 while an input is
+  // not done.
+  const auto earliest = [&](size_t l) {
+    const auto& c = plan.lanes[l][next[l]];
+    double start = free[l];
+    for (const auto& d : inputs.of(c)) {
+      auto it = done.find(key_of(d));
+      if (it == done.end()) {
+        return -1.0;
+      }
+      const double arrives =
+          it->second.first + (it->second.second == l ? 0 : costs.transfer);
+      start = std::max(start, arrives);
+    }
+    return start;
+  };
+  // Actions placed so far that hold the lease: start, end, how.
+  std::vector<std::tuple<double, double, Lease>> placed;
+  const auto commit = [&](size_t l, double start) {
+    const auto& c = plan.lanes[l][next[l]];
+    const double cost = cost_of(c, costs);
+    TORCH_CHECK_VALUE(
+        cost >= 0,
+        "simulate: expected non-negative costs, but ",
+        to_string(c),
+        " costs ",
+        cost);
+    const auto held = lease && cost > 0 ? lease(c) : Held{};
+    const double hold = held.seconds < 0 ? cost : std::min(held.seconds, cost);
+    if (held.how != Lease::None && hold > 0) {
+      // An exclusive holder beside no other holder: the start moves past
+      // every one it would overlap (only ever later).
+      for (bool moved = true; moved;) {
+        moved = false;
+        for (const auto& [s, e, other] : placed) {
+          if ((held.how == Lease::Exclusive || other == Lease::Exclusive) &&
+              s < start + hold && start < e) {
+            start = e;
+            moved = true;
+          }
+        }
+      }
+      placed.emplace_back(start, start + hold, held.how);
+    }
+    done[key_of(c)] = {start + cost, l};
+    free[l] = start + cost;
+    sim.busy[l] += cost;
+    sim.lanes[l].push_back(SimulatedAction{c, start, start + cost});
+    ++next[l];
+    --remaining;
+  };
+  // validate() proved the plan runs, so every sweep makes progress. With
+  // a lease each sweep places the one ready action that can start first,
+  // so that holders take the lease in the order they would reach it;
+  // without, every ready action in turn (the earliest starts do not depend
+  // on the order).
   while (remaining > 0) {
+    if (lease) {
+      size_t pick = lanes;
+      double first = 0;
+      for (size_t l = 0; l < lanes; ++l) {
+        if (next[l] < plan.lanes[l].size()) {
+          const double start = earliest(l);
+          if (start >= 0 && (pick == lanes || start < first)) {
+            pick = l;
+            first = start;
+          }
+        }
+      }
+      TORCH_INTERNAL_ASSERT(pick < lanes);
+      commit(pick, first);
+      continue;
+    }
     for (size_t l = 0; l < lanes; ++l) {
       while (next[l] < plan.lanes[l].size()) {
-        const auto& c = plan.lanes[l][next[l]];
-        double start = free[l];
-        bool ready = true;
-        for (const auto& d : inputs.of(c)) {
-          auto it = done.find(key_of(d));
-          if (it == done.end()) {
-            ready = false;
-            break;
-          }
-          const double arrives =
-              it->second.first + (it->second.second == l ? 0 : costs.transfer);
-          start = std::max(start, arrives);
-        }
-        if (!ready) {
+        const double start = earliest(l);
+        if (start < 0) {
           break;
         }
-        const double cost = cost_of(c, costs);
-        TORCH_CHECK_VALUE(
-            cost >= 0,
-            "simulate: expected non-negative costs, but ",
-            to_string(c),
-            " costs ",
-            cost);
-        done[key_of(c)] = {start + cost, l};
-        free[l] = start + cost;
-        sim.busy[l] += cost;
-        sim.lanes[l].push_back(SimulatedAction{c, start, start + cost});
-        ++next[l];
-        --remaining;
+        commit(l, start);
       }
     }
   }
@@ -125,6 +180,12 @@ Simulation simulate(const Plan& plan, const ActionCosts& costs) {
     }
   }
   return sim;
+}
+
+}  // namespace detail
+
+Simulation simulate(const Plan& plan, const ActionCosts& costs) {
+  return detail::simulate_with_lease(plan, costs, {});
 }
 
 }  // namespace gpipe
