@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "cell_generator.h"
+
 namespace gpipe::detail {
 
 namespace {
@@ -73,6 +75,41 @@ RandomOutcome run_exclusive(
   return outcome;
 }
 
+// Runs `body` under the shared lease with a CPU generator of its own,
+// seeded with `seed`, for the random operators it calls (cell_generator.h).
+// `moved` says whether the default generators moved meanwhile (a layer that
+// draws from them by name, or another thread's draws): then the outcome
+// counts for nothing and the caller runs the cell exclusively instead.
+struct OwnRun {
+  RandomOutcome outcome;
+  bool moved = false;
+};
+
+OwnRun run_own(uint64_t seed, const std::function<void()>& body) {
+  Shared hold;
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const GeneratorSnapshot start(gen);
+  const GeneratorSnapshot before(torch::kCPU);
+  {
+    CellGeneratorScope scope(gen);
+    body();
+  }
+  OwnRun run;
+  run.moved = GeneratorSnapshot(torch::kCPU) != before;
+  auto end = std::make_shared<GeneratorSnapshot>(gen);
+  run.outcome.drew = *end != start;
+  run.outcome.own = true;
+  if (run.outcome.drew) {
+    run.outcome.end = std::move(end);
+  }
+  return run;
+}
+
+// Whether cells on `device` draw from generators of their own.
+bool own_generators(torch::Device device) {
+  return device.is_cpu() && cell_generators_available();
+}
+
 }  // namespace
 
 RandomLease& RandomLease::get() {
@@ -120,6 +157,16 @@ struct GeneratorSnapshot::Cpu {
   c10::optional<float> next_float;
   c10::optional<double> next_double;
 };
+
+GeneratorSnapshot::GeneratorSnapshot(const at::Generator& cpu)
+    : cpu_(std::make_unique<Cpu>()) {
+  auto gen = cpu;
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
+  cpu_->engine = impl->engine().data();
+  cpu_->next_float = impl->next_float_normal_sample();
+  cpu_->next_double = impl->next_double_normal_sample();
+}
 
 GeneratorSnapshot::GeneratorSnapshot(torch::Device device)
     : cpu_(std::make_unique<Cpu>()) {
@@ -177,7 +224,20 @@ RandomOutcome run_seeded(
     uint64_t seed,
     const std::function<void()>& body,
     const std::function<void()>& rerun) {
+  const bool own = own_generators(device) && !use.draws_by_name(training);
   if (use.expect_draws(training)) {
+    if (own) {
+      auto run = run_own(seed, body);
+      if (!run.moved) {
+        use.observe(training, run.outcome.drew, /*seeded=*/true);
+        return run.outcome;
+      }
+      // It drew from the default generator by name: again, in turn.
+      use.observe_by_name(training);
+      auto outcome = run_exclusive(device, seed, rerun);
+      use.observe(training, outcome.drew, /*seeded=*/true);
+      return outcome;
+    }
     auto outcome = run_exclusive(device, seed, body);
     use.observe(training, outcome.drew, /*seeded=*/true);
     return outcome;
@@ -194,6 +254,14 @@ RandomOutcome run_seeded(
   }
   // This cell, or another of the shared group, drew unseeded: run again,
   // seeded. See Note [Random streams of concurrent cells].
+  if (own) {
+    auto run = run_own(seed, rerun);
+    if (!run.moved) {
+      use.observe(training, run.outcome.drew, /*seeded=*/true);
+      return run.outcome;
+    }
+    use.observe_by_name(training);
+  }
   auto outcome = run_exclusive(device, seed, rerun);
   use.observe(training, outcome.drew, /*seeded=*/true);
   return outcome;
@@ -204,6 +272,16 @@ void replay_seeded(
     uint64_t seed,
     const RandomOutcome& forward,
     const std::function<void()>& body) {
+  if (forward.drew && forward.own) {
+    const auto run = run_own(seed, body);
+    TORCH_CHECK(
+        !run.moved && run.outcome.end && *run.outcome.end == *forward.end,
+        "the recomputation of a checkpointed cell drew other random numbers "
+        "than its forward (does a layer draw differently when "
+        "gpipe::is_recomputing(), or from the default generator by name?); "
+        "its gradients would be wrong");
+    return;
+  }
   if (forward.drew) {
     auto outcome = run_exclusive(device, seed, body);
     TORCH_CHECK(

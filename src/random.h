@@ -11,10 +11,18 @@
 // partitions share one thread) would disturb the other lanes.
 //
 // So every cell gets its own seed, derived from a step seed (drawn once per
-// pass from the user's generator) and the cell's (micro-batch, stage); a
-// cell that draws runs with the default generators seeded with it, holding
-// a process-wide lease *exclusively*, and its recomputation reseeds with the
-// same seed and so replays the same numbers.
+// pass from the user's generator) and the cell's (micro-batch, stage). On a
+// CPU lane a cell that draws gets a generator of its own, seeded with it:
+// the random operators it calls without a generator (dropout's bernoulli_,
+// rand, randn, ...) take it in place of the default one (cell_generator.h),
+// so cells that draw run at once, holding the lease *shared*. A cell that
+// draws from the default generator by name (seen as the default generator
+// moving meanwhile), and a cell on another device (whose generator is the
+// device's default), runs with the default generators seeded with its
+// seed, holding a process-wide lease *exclusively*. Either way its
+// recomputation reseeds with the same seed and so replays the same
+// numbers; the two ways draw the same numbers (a CPU generator seeded with
+// a seed starts where the default one reseeded with it does).
 //
 // Whether a cell draws cannot be known before it runs, and cannot be decided
 // once per stage for ever: a dropout probability scheduled up from 0, or a
@@ -86,6 +94,8 @@ class RandomLease {
 class GeneratorSnapshot {
  public:
   explicit GeneratorSnapshot(torch::Device device);
+  /// The state of `cpu`, a CPU generator (a cell's own).
+  explicit GeneratorSnapshot(const at::Generator& cpu);
   ~GeneratorSnapshot();
   bool operator==(const GeneratorSnapshot& other) const;
   bool operator!=(const GeneratorSnapshot& other) const {
@@ -101,6 +111,9 @@ class GeneratorSnapshot {
 /// What a cell's forward did with random numbers, for its recomputation.
 struct RandomOutcome {
   bool drew = false;
+  /// It drew from a generator of its own (a CPU cell; cell_generator.h),
+  /// not from the default generators.
+  bool own = false;
   /// Where the generators ended, when it drew.
   std::shared_ptr<GeneratorSnapshot> end;
 };
@@ -116,11 +129,21 @@ class RandomUse {
   }
   /// Records whether a cell drew.
   void observe(bool training, bool drew, bool seeded);
+  /// True once a cell in this mode drew from the default generators by
+  /// name while it had a generator of its own: its cells then draw in turn
+  /// from the seeded default generators, without trying their own first.
+  bool draws_by_name(bool training) const {
+    return by_name_[training ? 1 : 0].load(std::memory_order_relaxed);
+  }
+  void observe_by_name(bool training) {
+    by_name_[training ? 1 : 0].store(true, std::memory_order_relaxed);
+  }
 
  private:
   // Seeded cells to run before trusting the shared lease again; 1 at
   // first, so that the first cell in each mode finds out.
   std::atomic<int> credits_[2] = {{1}, {1}};
+  std::atomic<bool> by_name_[2] = {{false}, {false}};
 };
 
 /// Runs `body` so that the random numbers it draws depend on `seed` alone

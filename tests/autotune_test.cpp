@@ -2,6 +2,7 @@
 // rejected and why, options that build a pipeline which trains as the
 // plain model does, and clear errors.
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 #include <gpipe/gpipe.h>
@@ -134,16 +135,22 @@ TEST_F(AutotuneTest, ItsOptionsTrainAsThePlainModel) {
 // A layer whose forward sleeps 12 ms over the calling thread's intra-op
 // threads: it gains from more cores as a wide layer does, however loaded
 // the machine is.
-// With `draws`, it also draws a random number, as dropout does.
+// It also draws a random number: with `draws` 1 through the random
+// operators (as dropout does), with 2 from the default generator by name.
 struct SleepOverThreadsImpl : torch::nn::Cloneable<SleepOverThreadsImpl> {
-  explicit SleepOverThreadsImpl(bool draws = false) : draws(draws) {}
+  explicit SleepOverThreadsImpl(int draws = 0) : draws(draws) {}
   void reset() override {}
   torch::Tensor forward(torch::Tensor x) {
     std::this_thread::sleep_for(
         std::chrono::microseconds(12000 / std::max(1, at::get_num_threads())));
-    return draws ? x * torch::rand({1}) : x * 1.0;
+    if (draws == 0) {
+      return x * 1.0;
+    }
+    return x * (draws == 1
+                    ? torch::rand({1})
+                    : torch::rand({1}, at::detail::getDefaultCPUGenerator()));
   }
-  bool draws;
+  int draws;
 };
 TORCH_MODULE(SleepOverThreads);
 
@@ -216,11 +223,12 @@ TEST_F(AutotuneTest, ChoosesThreadsPerLaneWhereThePlanIsSerial) {
   EXPECT_EQ(fixed.options().threads_per_lane(), 1);
 }
 
-// On CPU lanes a cell that draws random numbers holds the default
-// generators alone (Note [Random streams of concurrent cells]), so the
-// planner predicts such forwards one at a time.
-TEST_F(AutotuneTest, ForwardsThatDrawArePredictedOneAtATime) {
-  const auto predicted = [](bool draws) {
+// On CPU lanes a cell that draws from the default generator by name holds
+// it alone (Note [Random streams of concurrent cells]), so the planner
+// predicts such forwards one at a time; one that draws through the random
+// operators has a generator of its own and runs beside the others.
+TEST_F(AutotuneTest, ForwardsThatDrawByNameArePredictedOneAtATime) {
+  const auto predicted = [](int draws) {
     torch::nn::Sequential net;
     for (int k = 0; k < 4; ++k) {
       net->push_back(torch::nn::Linear(16, 16));
@@ -242,9 +250,11 @@ TEST_F(AutotuneTest, ForwardsThatDrawArePredictedOneAtATime) {
   };
   // Forwards of 24 ms a stage: 5 of them in a row when the lanes overlap,
   // 8 when they run one at a time.
-  const double apart = predicted(false);
-  const double alone = predicted(true);
-  EXPECT_GT(alone, apart * 1.3) << apart << " " << alone;
+  const double none = predicted(0);
+  const double own = predicted(1);
+  const double by_name = predicted(2);
+  EXPECT_LT(own, none * 1.15) << none << " " << own;
+  EXPECT_GT(by_name, none * 1.3) << none << " " << by_name;
 }
 
 TEST_F(AutotuneTest, AMemoryLimitNothingFitsIsAClearError) {

@@ -3,8 +3,13 @@
 // recomputation, on several lanes at once, so checkpointing never changes a
 // gradient. See Note [Random streams of concurrent cells].
 
-#include <atomic>
+#include <ATen/CPUGeneratorImpl.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "cell_generator.h"
 #include "common.h"
 
 namespace {
@@ -201,6 +206,132 @@ TEST_F(RandomTest, LossRunsOncePerMicroBatchOutsideRecomputation) {
       EXPECT_EQ(recomputed.load(), 0) << gpipe::to_string(mode);
     }
   }
+}
+
+}  // namespace
+
+namespace {
+
+// A layer that sleeps `ms` and multiplies by uniform noise, drawn through
+// the random operators (a cell's own generator on CPU lanes) or, with
+// `by_name`, from the default generator given by name.
+struct SleepyNoiseImpl : torch::nn::Cloneable<SleepyNoiseImpl> {
+  SleepyNoiseImpl(int ms, bool by_name) : ms(ms), by_name(by_name) {}
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    auto noise =
+        by_name
+            ? torch::rand(
+                  x.sizes(), at::detail::getDefaultCPUGenerator(), x.options())
+            : torch::rand_like(x);
+    return x * (0.5 + noise);
+  }
+  int ms;
+  bool by_name;
+};
+TORCH_MODULE(SleepyNoise);
+
+// Cells that draw random numbers through the random operators on CPU lanes
+// take generators of their own (src/cell_generator.h), so they run at
+// once, and still replay their numbers in recomputation and depend on the
+// seed alone. A layer that draws from the default generator by name is
+// run in turn, as before.
+TEST_F(RandomTest, CellsThatDrawRunAtOnceOnTheirOwnGenerators) {
+  for (const bool by_name : {false, true}) {
+    SCOPED_TRACE(by_name ? "by name" : "through the operators");
+    auto make = [&] {
+      torch::manual_seed(0);
+      torch::nn::Sequential net(
+          torch::nn::Linear(4, 4),
+          SleepyNoise(20, by_name),
+          torch::nn::Linear(4, 4),
+          SleepyNoise(20, by_name));
+      net->to(torch::kFloat64);
+      return net;
+    };
+    auto x = torch::randn({4, 4}, torch::kFloat64);
+    auto always_net = make();
+    auto never_net = make();
+    gpipe::GPipe always(
+        always_net,
+        gpipe::GPipeOptions({2, 2})
+            .chunks(4)
+            .checkpoint(Checkpoint::Always)
+            .threads_per_lane(1));
+    gpipe::GPipe never(
+        never_net,
+        gpipe::GPipeOptions({2, 2})
+            .chunks(4)
+            .checkpoint(Checkpoint::Never)
+            .threads_per_lane(1));
+    for (int step = 0; step < 3; ++step) {
+      auto trace = std::make_shared<gpipe::Trace>();
+      never->set_trace(trace);
+      torch::manual_seed(10 + step);
+      auto out = never->forward(x);
+      never->set_trace(nullptr);
+      out.sum().backward();
+      torch::manual_seed(10 + step);
+      always->forward(x).sum().backward();
+      // Four micro-batches through two stages of one 20 ms cell each: 5
+      // cells' time when the lanes work at once, 8 when they take turns.
+      const double span = trace->summary().span;
+      if (!by_name) {
+        EXPECT_LT(span, 0.14) << "step " << step;
+      } else if (step > 0) {
+        // Once a stage is seen to draw by name, its cells take turns.
+        EXPECT_GE(span, 0.155) << "step " << step;
+      }
+      // The same seed, the same numbers, whichever lane ran first.
+      torch::manual_seed(10 + step);
+      EXPECT_TRUE(torch::equal(never->forward(x).detach(), out.detach()));
+    }
+    auto a = gpipe::testing::grads_of(*always);
+    auto b = gpipe::testing::grads_of(*never);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t k = 0; k < a.size(); ++k) {
+      EXPECT_TRUE(torch::allclose(a[k], b[k], 1e-12, 1e-12)) << k;
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The scope gives the random operators called without a generator the
+// cell's: the default generator stays where it was, an operator given a
+// generator keeps it, scopes nest, and a generator seeded with s draws what
+// the default one reseeded with s draws (so both ways of running a cell
+// that draws give the same numbers).
+TEST_F(RandomTest, CellGeneratorScopeGivesTheOperatorsTheCellsGenerator) {
+  ASSERT_TRUE(gpipe::detail::cell_generators_available());
+  torch::manual_seed(123);
+  const auto uniform = torch::rand({5});
+  const auto normal = torch::randn({3});
+  const auto mask = torch::dropout(torch::ones({64}), 0.5, true);
+  torch::manual_seed(5);
+  const auto before = torch::rand({4});
+  torch::manual_seed(5);
+  {
+    gpipe::detail::CellGeneratorScope scope(
+        at::make_generator<at::CPUGeneratorImpl>(123));
+    EXPECT_TRUE(torch::equal(torch::rand({5}), uniform));
+    EXPECT_TRUE(torch::equal(torch::randn({3}), normal));
+    EXPECT_TRUE(
+        torch::equal(torch::dropout(torch::ones({64}), 0.5, true), mask));
+    {
+      gpipe::detail::CellGeneratorScope inner(
+          at::make_generator<at::CPUGeneratorImpl>(123));
+      EXPECT_TRUE(torch::equal(torch::rand({5}), uniform));
+    }
+    // Given a generator, an operator keeps it.
+    auto given = at::make_generator<at::CPUGeneratorImpl>(123);
+    EXPECT_TRUE(torch::equal(torch::rand({5}, given), uniform));
+  }
+  // The default generator did not move.
+  EXPECT_TRUE(torch::equal(torch::rand({4}), before));
 }
 
 }  // namespace

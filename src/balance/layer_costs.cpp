@@ -2,6 +2,7 @@
 
 #include "balance/layer_costs.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
@@ -10,10 +11,12 @@
 #include <torch/autograd.h>
 
 #include <chrono>
+#include <optional>
 #include <unordered_set>
 
 #include "balance/allocator.h"
 #include "balance/sandbox.h"
+#include "cell_generator.h"
 #include "engine/lane.h"
 #include "packet.h"
 #include "random.h"
@@ -86,13 +89,27 @@ void one_pass(
     try {
       auto tick = Clock::now();
       if (timed) {
+        // As a cell of the pipeline runs it (random.cpp: run_own).
+        std::optional<CellGeneratorScope> own;
+        if (costs.draws[k] && cell_generators_available()) {
+          own.emplace(at::make_generator<at::CPUGeneratorImpl>(k));
+        }
         y = call_layer(layer.module(), x, k);
         costs.forward[k] += seconds_since(tick);
       } else {
         CountingWindow window;
+        std::optional<CellGeneratorScope> own;
+        const auto gen = at::make_generator<at::CPUGeneratorImpl>(k);
+        if (cell_generators_available()) {
+          own.emplace(gen);
+        }
+        const GeneratorSnapshot own_before(gen);
         const GeneratorSnapshot before(torch::kCPU);
         y = call_layer(layer.module(), x, k);
-        costs.draws[k] = GeneratorSnapshot(torch::kCPU) != before;
+        own.reset();
+        costs.draws_alone[k] = GeneratorSnapshot(torch::kCPU) != before;
+        costs.draws[k] =
+            costs.draws_alone[k] || GeneratorSnapshot(gen) != own_before;
         costs.kept_bytes[k] = static_cast<double>(window.bytes());
         costs.input_bytes[k] = bytes_of(x);
         costs.param_bytes[k] = parameter_bytes(*layer.module().ptr());
@@ -204,6 +221,7 @@ LayerCosts profile_layer_costs(
   costs.input_bytes.assign(n, 0.0);
   costs.param_bytes.assign(n, 0.0);
   costs.draws.assign(n, false);
+  costs.draws_alone.assign(n, false);
   {
     // The first pass counts bytes (and warms up): not timed.
     CountingAllocatorScope counting;

@@ -25,10 +25,15 @@ struct LayerCosts {
   std::vector<double> input_bytes;  // the layer's input
   std::vector<double> param_bytes;  // its parameters (once each)
   double loss = 0;                  // loss_fn and its gradient, seconds
-  /// Whether the layer's forward draws from the default CPU generator (a
-  /// stage that draws runs its forwards alone on CPU lanes: Note [Random
-  /// streams of concurrent cells] in src/random.h).
+  /// Whether the layer's forward draws random numbers. On CPU lanes such a
+  /// cell draws from a generator of its own (cell_generator.h), and is
+  /// profiled so.
   std::vector<bool> draws;
+  /// Whether it draws from the default CPU generator itself (by name, or
+  /// where cells cannot have their own): its cells then hold the lease on
+  /// the default generators alone and run one at a time (Note [Random
+  /// streams of concurrent cells] in src/random.h).
+  std::vector<bool> draws_alone;
 
   size_t size() const {
     return forward.size();

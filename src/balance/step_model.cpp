@@ -30,7 +30,7 @@ StageCosts stage_costs(
     bool draws = false;
     const double in = c.input_bytes[k];
     for (int64_t l = 0; l < b; ++l, ++k) {
-      draws = draws || c.draws[k];
+      draws = draws || c.draws_alone[k];
       f += c.forward[k];
       i += c.input[k];
       w += c.weight[k];
@@ -96,8 +96,10 @@ Evaluated evaluate(
   };
   // How each cell holds the lease on the default generators (Note [Random
   // streams of concurrent cells] in src/random.h): forwards, losses and
-  // recomputations hold it, shared; on CPU lanes a stage that draws holds
-  // it alone, so its forwards (and recomputations) run one at a time.
+  // recomputations hold it, shared; on CPU lanes a stage with a layer that
+  // draws from the default generator itself holds it alone, so its
+  // forwards (and recomputations) run one at a time. (Layers that draw
+  // through the random operators draw from the cell's own generator.)
   std::function<detail::Held(const Cell&)> lease;
   if (cpu) {
     lease = [&](const Cell& c) {

@@ -7,17 +7,18 @@
 // overhead per cell; a checkpointed micro-batch's backward also recomputes
 // the forward. The last stage's loss costs the loss's time. `simulate` runs
 // the plan with those costs, and with the lease on the random generators:
-// on CPU lanes a stage whose layers draw random numbers (dropout) runs its
-// forwards, and the recomputations of its checkpointed backwards, beside
-// no other forward (Note [Random streams of concurrent cells] in
-// src/random.h; simulate_with_lease). With threads_per_lane 0 a plan whose
-// lanes never work at once runs each cell on every core, profiled so.
-// Memory, per lane, walks the lane's simulated actions in order: a forward
-// keeps what the stage's layers keep (a checkpointed micro-batch only the
-// stage's input), its backward (or its weight part) frees it; a checkpointed
-// backward holds what the recomputed forward keeps while it runs (until the
-// weight part, when split). The lane's peak of that, plus its parameters times
-// param_scale, must fit the limit.
+// on CPU lanes a stage with a layer that draws from the default generator
+// itself (not through the random operators, which give a cell its own
+// generator) runs its forwards, and the recomputations of its
+// checkpointed backwards, beside no other forward (Note [Random streams of
+// concurrent cells] in src/random.h; simulate_with_lease). With
+// threads_per_lane 0 a plan whose lanes never work at once runs each cell on
+// every core, profiled so. Memory, per lane, walks the lane's simulated actions
+// in order: a forward keeps what the stage's layers keep (a checkpointed
+// micro-batch only the stage's input), its backward (or its weight part) frees
+// it; a checkpointed backward holds what the recomputed forward keeps while it
+// runs (until the weight part, when split). The lane's peak of that, plus its
+// parameters times param_scale, must fit the limit.
 
 #include <gpipe/checkpoint.h>
 #include <gpipe/plan.h>
@@ -33,7 +34,9 @@ namespace gpipe::detail {
 /// Sums of the layers' costs per stage.
 struct StageCosts {
   std::vector<double> forward, input, weight, kept, in, params;
-  std::vector<bool> draws;  // some layer's forward draws random numbers
+  // Some layer's forward draws from the default generator itself (its
+  // cells hold the lease alone).
+  std::vector<bool> draws;
 };
 
 /// The stages' costs under `balance`.
