@@ -13,8 +13,8 @@ namespace gpipe::detail {
 /// Whether the random operators can be given a cell's generator: true once
 /// gpipe has put its kernels in the dispatcher (the first call does it);
 /// false when another library already holds the dispatch key they use
-/// (c10::DispatchKey::CustomRNGKeyId, meant for custom generators), and
-/// then cells that draw take the default generators in turn, as before.
+/// (c10::DispatchKey::TESTING_ONLY_GenericMode, see cell_generator.cpp),
+/// and then cells that draw take the default generators in turn.
 bool cell_generators_available();
 
 /// While alive, the random operators this thread calls without a generator
