@@ -224,7 +224,11 @@ RandomOutcome run_seeded(
     uint64_t seed,
     const std::function<void()>& body,
     const std::function<void()>& rerun) {
-  const bool own = own_generators(device) && !use.draws_by_name(training);
+  const bool in_turn = own_generators(device) && use.draws_by_name(training);
+  const bool own = own_generators(device) && !in_turn;
+  if (in_turn) {
+    use.ran_in_turn(training);
+  }
   if (use.expect_draws(training)) {
     if (own) {
       auto run = run_own(seed, body);

@@ -59,6 +59,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -129,21 +130,32 @@ class RandomUse {
   }
   /// Records whether a cell drew.
   void observe(bool training, bool drew, bool seeded);
-  /// True once a cell in this mode drew from the default generators by
-  /// name while it had a generator of its own: its cells then draw in turn
-  /// from the seeded default generators, without trying their own first.
+  /// True after a cell in this mode saw the default generators move while
+  /// it drew from a generator of its own (a layer that draws from them by
+  /// name; or another thread, or another stage's first unseeded draw): its
+  /// next `kByNamePatience` cells draw in turn from the seeded default
+  /// generators without trying their own first, then it tries again.
+  static constexpr int kByNamePatience = 64;
   bool draws_by_name(bool training) const {
-    return by_name_[training ? 1 : 0].load(std::memory_order_relaxed);
+    return by_name_[training ? 1 : 0].load(std::memory_order_relaxed) > 0;
   }
   void observe_by_name(bool training) {
-    by_name_[training ? 1 : 0].store(true, std::memory_order_relaxed);
+    by_name_[training ? 1 : 0].store(
+        kByNamePatience, std::memory_order_relaxed);
+  }
+  /// A cell ran in turn because of `draws_by_name`.
+  void ran_in_turn(bool training) {
+    auto& left = by_name_[training ? 1 : 0];
+    left.store(
+        std::max(0, left.load(std::memory_order_relaxed) - 1),
+        std::memory_order_relaxed);
   }
 
  private:
   // Seeded cells to run before trusting the shared lease again; 1 at
   // first, so that the first cell in each mode finds out.
   std::atomic<int> credits_[2] = {{1}, {1}};
-  std::atomic<bool> by_name_[2] = {{false}, {false}};
+  std::atomic<int> by_name_[2] = {{0}, {0}};
 };
 
 /// Runs `body` so that the random numbers it draws depend on `seed` alone

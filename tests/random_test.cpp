@@ -3,6 +3,8 @@
 // recomputation, on several lanes at once, so checkpointing never changes a
 // gradient. See Note [Random streams of concurrent cells].
 
+#include "random.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <atomic>
@@ -332,6 +334,26 @@ TEST_F(RandomTest, CellGeneratorScopeGivesTheOperatorsTheCellsGenerator) {
   }
   // The default generator did not move.
   EXPECT_TRUE(torch::equal(torch::rand({4}), before));
+}
+
+}  // namespace
+
+namespace {
+
+// A stage seen drawing by name takes turns for a while, then tries its own
+// generator again: a move of the default generator by another stage's
+// first unseeded draw does not hold it back for good.
+TEST_F(RandomTest, DrawingByNameIsRetriedAfterAWhile) {
+  gpipe::detail::RandomUse use;
+  EXPECT_FALSE(use.draws_by_name(true));
+  use.observe_by_name(true);
+  EXPECT_TRUE(use.draws_by_name(true));
+  EXPECT_FALSE(use.draws_by_name(false));
+  for (int k = 0; k < gpipe::detail::RandomUse::kByNamePatience; ++k) {
+    EXPECT_TRUE(use.draws_by_name(true)) << k;
+    use.ran_in_turn(true);
+  }
+  EXPECT_FALSE(use.draws_by_name(true));
 }
 
 }  // namespace
