@@ -11,7 +11,8 @@
 namespace gpipe::detail {
 
 /// Whether the random operators can be given a cell's generator: true once
-/// gpipe has put its kernels in the dispatcher (the first call does it);
+/// gpipe has put its kernels in the dispatcher (the first call does it, so
+/// make it before threads of ours dispatch: Pipeline's constructor does);
 /// false when another library already holds the dispatch key they use
 /// (c10::DispatchKey::TESTING_ONLY_GenericMode, see cell_generator.cpp),
 /// and then cells that draw take the default generators in turn.

@@ -4,8 +4,10 @@
 #include <gpipe/plan.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <optional>
 
+#include "cell_generator.h"
 #include "device.h"
 #include "engine/autograd_node.h"
 #include "engine/in_process_transport.h"
@@ -43,6 +45,13 @@ Pipeline::Pipeline(
   TORCH_INTERNAL_ASSERT(local.empty() || local.size() == n);
   TORCH_INTERNAL_ASSERT(placement_.stages() == static_cast<int64_t>(n));
   local_ = local.empty() ? std::vector<bool>(n, true) : local;
+  // The dispatcher takes kernels before any lane runs, not while lanes
+  // dispatch (cell_generator.h).
+  if (std::any_of(devices_.begin(), devices_.end(), [](const auto& d) {
+        return d.is_cpu();
+      })) {
+    cell_generators_available();
+  }
   // Only this process's partitions become Stages: the others run in other
   // processes (gpipe::dist), and are known here by their skips' routes.
   for (const auto j : c10::irange(n)) {
