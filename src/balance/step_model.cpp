@@ -101,7 +101,9 @@ Evaluated evaluate(
   // forwards (and recomputations) run one at a time. (Layers that draw
   // through the random operators draw from the cell's own generator.)
   std::function<detail::Held(const Cell&)> lease;
-  if (cpu) {
+  // (With no such stage every holder shares it: the plain simulation.)
+  if (cpu && std::find(s_own.draws.begin(), s_own.draws.end(), true) !=
+                 s_own.draws.end()) {
     lease = [&](const Cell& c) {
       const auto j = static_cast<size_t>(c.partition);
       const auto how =
