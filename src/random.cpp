@@ -217,6 +217,35 @@ void RandomUse::observe(bool training, bool drew, bool seeded) {
   }
 }
 
+namespace {
+
+// Runs a cell that draws, seeded, and records what it drew: `first` on a
+// generator of its own where it may (`own`) and, when the default
+// generators moved meanwhile, `rerun` in turn; else `first` in turn.
+RandomOutcome run_drawing(
+    RandomUse& use,
+    torch::Device device,
+    bool training,
+    uint64_t seed,
+    bool own,
+    const std::function<void()>& first,
+    const std::function<void()>& rerun) {
+  RandomOutcome outcome;
+  if (!own) {
+    outcome = run_exclusive(device, seed, first);
+  } else if (auto run = run_own(seed, first); !run.moved) {
+    outcome = std::move(run.outcome);
+  } else {
+    // It drew from the default generator by name: again, in turn.
+    use.observe_by_name(training);
+    outcome = run_exclusive(device, seed, rerun);
+  }
+  use.observe(training, outcome.drew, /*seeded=*/true);
+  return outcome;
+}
+
+}  // namespace
+
 RandomOutcome run_seeded(
     RandomUse& use,
     torch::Device device,
@@ -224,27 +253,14 @@ RandomOutcome run_seeded(
     uint64_t seed,
     const std::function<void()>& body,
     const std::function<void()>& rerun) {
-  const bool in_turn = own_generators(device) && use.draws_by_name(training);
-  const bool own = own_generators(device) && !in_turn;
+  const bool available = own_generators(device);
+  const bool in_turn = available && use.draws_by_name(training);
   if (in_turn) {
     use.ran_in_turn(training);
   }
+  const bool own = available && !in_turn;
   if (use.expect_draws(training)) {
-    if (own) {
-      auto run = run_own(seed, body);
-      if (!run.moved) {
-        use.observe(training, run.outcome.drew, /*seeded=*/true);
-        return run.outcome;
-      }
-      // It drew from the default generator by name: again, in turn.
-      use.observe_by_name(training);
-      auto outcome = run_exclusive(device, seed, rerun);
-      use.observe(training, outcome.drew, /*seeded=*/true);
-      return outcome;
-    }
-    auto outcome = run_exclusive(device, seed, body);
-    use.observe(training, outcome.drew, /*seeded=*/true);
-    return outcome;
+    return run_drawing(use, device, training, seed, own, body, rerun);
   }
   bool moved = false;
   {
@@ -258,17 +274,7 @@ RandomOutcome run_seeded(
   }
   // This cell, or another of the shared group, drew unseeded: run again,
   // seeded. See Note [Random streams of concurrent cells].
-  if (own) {
-    auto run = run_own(seed, rerun);
-    if (!run.moved) {
-      use.observe(training, run.outcome.drew, /*seeded=*/true);
-      return run.outcome;
-    }
-    use.observe_by_name(training);
-  }
-  auto outcome = run_exclusive(device, seed, rerun);
-  use.observe(training, outcome.drew, /*seeded=*/true);
-  return outcome;
+  return run_drawing(use, device, training, seed, own, rerun, rerun);
 }
 
 void replay_seeded(
