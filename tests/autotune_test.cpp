@@ -245,7 +245,13 @@ TEST_F(AutotuneTest, ForwardsThatDrawByNameArePredictedOneAtATime) {
             .schedules({Schedule::FillDrain})
             .chunks({4})
             .checkpoints({Checkpoint::Never}));
-    EXPECT_EQ(tuned.balance, (std::vector<int64_t>{4, 4}));
+    // Two sleeping layers on each stage: [4, 4], or [5, 3] (the fifth
+    // layer, a Linear, weighs next to nothing, so timing may put it
+    // either side).
+    EXPECT_TRUE(
+        tuned.balance == (std::vector<int64_t>{4, 4}) ||
+        tuned.balance == (std::vector<int64_t>{5, 3}))
+        << tuned.balance;
     return tuned.predicted_step_seconds;
   };
   // Forwards of 24 ms a stage: 5 of them in a row when the lanes overlap,
