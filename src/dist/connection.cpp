@@ -32,9 +32,19 @@ void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object) {
   kept->push_back(std::move(object));
 }
 
+namespace {
+
+// A channel kept for good after a failure, with the group it sends on.
+struct KeptChannel : c10::intrusive_ptr_target {
+  explicit KeptChannel(std::shared_ptr<Channel> c) : channel(std::move(c)) {}
+  std::shared_ptr<Channel> channel;
+};
+
+}  // namespace
+
 Connection::Connection(
     c10::intrusive_ptr<c10d::Store> store_,
-    c10::intrusive_ptr<c10d::ProcessGroup> group_,
+    Groups groups_,
     int64_t rank_,
     int64_t size_,
     int64_t local_rank_,
@@ -42,7 +52,7 @@ Connection::Connection(
     std::chrono::milliseconds timeout_,
     GroupFactory make_group_)
     : store(std::move(store_)),
-      group(std::move(group_)),
+      groups(std::move(groups_)),
       rank(rank_),
       size(size_),
       local_rank(local_rank_),
@@ -65,7 +75,11 @@ Connection::~Connection() {
   }
   if (failure_) {
     // Receives may still be posted into the group: leave it alone.
-    keep_forever(std::move(group));
+    keep_forever(std::move(groups.group));
+    if (groups.channel) {
+      // (Its receives, if any, were aborted with the failure.)
+      keep_forever(c10::make_intrusive<KeptChannel>(std::move(groups.channel)));
+    }
   }
 }
 
@@ -121,6 +135,9 @@ bool Connection::record_failure(const std::string& message) {
   failure_cv_.notify_all();
   for (const auto& work : receiving) {
     work->abort();
+  }
+  if (groups.channel) {
+    groups.channel->abort();
   }
   return true;
 }
@@ -193,6 +210,28 @@ void Connection::wait_collective(
   }
 }
 
+void Connection::run_collective(
+    std::vector<torch::Tensor>& tensors,
+    const std::function<
+        c10::intrusive_ptr<c10d::Work>(std::vector<torch::Tensor>&)>& start,
+    const std::string& what) {
+  std::vector<torch::Tensor> staged;
+  staged.reserve(tensors.size());
+  bool moved = false;
+  for (const auto& t : tensors) {
+    staged.push_back(on_group_device(groups, t));
+    moved = moved || !staged.back().is_same(t);
+  }
+  wait_collective(start(moved ? staged : tensors), what);
+  if (moved) {
+    for (const auto k : c10::irange(tensors.size())) {
+      if (!staged[k].is_same(tensors[k])) {
+        tensors[k].copy_(staged[k]);
+      }
+    }
+  }
+}
+
 std::optional<std::string> Connection::failure() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return failure_;
@@ -216,13 +255,12 @@ void Connection::check() const {
 PostedBytes Connection::post_bytes(int64_t peer, int tag, int64_t n) {
   PostedBytes posted;
   posted.buffer = bytes(n);
-  std::vector<at::Tensor> tensors{posted.buffer};
   std::lock_guard<std::mutex> lock(mutex_);
   // Thrown when waited for: throw_failure() takes mutex_ itself.
   posted.failed = failure_.has_value();
   if (!posted.failed) {
     try {
-      posted.work = group->recv(tensors, static_cast<int>(peer), tag);
+      posted.work = groups.channel->recv(posted.buffer, peer, tag);
     } catch (const std::exception& e) {
       posted.refused = e.what();  // fails when waited for
     }
@@ -320,9 +358,8 @@ void Connection::send(
     w[kModeWord] = mode;
   };
   auto post = [&](torch::Tensor buffer) {
-    std::vector<at::Tensor> tensors{std::move(buffer)};
     try {
-      pending.push_back(group->send(tensors, static_cast<int>(peer), tag));
+      pending.push_back(groups.channel->send(std::move(buffer), peer, tag));
     } catch (const std::exception& e) {
       fail(
           "rank " + std::to_string(rank) + " could not send " + id.describe() +

@@ -46,6 +46,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,7 +58,7 @@
 #include <utility>
 #include <vector>
 
-#include "dist/gloo.h"
+#include "dist/backend.h"
 #include "dist/wire.h"
 
 namespace c10d {
@@ -97,7 +98,7 @@ struct PostedReceive {
 struct Connection : std::enable_shared_from_this<Connection> {
   Connection(
       c10::intrusive_ptr<c10d::Store> store,
-      c10::intrusive_ptr<c10d::ProcessGroup> group,
+      Groups groups,
       int64_t rank,
       int64_t size,
       int64_t local_rank,
@@ -136,6 +137,15 @@ struct Connection : std::enable_shared_from_this<Connection> {
   /// collective fails or times out.
   void wait_collective(
       const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
+  /// Runs a collective of this connection's group on `tensors`, staged on
+  /// the group's device where they are elsewhere (a CPU tensor on NCCL),
+  /// and waits for it as wait_collective does; the staged results are
+  /// copied back.
+  void run_collective(
+      std::vector<torch::Tensor>& tensors,
+      const std::function<
+          c10::intrusive_ptr<c10d::Work>(std::vector<torch::Tensor>&)>& start,
+      const std::string& what);
 
   /// Marks the connection failed with `message` (the first failure wins),
   /// tells the other ranks, and aborts every receive in progress here.
@@ -157,8 +167,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
   }
 
   c10::intrusive_ptr<c10d::Store> store;
-  // Left alone (leaked) after a failure: see the Note.
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  // What the backend made (Note [Backends] in dist/backend.h); left alone
+  // (leaked) after a failure: see the Note.
+  Groups groups;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group = groups.group;
   const int64_t rank;
   const int64_t size;
   const int64_t local_rank;

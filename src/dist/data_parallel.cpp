@@ -229,7 +229,8 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
       p.mutable_grad() = slot;
     }
   }
-  std::vector<torch::Tensor> tensors{bucket.flat};
+  bucket.staged = on_group_device(connection.groups, bucket.flat);
+  std::vector<torch::Tensor> tensors{bucket.staged};
   bucket.work = connection.group->allreduce(tensors);
   // When the last bucket to finish ends, the all-reduce has.
   bucket.work->getFuture()->addCallback(
@@ -259,8 +260,13 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
         "gradient all-reduce over the replicas (bucket " +
             std::to_string(k + 1) + " of " + std::to_string(buckets_.size()) +
             ")");
+    auto& bucket = buckets_[k];
+    if (!bucket.staged.is_same(bucket.flat)) {
+      bucket.flat.copy_(bucket.staged);
+    }
+    bucket.staged = torch::Tensor();
     // The gradients share the bucket's memory: averaged in place.
-    buckets_[k].flat.div_(replicas);
+    bucket.flat.div_(replicas);
   }
   if (trace != nullptr) {
     // (The callbacks have run once the waits returned.)
@@ -284,10 +290,13 @@ void broadcast_from_first_replica(
     std::vector<torch::Tensor> list{flat};
     c10d::BroadcastOptions options;
     options.rootRank = 0;
-    connection.wait_collective(
-        connection.group->broadcast(list, options),
+    connection.run_collective(
+        list,
+        [&](std::vector<torch::Tensor>& ts) {
+          return connection.group->broadcast(ts, options);
+        },
         "broadcast of the first replica's parameters");
-    unflatten(flat, group);
+    unflatten(list[0], group);
   }
 }
 

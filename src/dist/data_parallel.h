@@ -91,6 +91,9 @@ class GradientBuckets {
     std::vector<torch::Tensor> parameters;
     std::vector<torch::Tensor> slots;  // each parameter's part of `flat`
     torch::Tensor flat;
+    // `flat` where the group reduces it (itself unless the group's device
+    // is another: CPU stages on NCCL), while the all-reduce runs.
+    torch::Tensor staged;
     int64_t pending = 0;  // gradients not yet accumulated while armed
     c10::intrusive_ptr<c10d::Work> work;  // null until started
   };

@@ -1,12 +1,14 @@
-// Gloo process groups: the one file that knows how a group is made.
-
-#include "dist/gloo.h"
+// Gloo process groups: the one file that knows how a Gloo group is made
+// (see Note [Backends] in dist/backend.h).
 
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
 #include <memory>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "dist/backend.h"
+#include "dist/process_group.h"
 
 namespace gpipe::dist::detail {
 
@@ -28,8 +30,9 @@ GroupFactory gloo_groups(
              int64_t size) {
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     options->devices.push_back(device);
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> backend;
     try {
-      return c10::make_intrusive<c10d::ProcessGroupGloo>(
+      backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
           store, static_cast<int>(rank), static_cast<int>(size), options);
     } catch (const std::exception& e) {
       std::string what = e.what();
@@ -49,6 +52,17 @@ GroupFactory gloo_groups(
           what.substr(0, 300),
           "]");
     }
+#if TORCH_VERSION_MAJOR >= 2
+    const auto type = c10d::ProcessGroup::BackendType::GLOO;
+#else
+    const int type = 0;
+#endif
+    Groups groups;
+    groups.group = as_process_group(
+        std::move(backend), store, rank, size, c10::kCPU, type, "gloo");
+    groups.channel = tagged_channel(groups.group);
+    groups.device = c10::Device(c10::kCPU);
+    return groups;
   };
 }
 

@@ -20,6 +20,13 @@ namespace gpipe::dist {
 
 namespace {
 
+// A World of this rank alone has no group and no channel: nothing to make.
+detail::Groups solo_groups(const detail::Connection& parent) {
+  detail::Groups groups;
+  groups.device = parent.groups.device;
+  return groups;
+}
+
 // A World of this rank alone: no group and no peers, so nothing to make.
 // Its keys (stage agreements, failure notices) live under a prefix of its
 // own, apart from the parent's and from other ranks' solo Worlds.
@@ -28,7 +35,7 @@ World solo(detail::Connection& parent, int64_t id) {
       c10::make_intrusive<c10d::PrefixStore>(
           "split" + std::to_string(id) + "/solo" + std::to_string(parent.rank),
           parent.store),
-      c10::intrusive_ptr<c10d::ProcessGroup>(),
+      solo_groups(parent),
       0,
       1,
       parent.local_rank,
@@ -50,20 +57,24 @@ World World::split(int64_t color, int64_t key) const {
   if (parent.size == 1) {
     return solo(parent, id);
   }
-  // Every rank's (color, key), gathered through the parent's group.
-  auto mine = torch::tensor({color, key}, torch::kLong);
+  // Every rank's (color, key), gathered through the parent's group (on its
+  // device: NCCL's is a GPU).
+  const auto on =
+      torch::TensorOptions(torch::kLong).device(parent.groups.device);
+  auto mine = torch::tensor({color, key}, torch::kLong).to(on.device());
   std::vector<std::vector<torch::Tensor>> all(1);
   for (const auto r : c10::irange(parent.size)) {
     (void)r;
-    all[0].push_back(torch::empty({2}, torch::kLong));
+    all[0].push_back(torch::empty({2}, on));
   }
   std::vector<torch::Tensor> input{mine};
   parent.wait_collective(
       parent.group->allgather(all, input),
       "World::split (learning the other ranks' colors)");
+  const auto gathered = torch::stack(all[0]).cpu();
   std::vector<std::tuple<int64_t, int64_t>> members;  // (key, parent rank)
   for (const auto r : c10::irange(parent.size)) {
-    const auto* v = all[0][r].data_ptr<int64_t>();
+    const auto* v = gathered[r].data_ptr<int64_t>();
     if (v[0] == color) {
       members.emplace_back(v[1], r);
     }
@@ -79,10 +90,10 @@ World World::split(int64_t color, int64_t key) const {
   }
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       "split" + std::to_string(id) + "/" + std::to_string(color), parent.store);
-  auto group = parent.make_group(store, rank, size);
+  auto groups = parent.make_group(store, rank, size);
   return World(std::make_shared<detail::Connection>(
       store,
-      group,
+      std::move(groups),
       rank,
       size,
       parent.local_rank,

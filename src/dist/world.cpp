@@ -19,8 +19,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "dist/backend.h"
 #include "dist/connection.h"
-#include "dist/gloo.h"
 #include "engine/lane.h"
 
 namespace gpipe::dist {
@@ -178,6 +178,8 @@ World init_from_env(std::chrono::milliseconds timeout) {
   const auto local_rank = env_int("LOCAL_RANK", 0, local_size - 1, rank);
   // See Note [Resolving MASTER_ADDR first].
   check_master_addr(addr, timeout);
+  // A backend this build lacks is said before anyone waits.
+  auto make_group = detail::backend_from_env(addr, local_rank, timeout);
   const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
   const bool agent_store = agent != nullptr && (std::string(agent) == "True" ||
                                                 std::string(agent) == "1");
@@ -268,11 +270,10 @@ World init_from_env(std::chrono::milliseconds timeout) {
         " ranks (WORLD_SIZE) came; start the others, or check that they "
         "have the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE");
   }
-  auto make_group = detail::gloo_groups(addr, timeout);
-  auto group = make_group(store, rank, size);
+  auto groups = make_group(store, rank, size);
   return World(std::make_shared<detail::Connection>(
       store,
-      group,
+      std::move(groups),
       rank,
       size,
       local_rank,
@@ -302,13 +303,13 @@ World init_from_store(
   gpipe::detail::keep_freed_memory_once();
   ignore_sigpipe();  // Note [SIGPIPE]
   const char* addr = env("MASTER_ADDR");
-  auto make_group =
-      detail::gloo_groups(addr != nullptr ? addr : "127.0.0.1", timeout);
+  auto make_group = detail::backend_from_env(
+      addr != nullptr ? addr : "127.0.0.1", rank, timeout);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("gpipe/", store);
-  auto group = make_group(prefixed, rank, size);
+  auto groups = make_group(prefixed, rank, size);
   return World(std::make_shared<detail::Connection>(
       prefixed,
-      group,
+      std::move(groups),
       rank,
       size,
       /*local_rank=*/rank,
@@ -377,9 +378,13 @@ void World::all_reduce(torch::Tensor& tensor) const {
     return;
   }
   std::vector<torch::Tensor> tensors{tensor};
-  wait_collective(*connection_, "all_reduce", [&] {
-    return connection_->group->allreduce(tensors);
-  });
+  connection_->check();
+  connection_->run_collective(
+      tensors,
+      [&](std::vector<torch::Tensor>& ts) {
+        return connection_->group->allreduce(ts);
+      },
+      "World::all_reduce");
 }
 
 void World::broadcast(torch::Tensor& tensor, int64_t root) const {
@@ -396,17 +401,27 @@ void World::broadcast(torch::Tensor& tensor, int64_t root) const {
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  wait_collective(*connection_, "broadcast", [&] {
-    return connection_->group->broadcast(tensors, options);
-  });
+  connection_->check();
+  connection_->run_collective(
+      tensors,
+      [&](std::vector<torch::Tensor>& ts) {
+        return connection_->group->broadcast(ts, options);
+      },
+      "World::broadcast");
 }
 
 void World::barrier() const {
   if (size() == 1) {
     return;
   }
-  wait_collective(
-      *connection_, "barrier", [&] { return connection_->group->barrier(); });
+  c10d::BarrierOptions options;
+  const auto& device = connection_->groups.device;
+  if (device.is_cuda() && device.has_index()) {
+    options.device_ids = {device.index()};  // NCCL's barrier runs there
+  }
+  wait_collective(*connection_, "barrier", [&] {
+    return connection_->group->barrier(options);
+  });
 }
 
 }  // namespace gpipe::dist

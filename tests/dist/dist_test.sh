@@ -254,6 +254,26 @@ case $mode in
     else
       echo "ok: rank 0 alone gives up in ${elapsed} s: $(grep error "$tmp/alone" | head -c 300)"
     fi
+    # A backend this build lacks (every build lacks mpi; a CPU LibTorch,
+    # nccl): refused before the rank waits for the others, naming what the
+    # build has.
+    for backend in mpi nccl; do
+      [[ $backend == nccl && -n ${GPIPE_HAS_NCCL:-} ]] && continue
+      start=$SECONDS
+      GPIPE_DIST_BACKEND=$backend MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        RANK=0 WORLD_SIZE=2 GPIPE_DIST_TIMEOUT=20 timeout 60 "$prog" \
+        >"$tmp/backend" 2>&1
+      status=$?
+      elapsed=$((SECONDS - start))
+      if [[ $status -ne 3 ]] ||
+        ! grep -q "GPIPE_DIST_BACKEND to name a backend of this build (.*), but got '$backend'" "$tmp/backend"; then
+        fail "GPIPE_DIST_BACKEND=$backend: exit $status: $(head -c 600 "$tmp/backend")"
+      elif ((elapsed > 5)); then
+        fail "GPIPE_DIST_BACKEND=$backend took ${elapsed} s to fail"
+      else
+        echo "ok: GPIPE_DIST_BACKEND=$backend is refused at once: $(grep error "$tmp/backend" | head -c 300)"
+      fi
+    done
     # A second rank 0 on a port the first one holds: said at once.
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
       GPIPE_DIST_TIMEOUT=6 timeout 60 "$prog" >"$tmp/holder" 2>&1 &

@@ -146,7 +146,7 @@ std::vector<int64_t> balance_for(int64_t n, int64_t v) {
 
 bool close(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() &&
-         torch::allclose(a, b, /*rtol=*/1e-10, /*atol=*/1e-12);
+         torch::allclose(a.cpu(), b.cpu(), /*rtol=*/1e-10, /*atol=*/1e-12);
 }
 
 std::string arg(int argc, char** argv, const std::string& name, std::string d) {
@@ -176,11 +176,28 @@ int main(int argc, char** argv) {
   // on rank j), as zero_bubble_v needs; with --stages-per-lane 2.
   const bool v_shape = arg(argc, argv, "--v-shape", "0") == "1";
   const auto plan_file = arg(argc, argv, "--plan", "");
+  // --pipeline-size P: replicas of a P-stage pipeline (Mesh), each on its
+  // shard of the batch, against GPipe on the whole batch (use no dropout
+  // and no BatchNorm: both differ per replica). 0: one pipeline.
+  const int64_t pipeline_size =
+      std::stoll(arg(argc, argv, "--pipeline-size", "0"));
+  // --device cuda: the stages on cuda:0 (and GPipe's lanes too).
+  const bool on_cuda = arg(argc, argv, "--device", "cpu") == "cuda";
 
   try {
     auto world = gpipe::dist::init_from_env();
     const auto r = world.rank();
-    const auto n = world.size();
+    gpipe::dist::Mesh mesh(
+        world, pipeline_size > 0 ? pipeline_size : world.size());
+    const auto n = mesh.pipeline_size();
+    const auto pr = mesh.pipeline_rank();
+    const auto replicas = mesh.data_size();
+    const auto replica = mesh.data_rank();
+    // This replica's rows of a batch of `rows` rows.
+    auto shard = [&](const torch::Tensor& t) {
+      const auto rows = t.size(0) / replicas;
+      return t.narrow(0, replica * rows, rows);
+    };
     auto balance = balance_for(n, v);
     // --plan: every step runs the plan read from the file (on both sides);
     // the other-plan scenario gives rank 1 the schedule's own plan instead.
@@ -194,10 +211,10 @@ int main(int argc, char** argv) {
         plan = gpipe::make_plan(schedule, plan->micro_batches, n, v);
       }
     }
-    if (scenario == "mismatch" && r == 1) {
+    if (scenario == "mismatch" && pr == 1) {
       std::swap(balance[0], balance[1]);
     }
-    const auto options =
+    auto options =
         gpipe::GPipeOptions(balance)
             .chunks(4)
             .checkpoint(checkpoint)
@@ -208,12 +225,17 @@ int main(int argc, char** argv) {
             .placement(
                 v_shape ? gpipe::Placement::v_shape(n) : gpipe::Placement())
             .threads_per_lane(1);
+    // Every lane on cuda:0, or on the CPU (GPipe's default on a machine
+    // with a GPU would be the GPUs).
+    options.devices(std::vector<torch::Device>(
+        static_cast<size_t>(n),
+        on_cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU)));
     torch::manual_seed(0);
     auto net = build(batch_norm, dropout);
     torch::manual_seed(0);
     auto ref_net = build(batch_norm, dropout);
 
-    gpipe::dist::PipelineStage stage(net, options, world);
+    gpipe::dist::PipelineStage stage(net, options, mesh);
     if (scenario == "mismatch" || scenario == "bad-layout") {
       std::cout << "rank " << r << ": no error in scenario " << scenario
                 << "\n";
@@ -241,8 +263,10 @@ int main(int argc, char** argv) {
     const auto ref_buffers = ref->named_buffers();
     for (int step = 0; step < steps; ++step) {
       torch::manual_seed(100 + step);
-      auto x = torch::randn({10, 6}, torch::kDouble);  // 3, 3, 3, 1 rows
-      auto y = torch::randint(0, 3, {10}, torch::kLong);
+      // 3, 3, 3, 1 rows; with replicas, 2 rows each.
+      const int64_t rows = replicas == 1 ? 10 : 8 * replicas;
+      auto x = torch::randn({rows, 6}, torch::kDouble);
+      auto y = torch::randint(0, 3, {rows}, torch::kLong);
       if (scenario == "kill" && r == kill_rank && step == kill_step) {
         std::raise(SIGKILL);
       }
@@ -254,14 +278,14 @@ int main(int argc, char** argv) {
         // Inference where rank 0's layer fails on the last micro-batch while
         // the last rank still works on the others: its forward must fail
         // with that error, not wait for a micro-batch that never comes.
-        break_stash = r == 0;
-        slow_pop = r == n - 1;
+        break_stash = pr == 0;
+        slow_pop = pr == n - 1;
         c10::InferenceMode guard;
-        stage->forward(r == 0 ? x : torch::Tensor());
+        stage->forward(pr == 0 ? shard(x) : torch::Tensor());
       }
       if (scenario == "no-grad" && r == 1 && step == 1) {
         torch::NoGradGuard no_grad;  // a mistake on rank 1 only
-        stage->train_step(torch::Tensor(), y, loss_fn, schedule);
+        stage->train_step(torch::Tensor(), shard(y), loss_fn, schedule);
       }
       if (scenario == "other-pass" && r == 1 && step == 1) {
         stage->forward();  // while rank 0 runs train_step
@@ -272,8 +296,8 @@ int main(int argc, char** argv) {
         const auto bad = gpipe::make_plan(schedule, 8, n, v);
         try {
           stage->train_step(
-              r == 0 ? x : torch::Tensor(),
-              r == last_rank ? y : torch::Tensor(),
+              pr == 0 ? shard(x) : torch::Tensor(),
+              pr == last_rank ? shard(y) : torch::Tensor(),
               loss_fn,
               bad);
           std::cout << "rank " << r << ": no error for a plan of 8\n";
@@ -286,16 +310,10 @@ int main(int argc, char** argv) {
       // Only rank 0's generator decides the step's seed: the others are
       // seeded apart on purpose.
       torch::manual_seed(r == 0 ? 500 + step : 900 + 10 * r + step);
-      auto loss = plan ? stage->train_step(
-                             r == first_rank ? x : torch::Tensor(),
-                             r == last_rank ? y : torch::Tensor(),
-                             loss_fn,
-                             *plan)
-                       : stage->train_step(
-                             r == first_rank ? x : torch::Tensor(),
-                             r == last_rank ? y : torch::Tensor(),
-                             loss_fn,
-                             schedule);
+      const auto x_here = pr == first_rank ? shard(x) : torch::Tensor();
+      const auto y_here = pr == last_rank ? shard(y) : torch::Tensor();
+      auto loss = plan ? stage->train_step(x_here, y_here, loss_fn, *plan)
+                       : stage->train_step(x_here, y_here, loss_fn, schedule);
       opt.step();
       opt.zero_grad();
       torch::manual_seed(500 + step);
@@ -335,15 +353,16 @@ int main(int argc, char** argv) {
     stage->eval();
     ref->eval();
     torch::manual_seed(7);
-    auto x = torch::randn({7, 6}, torch::kDouble);
+    auto x =
+        torch::randn({replicas == 1 ? 7 : 4 * replicas, 6}, torch::kDouble);
     torch::Tensor out;
     {
       c10::InferenceMode guard;
-      out = stage->forward(r == 0 ? x : torch::Tensor());
+      out = stage->forward(pr == 0 ? shard(x) : torch::Tensor());
     }
     torch::NoGradGuard no_grad;
     auto ref_out = ref->forward(x);
-    if (r == last_rank ? !close(out, ref_out) : out.defined()) {
+    if (pr == last_rank ? !close(out, shard(ref_out)) : out.defined()) {
       std::cout << "rank " << r << ": forward differs from GPipe's\n";
       return 1;
     }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# GPU checks, on a machine with an NVIDIA GPU and a CUDA LibTorch 2.x (the
+# one of Python's torch by default): builds gpipe against it with gpipe::dist
+# on NCCL, then runs gpipe_dist_worker's parity checks over NCCL (each rank
+# a process, checked against single-process GPipe in float64), with the
+# stages on the CPU and on the GPU, one pipeline and replicas of one.
+#
+#   scripts/cuda_check.sh [BUILD_DIR]
+#
+# TORCH_PREFIX: LibTorch's CMake prefix (default: Python torch's); DEPS:
+# extra CMake prefixes (nlohmann_json, CLI11, GoogleTest where the machine
+# lacks them). One GPU is enough: NCCL refuses two ranks of one host on one
+# GPU, so on a single GPU each rank calls itself a host of its own
+# (NCCL_HOSTID) and the ranks talk over loopback sockets.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-/tmp/gpipe-cuda}
+torch_prefix=${TORCH_PREFIX:-$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')}
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+echo "cuda_check: torch at $torch_prefix; $gpus GPU(s)"
+
+zlib=()
+if [[ -f ${DEPS:-/nonexistent}/include/zlib.h ]]; then
+  lib=$(ls /usr/lib/x86_64-linux-gnu/libz.so* /lib/x86_64-linux-gnu/libz.so* 2>/dev/null | head -1)
+  zlib=(-DZLIB_INCLUDE_DIR="$DEPS/include" -DZLIB_LIBRARY="$lib")
+fi
+generator=()
+keep_going=(-k)
+if command -v ninja >/dev/null; then
+  generator=(-G Ninja)
+  keep_going=(-k 0)
+fi
+cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$torch_prefix;${DEPS:-}" -DGPIPE_BUILD_BENCHMARKS=OFF \
+  -DGPIPE_BUILD_TOOLS=OFF "${zlib[@]}" || exit 1
+# The whole log in BUILD_LOG (if given); here, the errors.
+cmake --build "$build" -j "$(nproc)" --target gpipe gpipe_dist_worker \
+  gpipe-run -- "${keep_going[@]}" >"${BUILD_LOG:-$build/build.log}" 2>&1
+grep -E -A4 'error|FAILED' "${BUILD_LOG:-$build/build.log}" | head -120
+[[ -x $build/tests/gpipe_dist_worker && -x $build/tools/gpipe-run ]] || exit 1
+
+export GPIPE_DIST_BACKEND=nccl GPIPE_DIST_TIMEOUT=60
+export NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
+failures=0
+check() {  # check N ARGS...: the worker on N ranks; every rank says OK
+  local n=$1
+  shift
+  local out
+  out=$(timeout 240 "$build/tools/gpipe-run" -n "$n" -- sh -c \
+    'NCCL_HOSTID=gpipe-rank-$RANK exec "$0" "$@"' \
+    "$build/tests/gpipe_dist_worker" "$@" 2>&1)
+  local status=$? ok
+  ok=$(grep -c ': OK (' <<<"$out")
+  if [[ $status -ne 0 || $ok -ne $n ]]; then
+    echo "FAIL: $n ranks, $*: exit $status, $ok of $n OK"
+    head -40 <<<"$out" | sed 's/^/    /'
+    failures=$((failures + 1))
+  else
+    echo "ok: $n ranks, $*"
+  fi
+}
+# Stages on the CPU: gpipe's messages and collectives go through the GPU.
+check 2 --schedule 1f1b --checkpoint except_last --dropout 0.3
+check 2 --schedule zero_bubble_v --stages-per-lane 2 --v-shape 1 --checkpoint always --dropout 0.3
+check 4 --schedule interleaved --stages-per-lane 2 --checkpoint never --dropout 0.3
+check 2 --pipeline-size 1 --schedule 1f1b --dropout 0
+check 4 --pipeline-size 2 --schedule zero_bubble --dropout 0
+# Stages on the GPU.
+check 2 --device cuda --schedule 1f1b --checkpoint except_last --dropout 0
+check 4 --device cuda --pipeline-size 2 --schedule 1f1b --checkpoint always --dropout 0
+echo "cuda_check: $failures failed"
+exit $((failures > 0))

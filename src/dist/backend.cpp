@@ -1,0 +1,106 @@
+// Which backend a job uses, and what every backend shares (see Note
+// [Backends] in dist/backend.h).
+
+#include "dist/backend.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace gpipe::dist::detail {
+
+namespace {
+
+// c10d's tags, as Gloo has them.
+class TaggedChannel final : public Channel {
+ public:
+  explicit TaggedChannel(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10d::Work> send(
+      torch::Tensor bytes, int64_t peer, int tag) override {
+    std::vector<at::Tensor> tensors{std::move(bytes)};
+    return group_->send(tensors, static_cast<int>(peer), tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(
+      torch::Tensor bytes, int64_t peer, int tag) override {
+    std::vector<at::Tensor> tensors{std::move(bytes)};
+    return group_->recv(tensors, static_cast<int>(peer), tag);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+std::string listed(const std::vector<std::string>& names) {
+  std::string text;
+  for (const auto& name : names) {
+    text += (text.empty() ? "'" : ", '") + name + "'";
+  }
+  return text.empty() ? "none" : text;
+}
+
+}  // namespace
+
+std::shared_ptr<Channel> tagged_channel(
+    c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  return std::make_shared<TaggedChannel>(std::move(group));
+}
+
+std::vector<std::string> compiled_backends() {
+  std::vector<std::string> names;
+#ifdef GPIPE_HAS_GLOO
+  names.emplace_back("gloo");
+#endif
+#ifdef GPIPE_HAS_NCCL
+  names.emplace_back("nccl");
+#endif
+  return names;
+}
+
+GroupFactory backend_from_env(
+    const std::string& master_addr,
+    int64_t local_rank,
+    std::chrono::milliseconds timeout) {
+  const auto names = compiled_backends();
+  const char* value = std::getenv("GPIPE_DIST_BACKEND");
+  std::string name =
+      value != nullptr && *value != '\0'
+          ? std::string(value)
+          : (names.empty() ? std::string("gloo") : names.front());
+  bool have = false;
+  for (const auto& n : names) {
+    have = have || n == name;
+  }
+  TORCH_CHECK_VALUE(
+      have,
+      "gpipe::dist expects GPIPE_DIST_BACKEND to name a backend of this "
+      "build (",
+      listed(names),
+      "), but got '",
+      name,
+      "'",
+      name == "nccl" ? ": NCCL needs gpipe built against a CUDA LibTorch 2.x "
+                       "with NCCL"
+                     : "");
+#ifdef GPIPE_HAS_NCCL
+  if (name == "nccl") {
+    return nccl_groups(local_rank, timeout);
+  }
+#endif
+#ifdef GPIPE_HAS_GLOO
+  return gloo_groups(master_addr, timeout);
+#else
+  (void)master_addr;
+  (void)local_rank;
+  (void)timeout;
+  TORCH_INTERNAL_ASSERT(false, "no backend for '", name, "'");
+#endif
+}
+
+torch::Tensor on_group_device(const Groups& groups, const torch::Tensor& t) {
+  return t.device() == groups.device ? t : t.to(groups.device);
+}
+
+}  // namespace gpipe::dist::detail

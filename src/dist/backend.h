@@ -1,0 +1,100 @@
+#pragma once
+
+// The backend seam of gpipe::dist: what a c10d backend makes for a set of
+// ranks (a process group for collectives, a channel for gpipe's messages,
+// the device their tensors live on), and which backend a job uses.
+//
+// Note [Backends]
+// A backend is one file: src/dist/gloo.cpp (CPU tensors; messages on
+// c10d's tags) and src/dist/nccl.cpp (CUDA tensors; compiled only where
+// LibTorch has NCCL). Everything above this seam (Connection, World, Mesh,
+// the gradient buckets) talks to a Groups and never names a backend:
+// - collectives go to `group`, with tensors on `device` (a CPU tensor of a
+//   World collective on NCCL travels through the rank's GPU and back);
+// - gpipe's messages go through `channel`, which sends and receives host
+//   bytes on a tag, as c10d's Gloo does natively. NCCL has no tags and
+//   matches a pair's sends and receives in order, so nccl.cpp builds the
+//   tags on top (see Note [Tags over NCCL] there);
+// - failure notices never use either: they travel through the store (Note
+//   [Failure notices] in dist/connection.h).
+
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace gpipe::dist::detail {
+
+/// Point-to-point bytes between the ranks of a group.
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  /// Sends the host bytes `bytes` to `peer` on `tag`; the work ends when the
+  /// peer has taken them. `bytes` stays untouched until then.
+  virtual c10::intrusive_ptr<c10d::Work> send(
+      torch::Tensor bytes, int64_t peer, int tag) = 0;
+  /// Receives into the host bytes `bytes` the message `peer` sends on
+  /// `tag`, which must be exactly as long. The work can be aborted.
+  virtual c10::intrusive_ptr<c10d::Work> recv(
+      torch::Tensor bytes, int64_t peer, int tag) = 0;
+  /// After a failure: ends every transfer in progress, for good.
+  virtual void abort() {}
+};
+
+/// What a backend makes for `size` ranks meeting in a store. A group of one
+/// rank has no group and no channel.
+struct Groups {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::shared_ptr<Channel> channel;
+  /// Where the group's collectives take their tensors.
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+/// Makes the groups of `size` ranks meeting in `store`, this one `rank`.
+using GroupFactory = std::function<Groups(
+    const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t size)>;
+
+/// Gloo groups over the interface GLOO_SOCKET_IFNAME names; when it is not
+/// set, loopback when `master_addr` is this host's loopback, else the
+/// interface of this host's own name (as c10d picks it). Every group waits
+/// at most `timeout` for a peer. A group that cannot be made is a c10::Error
+/// naming the rank and the timeout. (src/dist/gloo.cpp)
+GroupFactory gloo_groups(
+    const std::string& master_addr, std::chrono::milliseconds timeout);
+
+/// NCCL groups on cuda:<local_rank modulo the GPUs this process sees>.
+/// (src/dist/nccl.cpp)
+GroupFactory nccl_groups(int64_t local_rank, std::chrono::milliseconds timeout);
+
+/// The backends this build has, in order of preference: "gloo" and "nccl".
+std::vector<std::string> compiled_backends();
+
+/// The factory of the backend GPIPE_DIST_BACKEND names ("gloo", the
+/// default, or "nccl"); an unknown name, or one this build lacks, is a
+/// c10::ValueError naming what there is.
+GroupFactory backend_from_env(
+    const std::string& master_addr,
+    int64_t local_rank,
+    std::chrono::milliseconds timeout);
+
+/// A Channel over c10d's own tagged send and receive (Gloo's).
+std::shared_ptr<Channel> tagged_channel(
+    c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+/// `tensor` where `groups`' collectives take it (itself when it is there).
+torch::Tensor on_group_device(
+    const Groups& groups, const torch::Tensor& tensor);
+
+}  // namespace gpipe::dist::detail

@@ -1,0 +1,504 @@
+// NCCL process groups: the one file that knows how an NCCL group is made
+// and how gpipe's tagged messages travel over it (see Note [Backends] in
+// dist/backend.h). Compiled only where LibTorch 2.x has NCCL.
+//
+// Note [Tags over NCCL]
+// NCCL has no tags: it matches the sends and receives between two ranks in
+// the order they are posted. gpipe posts a receive for exactly the message
+// it needs next, and a rank may need micro-batch 3's gradient from a peer
+// before it takes micro-batch 5's activation from the same peer. So:
+// - two NCCL groups: `up` carries the messages from a lower rank to a
+//   higher one, `down` the others, so that between two ranks each NCCL
+//   stream carries one direction only and a posted receive never holds up
+//   a send;
+// - every message is a frame (its tag and length: two int64) followed by
+//   its bytes, posted in order by one writer thread per peer. NCCL makes a
+//   pair's communicator when the pair first sends and receives, and the
+//   send waits there until the peer receives: on its own thread that wait
+//   holds up no lane and no other peer (a lane blocked there could starve
+//   the peer of what it needs before it asks this rank for anything);
+// - a rank reads each peer's frames on a thread of its own, for as long as
+//   a receive from that peer is posted and unmatched, and hands each
+//   message to the receive posted on its tag, or keeps it until one is.
+//   Since a peer sends only what this rank will receive, every frame read
+//   is one that was sent; and no NCCL receive is posted while nothing is
+//   expected (NCCL's watchdog would end an idle one).
+// Messages are host bytes on both ends (gpipe packs them on the host); they
+// travel through the rank's GPU. A send ends when the peer's GPU has the
+// bytes; a receive when they are back in the posted host buffer.
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+#include <torch/cuda.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <vector>
+
+#include "dist/backend.h"
+#include "dist/process_group.h"
+
+namespace gpipe::dist::detail {
+
+namespace {
+
+using Nccl = c10d::ProcessGroupNCCL;
+
+// Waits until `work` has finished on the GPU, or `stop()` says to give up
+// (false then).
+template <class Stop>
+bool finished(const c10::intrusive_ptr<c10d::Work>& work, Stop&& stop) {
+  int spins = 0;
+  while (!work->isCompleted()) {
+    if (stop()) {
+      return false;
+    }
+    if (++spins < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return true;
+}
+
+// A message to a peer: posted by the peer's writer, and ended when the
+// peer's GPU holds its bytes.
+class SendWork final : public c10d::Work {
+ public:
+  // Called once, by the writer or by an abort.
+  void posted(c10::intrusive_ptr<c10d::Work> last, std::string error = {}) {
+    {
+      std::lock_guard<std::mutex> lock(post_mutex_);
+      last_ = std::move(last);
+      error_ = std::move(error);
+      posted_ = true;
+    }
+    post_cv_.notify_all();
+  }
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(post_mutex_);
+    return posted_ && (!last_ || last_->isCompleted());
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto late = [&] {
+      return timeout.count() > 0 && std::chrono::steady_clock::now() > deadline;
+    };
+    c10::intrusive_ptr<c10d::Work> last;
+    {
+      std::unique_lock<std::mutex> lock(post_mutex_);
+      if (timeout.count() > 0) {
+        post_cv_.wait_until(lock, deadline, [&] { return posted_; });
+      } else {
+        post_cv_.wait(lock, [&] { return posted_; });
+      }
+      TORCH_CHECK(posted_, "Operation timed out!");
+      TORCH_CHECK(last_, error_);
+      last = last_;
+    }
+    TORCH_CHECK(finished(last, late), "Operation timed out!");
+    return last->wait();  // rethrows NCCL's error, if any
+  }
+  void abort() override {}
+
+ private:
+  std::mutex post_mutex_;
+  std::condition_variable post_cv_;
+  bool posted_ = false;
+  c10::intrusive_ptr<c10d::Work> last_;  // null when it failed: error_
+  std::string error_;
+};
+
+// A receive posted on a tag: ends when its message is in `bytes`.
+class RecvWork final : public c10d::Work {
+ public:
+  RecvWork(torch::Tensor bytes, int64_t peer, int tag)
+      : bytes_(std::move(bytes)), peer_(peer), tag_(tag) {}
+
+  // The first of deliver, fail and abort ends the receive; the others do
+  // nothing.
+  void deliver(const torch::Tensor& message) {
+    if (done_.exchange(true)) {
+      return;
+    }
+    if (message.numel() != bytes_.numel()) {
+      finish(std::make_exception_ptr(std::runtime_error(
+          "rank " + std::to_string(peer_) + " sent " +
+          std::to_string(message.numel()) + " bytes on tag " +
+          std::to_string(tag_) + " where " + std::to_string(bytes_.numel()) +
+          " were expected")));
+      return;
+    }
+    // (A plain copy: the posted buffer may be an inference tensor, made
+    // under c10::InferenceMode on the thread that posted it.)
+    std::memcpy(
+        bytes_.data_ptr(),
+        message.data_ptr(),
+        static_cast<size_t>(message.numel()));
+    finish();
+  }
+  void fail(const std::string& why) {
+    if (!done_.exchange(true)) {
+      finish(std::make_exception_ptr(std::runtime_error(why)));
+    }
+  }
+  void abort() override {
+    fail("the receive was aborted");
+  }
+
+ private:
+  torch::Tensor bytes_;
+  const int64_t peer_;
+  const int tag_;
+  std::atomic<bool> done_{false};
+};
+
+// What this rank sends one peer, in order.
+struct Outbox {
+  struct Message {
+    torch::Tensor bytes;
+    int tag = 0;
+    c10::intrusive_ptr<SendWork> work;
+  };
+  std::deque<Message> queue;
+  std::thread writer;
+};
+
+// What one peer sends this rank: messages read ahead of their receive, and
+// receives posted ahead of their message, by tag.
+struct Inbox {
+  std::map<int, std::deque<torch::Tensor>> arrived;
+  std::map<int, std::deque<c10::intrusive_ptr<RecvWork>>> waiting;
+  int64_t wanted = 0;  // receives waiting
+  std::thread reader;
+};
+
+class NcclChannel final : public Channel {
+ public:
+  NcclChannel(
+      c10::intrusive_ptr<Nccl> up,
+      c10::intrusive_ptr<Nccl> down,
+      int64_t rank,
+      int64_t size,
+      c10::Device device)
+      : up_(std::move(up)),
+        down_(std::move(down)),
+        rank_(rank),
+        device_(device),
+        inboxes_(static_cast<size_t>(size)),
+        outboxes_(static_cast<size_t>(size)) {}
+
+  ~NcclChannel() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& inbox : inboxes_) {
+      if (inbox.reader.joinable()) {
+        inbox.reader.join();
+      }
+    }
+    for (auto& outbox : outboxes_) {
+      if (outbox.writer.joinable()) {
+        outbox.writer.join();
+      }
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(
+      torch::Tensor bytes, int64_t peer, int tag) override {
+    auto work = c10::make_intrusive<SendWork>();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (aborted_) {
+      work->posted({}, "the send was aborted");
+      return work;
+    }
+    auto& outbox = outboxes_[static_cast<size_t>(peer)];
+    outbox.queue.push_back({std::move(bytes), tag, work});
+    if (!outbox.writer.joinable()) {
+      outbox.writer = std::thread([this, peer] { write(peer); });
+    }
+    cv_.notify_all();
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(
+      torch::Tensor bytes, int64_t peer, int tag) override {
+    auto work = c10::make_intrusive<RecvWork>(std::move(bytes), peer, tag);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (aborted_) {
+      work->abort();
+      return work;
+    }
+    auto& inbox = inboxes_[static_cast<size_t>(peer)];
+    auto& arrived = inbox.arrived[tag];
+    if (!arrived.empty()) {
+      work->deliver(arrived.front());
+      arrived.pop_front();
+      return work;
+    }
+    inbox.waiting[tag].push_back(work);
+    ++inbox.wanted;
+    if (!inbox.reader.joinable()) {
+      inbox.reader = std::thread([this, peer] { read(peer); });
+    }
+    cv_.notify_all();
+    return work;
+  }
+
+  void abort() override {
+    std::vector<c10::intrusive_ptr<RecvWork>> waiting;
+    std::vector<c10::intrusive_ptr<SendWork>> unsent;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (aborted_) {
+        return;
+      }
+      aborted_ = true;
+      for (auto& inbox : inboxes_) {
+        for (auto& entry : inbox.waiting) {
+          for (auto& work : entry.second) {
+            waiting.push_back(std::move(work));
+          }
+        }
+        inbox.waiting.clear();
+        inbox.wanted = 0;
+      }
+      for (auto& outbox : outboxes_) {
+        for (auto& message : outbox.queue) {
+          unsent.push_back(std::move(message.work));
+        }
+        outbox.queue.clear();
+      }
+    }
+    cv_.notify_all();
+    for (auto& work : waiting) {
+      work->abort();
+    }
+    for (auto& work : unsent) {
+      work->posted({}, "the send was aborted");
+    }
+    // Ends the NCCL receives the readers may have posted.
+    for (auto* group : {&up_, &down_}) {
+      try {
+        (*group)->abort();
+      } catch (...) {
+        // Already broken: nothing is left to end.
+      }
+    }
+  }
+
+ private:
+  // The writer of this rank's messages to `peer`: it posts them in order
+  // (see the Note). NCCL makes a pair's communicator at the pair's first
+  // send and receive, and the send waits there until the peer receives;
+  // on a thread of its own that wait holds up no other peer and no lane.
+  void write(int64_t peer) {
+    c10::DeviceGuard guard(device_);
+    auto& outbox = outboxes_[static_cast<size_t>(peer)];
+    auto& group = peer > rank_ ? up_ : down_;
+    while (true) {
+      Outbox::Message message;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] {
+          return stopping_ || aborted_ || !outbox.queue.empty();
+        });
+        if (stopping_ || aborted_) {
+          return;
+        }
+        message = std::move(outbox.queue.front());
+        outbox.queue.pop_front();
+      }
+      try {
+        auto frame = torch::empty({2}, torch::kLong);
+        frame.data_ptr<int64_t>()[0] = message.tag;
+        frame.data_ptr<int64_t>()[1] = message.bytes.numel();
+        std::vector<at::Tensor> head{frame.to(device_)};
+        auto head_sent = group->send(head, static_cast<int>(peer), 0);
+        if (message.bytes.numel() == 0) {  // no body (the reader expects none)
+          message.work->posted(std::move(head_sent));
+          continue;
+        }
+        std::vector<at::Tensor> body{message.bytes.to(device_)};
+        message.work->posted(group->send(body, static_cast<int>(peer), 0));
+      } catch (const std::exception& e) {
+        message.work->posted({}, e.what());
+      }
+    }
+  }
+
+  // The reader of `peer`'s messages (see the Note).
+  void read(int64_t peer) {
+    c10::DeviceGuard guard(device_);
+    auto& inbox = inboxes_[static_cast<size_t>(peer)];
+    auto& group = peer < rank_ ? up_ : down_;
+    auto stop = [this] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return stopping_ || aborted_;
+    };
+    auto receive = [&](int64_t n, torch::ScalarType dtype) {
+      auto on_device =
+          torch::empty({n}, torch::TensorOptions(dtype).device(device_));
+      std::vector<at::Tensor> tensors{on_device};
+      auto work = group->recv(tensors, static_cast<int>(peer), 0);
+      if (!finished(work, stop)) {
+        return torch::Tensor();
+      }
+      work->wait();  // rethrows NCCL's error; orders this stream after it
+      return on_device.cpu();
+    };
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(
+            lock, [&] { return stopping_ || aborted_ || inbox.wanted > 0; });
+        if (stopping_ || aborted_) {
+          return;
+        }
+      }
+      torch::Tensor body;
+      int tag = 0;
+      try {
+        auto frame = receive(2, torch::kLong);
+        if (!frame.defined()) {
+          return;
+        }
+        tag = static_cast<int>(frame[0].item<int64_t>());
+        const auto n = frame[1].item<int64_t>();
+        body =
+            n > 0 ? receive(n, torch::kByte) : torch::empty({0}, torch::kByte);
+        if (!body.defined()) {
+          return;
+        }
+      } catch (const std::exception& e) {
+        fail_inbox(inbox, e.what());
+        return;
+      }
+      c10::intrusive_ptr<RecvWork> work;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto& waiting = inbox.waiting[tag];
+        if (waiting.empty()) {
+          inbox.arrived[tag].push_back(std::move(body));
+          continue;
+        }
+        work = std::move(waiting.front());
+        waiting.pop_front();
+        --inbox.wanted;
+      }
+      work->deliver(body);
+    }
+  }
+
+  // NCCL failed under `inbox`'s reader: its receives fail with that.
+  void fail_inbox(Inbox& inbox, const std::string& why) {
+    std::vector<c10::intrusive_ptr<RecvWork>> waiting;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& entry : inbox.waiting) {
+        for (auto& work : entry.second) {
+          waiting.push_back(std::move(work));
+        }
+      }
+      inbox.waiting.clear();
+      inbox.wanted = 0;
+    }
+    for (auto& work : waiting) {
+      work->fail(why);
+    }
+  }
+
+  c10::intrusive_ptr<Nccl> up_;
+  c10::intrusive_ptr<Nccl> down_;
+  const int64_t rank_;
+  const c10::Device device_;
+  std::mutex mutex_;  // guards the boxes and the flags
+  std::condition_variable cv_;
+  std::vector<Inbox> inboxes_;
+  std::vector<Outbox> outboxes_;
+  bool stopping_ = false;
+  bool aborted_ = false;
+};
+
+c10::intrusive_ptr<Nccl> make_nccl(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::string& prefix,
+    int64_t rank,
+    int64_t size,
+    c10::Device device,
+    std::chrono::milliseconds timeout) {
+  auto options = Nccl::Options::create();
+  // gpipe gives up on a peer after `timeout` and ends the group itself;
+  // NCCL's watchdog, which ends the process, comes later.
+  options->timeout = timeout * 2 + std::chrono::seconds(30);
+  auto group = c10::make_intrusive<Nccl>(
+      c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+      static_cast<int>(rank),
+      static_cast<int>(size),
+      options);
+  // Its communicators on this rank's GPU, not one NCCL guesses from the rank.
+  group->setBoundDeviceId(device);
+  return group;
+}
+
+}  // namespace
+
+GroupFactory nccl_groups(
+    int64_t local_rank, std::chrono::milliseconds timeout) {
+  const auto gpus = static_cast<int64_t>(torch::cuda::device_count());
+  TORCH_CHECK_VALUE(
+      gpus > 0,
+      "gpipe::dist's NCCL backend (GPIPE_DIST_BACKEND=nccl) needs a GPU, but "
+      "this process sees none");
+  const c10::Device device(
+      c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+  return [device, timeout](
+             const c10::intrusive_ptr<c10d::Store>& store,
+             int64_t rank,
+             int64_t size) {
+    c10::intrusive_ptr<Nccl> up;
+    c10::intrusive_ptr<Nccl> down;
+    try {
+      up = make_nccl(store, "nccl_up/", rank, size, device, timeout);
+      down = make_nccl(store, "nccl_down/", rank, size, device, timeout);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(
+          false,
+          "gpipe::dist: rank ",
+          rank,
+          " of ",
+          size,
+          " could not make its NCCL group on ",
+          device,
+          " [c10d: ",
+          std::string(e.what_without_backtrace()).substr(0, 300),
+          "]");
+    }
+    Groups groups;
+    groups.channel =
+        std::make_shared<NcclChannel>(up, down, rank, size, device);
+    groups.group = as_process_group(
+        up,
+        store,
+        rank,
+        size,
+        c10::kCUDA,
+        c10d::ProcessGroup::BackendType::NCCL,
+        "nccl");
+    groups.device = device;
+    return groups;
+  };
+}
+
+}  // namespace gpipe::dist::detail
