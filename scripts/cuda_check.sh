@@ -68,5 +68,13 @@ check 4 --pipeline-size 2 --schedule zero_bubble --dropout 0
 # Stages on the GPU.
 check 2 --device cuda --schedule 1f1b --checkpoint except_last --dropout 0
 check 4 --device cuda --pipeline-size 2 --schedule 1f1b --checkpoint always --dropout 0
+# dist_test.sh's parity and failure checks, over NCCL.
+for mode in parity failures; do
+  if ! GPIPE_TEST_HOSTID=1 "$root/tests/dist/dist_test.sh" \
+    "$build/tools/gpipe-run" "$build/tests/gpipe_dist_worker" "$mode"; then
+    echo "FAIL: dist_test.sh $mode over NCCL"
+    failures=$((failures + 1))
+  fi
+done
 echo "cuda_check: $failures failed"
 exit $((failures > 0))

@@ -7,22 +7,26 @@
 // the order they are posted. gpipe posts a receive for exactly the message
 // it needs next, and a rank may need micro-batch 3's gradient from a peer
 // before it takes micro-batch 5's activation from the same peer. So:
-// - two NCCL groups: `up` carries the messages from a lower rank to a
-//   higher one, `down` the others, so that between two ranks each NCCL
-//   stream carries one direction only and a posted receive never holds up
-//   a send;
+// - every ordered pair of ranks that talks has an NCCL group of its own,
+//   of two (the sender its rank 0): a posted receive never holds up a send
+//   in the other direction or to another peer;
 // - every message is a frame (its tag and length: two int64) followed by
-//   its bytes, posted in order by one writer thread per peer. NCCL makes a
-//   pair's communicator when the pair first sends and receives, and the
-//   send waits there until the peer receives: on its own thread that wait
-//   holds up no lane and no other peer (a lane blocked there could starve
-//   the peer of what it needs before it asks this rank for anything);
+//   its bytes, posted in order by one writer thread per peer;
 // - a rank reads each peer's frames on a thread of its own, for as long as
 //   a receive from that peer is posted and unmatched, and hands each
 //   message to the receive posted on its tag, or keeps it until one is.
 //   Since a peer sends only what this rank will receive, every frame read
 //   is one that was sent; and no NCCL receive is posted while nothing is
 //   expected (NCCL's watchdog would end an idle one).
+// Each pair's group is made and used by its one writer (or reader) thread
+// alone: c10d's NCCL group is not safe to call from several threads at once
+// (with one group per direction shared by a rank's readers and writers, a
+// 4-rank run corrupted the heap), and NCCL makes a pair's communicator at
+// its first send and receive, where the send waits until the peer
+// receives: on its own thread that wait holds up no lane and no other peer
+// (a lane blocked there could starve the peer of what it needs before it
+// asks this rank for anything). The group of all the ranks serves the
+// collectives only.
 // Messages are host bytes on both ends (gpipe packs them on the host); they
 // travel through the rank's GPU. A send ends when the peer's GPU has the
 // bytes; a receive when they are back in the posted host buffer.
@@ -51,6 +55,27 @@ namespace gpipe::dist::detail {
 namespace {
 
 using Nccl = c10d::ProcessGroupNCCL;
+
+c10::intrusive_ptr<Nccl> make_nccl(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::string& prefix,
+    int64_t rank,
+    int64_t size,
+    c10::Device device,
+    std::chrono::milliseconds timeout) {
+  auto options = Nccl::Options::create();
+  // gpipe gives up on a peer after `timeout` and ends the group itself;
+  // NCCL's watchdog, which ends the process, comes later.
+  options->timeout = timeout * 2 + std::chrono::seconds(30);
+  auto group = c10::make_intrusive<Nccl>(
+      c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+      static_cast<int>(rank),
+      static_cast<int>(size),
+      options);
+  // Its communicators on this rank's GPU, not one NCCL guesses from the rank.
+  group->setBoundDeviceId(device);
+  return group;
+}
 
 // Waits until `work` has finished on the GPU, or `stop()` says to give up
 // (false then).
@@ -171,6 +196,7 @@ struct Outbox {
   };
   std::deque<Message> queue;
   std::thread writer;
+  c10::intrusive_ptr<Nccl> group;  // this rank and the peer, made by writer
 };
 
 // What one peer sends this rank: messages read ahead of their receive, and
@@ -180,20 +206,21 @@ struct Inbox {
   std::map<int, std::deque<c10::intrusive_ptr<RecvWork>>> waiting;
   int64_t wanted = 0;  // receives waiting
   std::thread reader;
+  c10::intrusive_ptr<Nccl> group;  // the peer and this rank, made by reader
 };
 
 class NcclChannel final : public Channel {
  public:
   NcclChannel(
-      c10::intrusive_ptr<Nccl> up,
-      c10::intrusive_ptr<Nccl> down,
+      c10::intrusive_ptr<c10d::Store> store,
       int64_t rank,
       int64_t size,
-      c10::Device device)
-      : up_(std::move(up)),
-        down_(std::move(down)),
+      c10::Device device,
+      std::chrono::milliseconds timeout)
+      : store_(std::move(store)),
         rank_(rank),
         device_(device),
+        timeout_(timeout),
         inboxes_(static_cast<size_t>(size)),
         outboxes_(static_cast<size_t>(size)) {}
 
@@ -288,10 +315,24 @@ class NcclChannel final : public Channel {
     for (auto& work : unsent) {
       work->posted({}, "the send was aborted");
     }
-    // Ends the NCCL receives the readers may have posted.
-    for (auto* group : {&up_, &down_}) {
+    // Ends the NCCL transfers the readers and writers may have posted.
+    std::vector<c10::intrusive_ptr<Nccl>> groups;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& inbox : inboxes_) {
+        if (inbox.group) {
+          groups.push_back(inbox.group);
+        }
+      }
+      for (auto& outbox : outboxes_) {
+        if (outbox.group) {
+          groups.push_back(outbox.group);
+        }
+      }
+    }
+    for (auto& group : groups) {
       try {
-        (*group)->abort();
+        group->abort();
       } catch (...) {
         // Already broken: nothing is left to end.
       }
@@ -306,7 +347,7 @@ class NcclChannel final : public Channel {
   void write(int64_t peer) {
     c10::DeviceGuard guard(device_);
     auto& outbox = outboxes_[static_cast<size_t>(peer)];
-    auto& group = peer > rank_ ? up_ : down_;
+    c10::intrusive_ptr<Nccl> group;
     while (true) {
       Outbox::Message message;
       {
@@ -321,17 +362,22 @@ class NcclChannel final : public Channel {
         outbox.queue.pop_front();
       }
       try {
+        if (!group) {
+          group = pair_group(rank_, peer);
+          std::lock_guard<std::mutex> lock(mutex_);
+          outbox.group = group;
+        }
         auto frame = torch::empty({2}, torch::kLong);
         frame.data_ptr<int64_t>()[0] = message.tag;
         frame.data_ptr<int64_t>()[1] = message.bytes.numel();
         std::vector<at::Tensor> head{frame.to(device_)};
-        auto head_sent = group->send(head, static_cast<int>(peer), 0);
+        auto head_sent = group->send(head, 1, 0);
         if (message.bytes.numel() == 0) {  // no body (the reader expects none)
           message.work->posted(std::move(head_sent));
           continue;
         }
         std::vector<at::Tensor> body{message.bytes.to(device_)};
-        message.work->posted(group->send(body, static_cast<int>(peer), 0));
+        message.work->posted(group->send(body, 1, 0));
       } catch (const std::exception& e) {
         message.work->posted({}, e.what());
       }
@@ -342,7 +388,7 @@ class NcclChannel final : public Channel {
   void read(int64_t peer) {
     c10::DeviceGuard guard(device_);
     auto& inbox = inboxes_[static_cast<size_t>(peer)];
-    auto& group = peer < rank_ ? up_ : down_;
+    c10::intrusive_ptr<Nccl> group;
     auto stop = [this] {
       std::lock_guard<std::mutex> lock(mutex_);
       return stopping_ || aborted_;
@@ -351,7 +397,7 @@ class NcclChannel final : public Channel {
       auto on_device =
           torch::empty({n}, torch::TensorOptions(dtype).device(device_));
       std::vector<at::Tensor> tensors{on_device};
-      auto work = group->recv(tensors, static_cast<int>(peer), 0);
+      auto work = group->recv(tensors, 0, 0);
       if (!finished(work, stop)) {
         return torch::Tensor();
       }
@@ -370,6 +416,11 @@ class NcclChannel final : public Channel {
       torch::Tensor body;
       int tag = 0;
       try {
+        if (!group) {
+          group = pair_group(peer, rank_);
+          std::lock_guard<std::mutex> lock(mutex_);
+          inbox.group = group;
+        }
         auto frame = receive(2, torch::kLong);
         if (!frame.defined()) {
           return;
@@ -419,10 +470,19 @@ class NcclChannel final : public Channel {
     }
   }
 
-  c10::intrusive_ptr<Nccl> up_;
-  c10::intrusive_ptr<Nccl> down_;
+  // The group of two that carries `from`'s messages to `to` (rank 0 the
+  // sender, 1 the receiver), made by the one thread that uses it.
+  c10::intrusive_ptr<Nccl> pair_group(int64_t from, int64_t to) {
+    const auto prefix =
+        "nccl_pair/" + std::to_string(from) + "-" + std::to_string(to) + "/";
+    return make_nccl(
+        store_, prefix, from == rank_ ? 0 : 1, 2, device_, timeout_);
+  }
+
+  const c10::intrusive_ptr<c10d::Store> store_;
   const int64_t rank_;
   const c10::Device device_;
+  const std::chrono::milliseconds timeout_;
   std::mutex mutex_;  // guards the boxes and the flags
   std::condition_variable cv_;
   std::vector<Inbox> inboxes_;
@@ -430,27 +490,6 @@ class NcclChannel final : public Channel {
   bool stopping_ = false;
   bool aborted_ = false;
 };
-
-c10::intrusive_ptr<Nccl> make_nccl(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    const std::string& prefix,
-    int64_t rank,
-    int64_t size,
-    c10::Device device,
-    std::chrono::milliseconds timeout) {
-  auto options = Nccl::Options::create();
-  // gpipe gives up on a peer after `timeout` and ends the group itself;
-  // NCCL's watchdog, which ends the process, comes later.
-  options->timeout = timeout * 2 + std::chrono::seconds(30);
-  auto group = c10::make_intrusive<Nccl>(
-      c10::make_intrusive<c10d::PrefixStore>(prefix, store),
-      static_cast<int>(rank),
-      static_cast<int>(size),
-      options);
-  // Its communicators on this rank's GPU, not one NCCL guesses from the rank.
-  group->setBoundDeviceId(device);
-  return group;
-}
 
 }  // namespace
 
@@ -467,11 +506,9 @@ GroupFactory nccl_groups(
              const c10::intrusive_ptr<c10d::Store>& store,
              int64_t rank,
              int64_t size) {
-    c10::intrusive_ptr<Nccl> up;
-    c10::intrusive_ptr<Nccl> down;
+    c10::intrusive_ptr<Nccl> whole;
     try {
-      up = make_nccl(store, "nccl_up/", rank, size, device, timeout);
-      down = make_nccl(store, "nccl_down/", rank, size, device, timeout);
+      whole = make_nccl(store, "nccl/", rank, size, device, timeout);
     } catch (const c10::Error& e) {
       TORCH_CHECK(
           false,
@@ -487,9 +524,9 @@ GroupFactory nccl_groups(
     }
     Groups groups;
     groups.channel =
-        std::make_shared<NcclChannel>(up, down, rank, size, device);
+        std::make_shared<NcclChannel>(store, rank, size, device, timeout);
     groups.group = as_process_group(
-        up,
+        whole,
         store,
         rank,
         size,

@@ -18,6 +18,10 @@
 #                                            # restarts, resumes from its
 #                                            # checkpoint and ends as one
 #                                            # that never stopped
+#
+# With GPIPE_DIST_BACKEND=nccl on one GPU (scripts/cuda_check.sh), set
+# GPIPE_TEST_HOSTID=1: each rank then calls itself a host of its own
+# (NCCL_HOSTID), since NCCL refuses two ranks of one host on one GPU.
 set -uo pipefail
 
 run_bin=$1
@@ -40,7 +44,13 @@ fail() {
 launch() {
   local n=$1
   shift
-  timeout 300 "$run_bin" -n "$n" -- "$prog" "$@" >"$tmp/out" 2>&1
+  if [[ -n ${GPIPE_TEST_HOSTID:-} ]]; then
+    timeout 300 "$run_bin" -n "$n" -- sh -c \
+      'NCCL_HOSTID=gpipe-rank-$RANK exec "$0" "$@"' "$prog" "$@" \
+      >"$tmp/out" 2>&1
+  else
+    timeout 300 "$run_bin" -n "$n" -- "$prog" "$@" >"$tmp/out" 2>&1
+  fi
   status=$?
 }
 
@@ -56,7 +66,8 @@ by_hand() {
   local pids=()
   for ((r = 0; r < n; r++)); do
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$r WORLD_SIZE=$n \
-      LOCAL_RANK=$r timeout 120 "$prog" "$@" >"$tmp/rank$r" 2>&1 &
+      LOCAL_RANK=$r NCCL_HOSTID=gpipe-rank-$r timeout 120 "$prog" "$@" \
+      >"$tmp/rank$r" 2>&1 &
     pids+=($!)
   done
   codes=()
