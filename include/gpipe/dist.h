@@ -1,7 +1,8 @@
 #pragma once
 
 // gpipe::dist: pipeline stages in separate processes and hosts, over
-// PyTorch's own distributed engine (c10d: a TCPStore to meet, Gloo to talk).
+// PyTorch's own distributed engine (c10d: a TCPStore to meet, Gloo or NCCL
+// to talk, as GPIPE_DIST_BACKEND says; docs/guide.md, "Backends").
 //
 // Every process builds the same Sequential and the same GPipeOptions; rank r
 // keeps partition r (and r + size, r + 2 size, ... with stages_per_lane > 1)
@@ -70,10 +71,11 @@ class World {
   int64_t local_size() const;
   /// How long a rank waits for another before it gives up.
   std::chrono::milliseconds timeout() const;
-  /// The c10d process group the stages talk over (Gloo, made in one file,
-  /// src/dist/gloo.cpp; null in a World of one rank); usable for
-  /// collectives of one's own between passes (point-to-point: tags from
-  /// 2^30 up; gpipe's own use those below).
+  /// The c10d process group of this World's ranks (Gloo or NCCL, as
+  /// GPIPE_DIST_BACKEND says; null in a World of one rank); usable for
+  /// collectives of one's own between passes. On Gloo gpipe's messages go
+  /// over it too (point-to-point: tags from 2^30 up are yours); NCCL's
+  /// tensors live on the rank's GPU.
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const;
   /// The rendezvous store.
   const c10::intrusive_ptr<c10d::Store>& store() const;
@@ -90,7 +92,8 @@ class World {
   /// Collectives of one's own between passes, over this World's group; each
   /// waits at most timeout() and throws a c10::Error naming the operation
   /// and this rank. `tensor` is dense and contiguous, the same shape and
-  /// dtype on every rank.
+  /// dtype on every rank, on any device (it is copied to the backend's
+  /// device and back where that is another).
   /// Sums `tensor` over the ranks, in place.
   void all_reduce(torch::Tensor& tensor) const;
   /// Copies rank `root`'s `tensor` into every rank's, in place.
@@ -115,7 +118,9 @@ class World {
 /// c10::ValueError naming it. Like init_from_store, it sets SIGPIPE to be
 /// ignored unless the program has a handler of its own, so that a write to
 /// a rank that died fails with an error naming it instead of ending this
-/// process without a word.
+/// process without a word. The backend is GPIPE_DIST_BACKEND's ("gloo",
+/// the default, or "nccl" where the build has it); one this build lacks is
+/// a c10::ValueError before anything waits.
 World init_from_env(std::chrono::milliseconds timeout);
 /// As above, with the timeout from GPIPE_DIST_TIMEOUT (seconds; default
 /// 120).
@@ -123,9 +128,10 @@ World init_from_env();
 
 /// Joins a job whose ranks meet in `store` (any c10d store: a TCPStore of
 /// one's own, or a HashStore shared by threads of one process), as rank
-/// `rank` of `size`. The ranks talk over GLOO_SOCKET_IFNAME when it is set,
-/// else over loopback when MASTER_ADDR is unset or local, else over this
-/// host's interface. local_rank() is `rank` and local_size() is `size`.
+/// `rank` of `size`, on GPIPE_DIST_BACKEND's backend. Gloo ranks talk over
+/// GLOO_SOCKET_IFNAME when it is set, else over loopback when MASTER_ADDR
+/// is unset or local, else over this host's interface. local_rank() is
+/// `rank` and local_size() is `size`.
 World init_from_store(
     c10::intrusive_ptr<c10d::Store> store,
     int64_t rank,
