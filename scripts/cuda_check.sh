@@ -6,6 +6,11 @@
 # stages on the CPU and on the GPU, one pipeline and replicas of one.
 #
 #   scripts/cuda_check.sh [BUILD_DIR]
+#   scripts/cuda_check.sh --deps DIR   # here, on Debian: copy the headers,
+#                                      # static GoogleTest and CMake files
+#                                      # of the packages gpipe builds with
+#                                      # into DIR, for a GPU machine that
+#                                      # lacks them (then DEPS=DIR there)
 #
 # TORCH_PREFIX: LibTorch's CMake prefix (default: Python torch's); DEPS:
 # extra CMake prefixes (nlohmann_json, CLI11, GoogleTest where the machine
@@ -14,6 +19,20 @@
 # (NCCL_HOSTID) and the ranks talk over loopback sockets.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+if [[ ${1:-} == --deps ]]; then
+  dir=${2:?--deps needs a directory}
+  lib=/usr/lib/x86_64-linux-gnu
+  mkdir -p "$dir/include" "$dir/share/cmake" "$dir/lib/x86_64-linux-gnu/cmake"
+  cp -r /usr/include/nlohmann /usr/include/CLI /usr/include/gtest \
+    /usr/include/gmock /usr/include/zlib.h "$dir/include/" || exit 1
+  cp /usr/include/zconf.h "$dir/include/" 2>/dev/null ||
+    cp /usr/include/x86_64-linux-gnu/zconf.h "$dir/include/"
+  cp -r /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 "$dir/share/cmake/"
+  cp -r "$lib/cmake/GTest" "$dir/lib/x86_64-linux-gnu/cmake/"
+  cp "$lib"/libgtest*.a "$lib"/libgmock*.a "$dir/lib/x86_64-linux-gnu/"
+  echo "cuda_check: dependencies in $dir ($(du -sh "$dir" | cut -f1))"
+  exit 0
+fi
 build=${1:-/tmp/gpipe-cuda}
 torch_prefix=${TORCH_PREFIX:-$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')}
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
