@@ -3,7 +3,8 @@
 # one of Python's torch by default): builds gpipe against it with gpipe::dist
 # on NCCL, then runs gpipe_dist_worker's parity checks over NCCL (each rank
 # a process, checked against single-process GPipe in float64), with the
-# stages on the CPU and on the GPU, one pipeline and replicas of one.
+# stages on the CPU and on the GPU, one pipeline and replicas of one, and
+# tests/dist/dist_test.sh's parity and failure modes over NCCL.
 #
 #   scripts/cuda_check.sh [BUILD_DIR]
 #   scripts/cuda_check.sh --deps DIR   # here, on Debian: copy the headers,

@@ -38,6 +38,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -502,6 +503,12 @@ GroupFactory nccl_groups(
       "this process sees none");
   const c10::Device device(
       c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+  // c10d's watchdog ends the process (SIGABRT) when an NCCL operation fails,
+  // by default: a rank whose peer died would never say so. gpipe sees the
+  // error itself (a failed work is completed, with NCCL's message) and fails
+  // the pass on every rank, so c10d only records it; a value the user set
+  // stays. Read when a group is made.
+  ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0", /*overwrite=*/0);
   return [device, timeout](
              const c10::intrusive_ptr<c10d::Store>& store,
              int64_t rank,
