@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -171,14 +172,32 @@ void Connection::wait_collective(
       connection->failure_cv_.notify_all();
     }
   });
+  // A GPU backend's future completes when the collective is queued on the
+  // GPU (NCCL's does): there the work itself is polled for its end.
+  const bool poll = groups.device.is_cuda();
+  auto ended = [&] { return poll ? work->isCompleted() : future->completed(); };
   bool in_time = false;
   {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     std::unique_lock<std::mutex> lock(mutex_);
-    in_time = failure_cv_.wait_for(lock, timeout, [&] {
-      return future->completed() || failure_.has_value();
-    });
+    while (true) {
+      if (ended() || failure_.has_value()) {
+        in_time = true;
+        break;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        break;
+      }
+      const auto left = deadline - now;
+      failure_cv_.wait_for(
+          lock,
+          poll ? std::min<std::chrono::steady_clock::duration>(
+                     left, std::chrono::milliseconds(1))
+               : left);
+    }
   }
-  if (!future->completed()) {
+  if (!ended()) {
     keep_forever(work);  // Gloo may still write into its tensors
     check();
     TORCH_CHECK(

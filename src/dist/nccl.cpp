@@ -65,9 +65,11 @@ c10::intrusive_ptr<Nccl> make_nccl(
     c10::Device device,
     std::chrono::milliseconds timeout) {
   auto options = Nccl::Options::create();
-  // gpipe gives up on a peer after `timeout` and ends the group itself;
-  // NCCL's watchdog, which ends the process, comes later.
-  options->timeout = timeout * 2 + std::chrono::seconds(30);
+  // gpipe gives up on a peer after `timeout`, counted from when it waits,
+  // and ends the group itself. c10d's watchdog counts from when a work is
+  // posted, and a send posted early may wait for its receive as long as a
+  // pass lasts: it must never fire first.
+  options->timeout = timeout * 2 + std::chrono::hours(24);
   auto group = c10::make_intrusive<Nccl>(
       c10::make_intrusive<c10d::PrefixStore>(prefix, store),
       static_cast<int>(rank),
@@ -207,6 +209,7 @@ struct Inbox {
   std::map<int, std::deque<c10::intrusive_ptr<RecvWork>>> waiting;
   int64_t wanted = 0;  // receives waiting
   std::thread reader;
+  std::string failed;  // why the reader ended, if it did on an error
   c10::intrusive_ptr<Nccl> group;  // the peer and this rank, made by reader
 };
 
@@ -273,6 +276,10 @@ class NcclChannel final : public Channel {
     if (!arrived.empty()) {
       work->deliver(arrived.front());
       arrived.pop_front();
+      return work;
+    }
+    if (!inbox.failed.empty()) {  // its reader has ended on an error
+      work->fail(inbox.failed);
       return work;
     }
     inbox.waiting[tag].push_back(work);
@@ -349,8 +356,11 @@ class NcclChannel final : public Channel {
     c10::DeviceGuard guard(device_);
     auto& outbox = outboxes_[static_cast<size_t>(peer)];
     c10::intrusive_ptr<Nccl> group;
+    bool broken = false;
+    std::string broken_why;
     while (true) {
       Outbox::Message message;
+      bool head_posted = false;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         cv_.wait(lock, [&] {
@@ -367,12 +377,21 @@ class NcclChannel final : public Channel {
           group = pair_group(rank_, peer);
           std::lock_guard<std::mutex> lock(mutex_);
           outbox.group = group;
+          if (aborted_ || stopping_) {  // made while abort() collected them
+            message.work->posted({}, "the send was aborted");
+            return;
+          }
+        }
+        if (broken) {
+          message.work->posted({}, broken_why);
+          continue;
         }
         auto frame = torch::empty({2}, torch::kLong);
         frame.data_ptr<int64_t>()[0] = message.tag;
         frame.data_ptr<int64_t>()[1] = message.bytes.numel();
         std::vector<at::Tensor> head{frame.to(device_)};
         auto head_sent = group->send(head, 1, 0);
+        head_posted = true;
         if (message.bytes.numel() == 0) {  // no body (the reader expects none)
           message.work->posted(std::move(head_sent));
           continue;
@@ -381,6 +400,13 @@ class NcclChannel final : public Channel {
         message.work->posted(group->send(body, 1, 0));
       } catch (const std::exception& e) {
         message.work->posted({}, e.what());
+        if (head_posted) {
+          // A frame without its bytes: the peer would misread every later
+          // frame, so no later message goes.
+          broken = true;
+          broken_why = std::string("an earlier message to this peer failed: ") +
+                       e.what();
+        }
       }
     }
   }
@@ -421,6 +447,9 @@ class NcclChannel final : public Channel {
           group = pair_group(peer, rank_);
           std::lock_guard<std::mutex> lock(mutex_);
           inbox.group = group;
+          if (aborted_ || stopping_) {  // made while abort() collected them
+            return;
+          }
         }
         auto frame = receive(2, torch::kLong);
         if (!frame.defined()) {
@@ -458,6 +487,7 @@ class NcclChannel final : public Channel {
     std::vector<c10::intrusive_ptr<RecvWork>> waiting;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      inbox.failed = why.empty() ? std::string("NCCL failed") : why;
       for (auto& entry : inbox.waiting) {
         for (auto& work : entry.second) {
           waiting.push_back(std::move(work));
@@ -509,6 +539,9 @@ GroupFactory nccl_groups(
   // the pass on every rank, so c10d only records it; a value the user set
   // stays. Read when a group is made.
   ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0", /*overwrite=*/0);
+  // Nor does its heartbeat monitor end it after a failed work's dump.
+  ::setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0", /*overwrite=*/0);
+  ::setenv("TORCH_NCCL_ENABLE_MONITORING", "0", /*overwrite=*/0);
   return [device, timeout](
              const c10::intrusive_ptr<c10d::Store>& store,
              int64_t rank,
@@ -540,6 +573,9 @@ GroupFactory nccl_groups(
         c10::kCUDA,
         c10d::ProcessGroup::BackendType::NCCL,
         "nccl");
+    // (setBackend gave the backend the wrapper's bound device: none.)
+    groups.group->setBoundDeviceId(device);
+    whole->setBoundDeviceId(device);
     groups.device = device;
     return groups;
   };

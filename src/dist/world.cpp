@@ -1,6 +1,7 @@
 // init_from_env and World: joining a job the way torchrun and gpipe-run
 // describe it, over c10d's TCPStore and a process group (Gloo: gloo.cpp).
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <gpipe/dist.h>
 #include <netdb.h>
@@ -416,8 +417,12 @@ void World::barrier() const {
   }
   c10d::BarrierOptions options;
   const auto& device = connection_->groups.device;
+  // NCCL's barrier runs on the rank's GPU, and c10d makes its tensor on the
+  // current device.
+  c10::OptionalDeviceGuard guard;
   if (device.is_cuda() && device.has_index()) {
-    options.device_ids = {device.index()};  // NCCL's barrier runs there
+    options.device_ids = {device.index()};
+    guard.reset_device(device);
   }
   wait_collective(*connection_, "barrier", [&] {
     return connection_->group->barrier(options);
