@@ -2,9 +2,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
-#include <c10/util/irange.h>
 
-#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -157,97 +155,6 @@ void Connection::fail(const std::string& message) {
     }
   } catch (...) {
     // The store is gone: the others learn of it from their own receives.
-  }
-}
-
-void Connection::wait_collective(
-    const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
-  // Woken by the collective's end or by a failure notice, whichever comes
-  // first (a collective cannot be aborted, so a failure leaves it).
-  auto future = work->getFuture();
-  std::weak_ptr<Connection> self = weak_from_this();
-  future->addCallback([self](c10::ivalue::Future&) {
-    if (auto connection = self.lock()) {
-      std::lock_guard<std::mutex> lock(connection->mutex_);
-      connection->failure_cv_.notify_all();
-    }
-  });
-  // A GPU backend's future completes when the collective is queued on the
-  // GPU (NCCL's does): there the work itself is polled for its end.
-  const bool poll = groups.device.is_cuda();
-  auto ended = [&] { return poll ? work->isCompleted() : future->completed(); };
-  bool in_time = false;
-  {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      if (ended() || failure_.has_value()) {
-        in_time = true;
-        break;
-      }
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) {
-        break;
-      }
-      const auto left = deadline - now;
-      failure_cv_.wait_for(
-          lock,
-          poll ? std::min<std::chrono::steady_clock::duration>(
-                     left, std::chrono::milliseconds(1))
-               : left);
-    }
-  }
-  if (!ended()) {
-    keep_forever(work);  // Gloo may still write into its tensors
-    check();
-    TORCH_CHECK(
-        in_time,
-        "gpipe::dist: the ",
-        what,
-        " did not end within ",
-        timeout.count() / 1000.0,
-        " s (GPIPE_DIST_TIMEOUT) on rank ",
-        rank,
-        " of ",
-        size,
-        ": a rank stopped answering, or runs other collectives");
-  }
-  try {
-    work->wait(timeout);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(
-        false,
-        "gpipe::dist: the ",
-        what,
-        " failed on rank ",
-        rank,
-        " of ",
-        size,
-        " [c10d: ",
-        std::string(e.what_without_backtrace()).substr(0, 300),
-        "]");
-  }
-}
-
-void Connection::run_collective(
-    std::vector<torch::Tensor>& tensors,
-    const std::function<
-        c10::intrusive_ptr<c10d::Work>(std::vector<torch::Tensor>&)>& start,
-    const std::string& what) {
-  std::vector<torch::Tensor> staged;
-  staged.reserve(tensors.size());
-  bool moved = false;
-  for (const auto& t : tensors) {
-    staged.push_back(on_group_device(groups, t));
-    moved = moved || !staged.back().is_same(t);
-  }
-  wait_collective(start(moved ? staged : tensors), what);
-  if (moved) {
-    for (const auto k : c10::irange(tensors.size())) {
-      if (!staged[k].is_same(tensors[k])) {
-        tensors[k].copy_(staged[k]);
-      }
-    }
   }
 }
 
