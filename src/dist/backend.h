@@ -13,8 +13,9 @@
 //   World collective on NCCL travels through the rank's GPU and back);
 // - gpipe's messages go through `channel`, which sends and receives host
 //   bytes on a tag, as c10d's Gloo does natively. NCCL has no tags and
-//   matches a pair's sends and receives in order, so nccl.cpp builds the
-//   tags on top (see Note [Tags over NCCL] there);
+//   matches a pair's sends and receives in order, so the tags are built on
+//   top (Note [Tags over an ordered backend] in dist/ordered_channel.cpp,
+//   tested over Gloo);
 // - failure notices never use either: they travel through the store (Note
 //   [Failure notices] in dist/connection.h).
 

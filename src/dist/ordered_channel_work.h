@@ -1,13 +1,14 @@
 #pragma once
 
-// The c10d works of gpipe's NCCL channel (src/dist/nccl.cpp, Note [Tags
-// over NCCL]): a message's send, posted by a writer thread, and a receive
-// posted on a tag, ended by a reader thread. Included by nccl.cpp alone.
+// The c10d works of the ordered channel (src/dist/ordered_channel.cpp, Note
+// [Tags over an ordered backend]): a message's send, posted by a writer
+// thread, and a receive posted on a tag, ended by a reader thread.
 
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,7 +21,7 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-namespace gpipe::dist::detail::nccl {
+namespace gpipe::dist::detail::ordered {
 
 // Waits until `work` has finished on the GPU, or `stop()` says to give up
 // (false then).
@@ -44,10 +45,20 @@ bool finished(const c10::intrusive_ptr<c10d::Work>& work, Stop&& stop) {
 // peer's GPU holds its bytes.
 class SendWork final : public c10d::Work {
  public:
+  // `poll`: the backend's works say when they end (NCCL's); else they end
+  // only when waited for (Gloo's), and are waited for.
+  explicit SendWork(bool poll) : poll_(poll) {}
+
   // Called once, by the writer or by an abort.
-  void posted(c10::intrusive_ptr<c10d::Work> last, std::string error = {}) {
+  // `head`: the frame's send before `last` (kept while the message is in
+  // flight: a Gloo send ends when its work goes).
+  void posted(
+      c10::intrusive_ptr<c10d::Work> last,
+      std::string error = {},
+      c10::intrusive_ptr<c10d::Work> head = {}) {
     {
       std::lock_guard<std::mutex> lock(post_mutex_);
+      head_ = std::move(head);
       last_ = std::move(last);
       error_ = std::move(error);
       posted_ = true;
@@ -56,7 +67,7 @@ class SendWork final : public c10d::Work {
   }
   bool isCompleted() override {
     std::lock_guard<std::mutex> lock(post_mutex_);
-    return posted_ && (!last_ || last_->isCompleted());
+    return posted_ && (!last_ || (poll_ && last_->isCompleted()));
   }
   bool wait(std::chrono::milliseconds timeout) override {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -64,6 +75,7 @@ class SendWork final : public c10d::Work {
       return timeout.count() > 0 && std::chrono::steady_clock::now() > deadline;
     };
     c10::intrusive_ptr<c10d::Work> last;
+    c10::intrusive_ptr<c10d::Work> head;
     {
       std::unique_lock<std::mutex> lock(post_mutex_);
       if (timeout.count() > 0) {
@@ -74,6 +86,17 @@ class SendWork final : public c10d::Work {
       TORCH_CHECK(posted_, "Operation timed out!");
       TORCH_CHECK(last_, error_);
       last = last_;
+      head = head_;
+    }
+    if (!poll_) {
+      if (head) {
+        head->wait(timeout);
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      return last->wait(
+          timeout.count() > 0 ? std::max(left, std::chrono::milliseconds(1))
+                              : timeout);
     }
     TORCH_CHECK(finished(last, late), "Operation timed out!");
     return last->wait();  // rethrows NCCL's error, if any
@@ -81,10 +104,12 @@ class SendWork final : public c10d::Work {
   void abort() override {}
 
  private:
+  const bool poll_;
   std::mutex post_mutex_;
   std::condition_variable post_cv_;
   bool posted_ = false;
   c10::intrusive_ptr<c10d::Work> last_;  // null when it failed: error_
+  c10::intrusive_ptr<c10d::Work> head_;
   std::string error_;
 };
 
@@ -132,4 +157,4 @@ class RecvWork final : public c10d::Work {
   std::atomic<bool> done_{false};
 };
 
-}  // namespace gpipe::dist::detail::nccl
+}  // namespace gpipe::dist::detail::ordered
