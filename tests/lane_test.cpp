@@ -138,15 +138,12 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
   // Skipped in the sanitizer build and off glibc: mallopt does not govern
   // a sanitizer's allocator or another libc's malloc, so there is nothing
   // of gpipe's to check.
-  // Skipped under ASan/TSan and off glibc: their allocators do not take
-  // mallopt, so there is no reuse to check.
   GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
 #else
   const char* choice = std::getenv("GPIPE_MALLOC");
   if (choice != nullptr && std::string(choice) == "system") {
     // Skipped when the user asked gpipe to leave malloc alone: the faults
     // are then glibc's default behaviour, which this test does not judge.
-    // Skipped when the user chose glibc's defaults: nothing to check.
     GTEST_SKIP() << "GPIPE_MALLOC=system: lanes leave malloc alone";
   }
   at::set_num_threads(1);

@@ -179,13 +179,7 @@ class OrderedChannel final : public Channel {
       }
       aborted_ = true;
       for (auto& inbox : inboxes_) {
-        for (auto& entry : inbox.waiting) {
-          for (auto& work : entry.second) {
-            waiting.push_back(std::move(work));
-          }
-        }
-        inbox.waiting.clear();
-        inbox.wanted = 0;
+        take_waiting(inbox, waiting);
       }
       for (auto& outbox : outboxes_) {
         for (auto& message : outbox.queue) {
@@ -394,19 +388,25 @@ class OrderedChannel final : public Channel {
     }
   }
 
+  // Moves `inbox`'s waiting receives into `out` (mutex_ held).
+  static void take_waiting(
+      Inbox& inbox, std::vector<c10::intrusive_ptr<RecvWork>>& out) {
+    for (auto& entry : inbox.waiting) {
+      for (auto& work : entry.second) {
+        out.push_back(std::move(work));
+      }
+    }
+    inbox.waiting.clear();
+    inbox.wanted = 0;
+  }
+
   // NCCL failed under `inbox`'s reader: its receives fail with that.
   void fail_inbox(Inbox& inbox, const std::string& why) {
     std::vector<c10::intrusive_ptr<RecvWork>> waiting;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       inbox.failed = why.empty() ? std::string("NCCL failed") : why;
-      for (auto& entry : inbox.waiting) {
-        for (auto& work : entry.second) {
-          waiting.push_back(std::move(work));
-        }
-      }
-      inbox.waiting.clear();
-      inbox.wanted = 0;
+      take_waiting(inbox, waiting);
     }
     for (auto& work : waiting) {
       work->fail(why);
