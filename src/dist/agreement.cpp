@@ -193,7 +193,7 @@ void agree_on_build(
     std::vector<uint8_t> value;
     try {
       value = store->get(prefix + std::to_string(r));
-    } catch (const std::exception& e) {
+    } catch (const std::exception&) {
       TORCH_CHECK(
           false,
           "gpipe::dist::PipelineStage: rank ",
@@ -203,7 +203,7 @@ void agree_on_build(
           " s for rank ",
           r,
           " to build its stage [c10d: ",
-          std::string(e.what()).substr(0, 300),
+          message_of(std::current_exception()).substr(0, 300),
           "]");
     }
     const std::string published(value.begin(), value.end());

@@ -84,19 +84,48 @@ GroupFactory backend_from_env(
       name == "nccl" ? ": NCCL needs gpipe built against a CUDA LibTorch 2.x "
                        "with NCCL"
                      : "");
+  const char* channel_value = std::getenv("GPIPE_DIST_CHANNEL");
+  const std::string channel =
+      channel_value != nullptr ? std::string(channel_value) : std::string();
+  TORCH_CHECK_VALUE(
+      channel.empty() || channel == "ordered" ||
+          (channel == "tagged" && name == "gloo"),
+      "gpipe::dist expects GPIPE_DIST_CHANNEL to be unset, 'ordered'",
+      name == "gloo" ? " or 'tagged'" : "",
+      " on the ",
+      name,
+      " backend, but got '",
+      channel,
+      "'",
+      channel == "tagged" ? ": NCCL has no tags" : "");
 #ifdef GPIPE_HAS_NCCL
   if (name == "nccl") {
     return nccl_groups(local_rank, timeout);
   }
 #endif
 #ifdef GPIPE_HAS_GLOO
-  return gloo_groups(master_addr, timeout);
+  return gloo_groups(
+      master_addr,
+      timeout,
+      channel == "ordered" ? GlooChannel::Ordered : GlooChannel::Tagged);
 #else
   (void)master_addr;
   (void)local_rank;
   (void)timeout;
   TORCH_INTERNAL_ASSERT(false, "no backend for '", name, "'");
 #endif
+}
+
+std::string message_of(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
 }
 
 torch::Tensor on_group_device(const Groups& groups, const torch::Tensor& t) {

@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -67,13 +68,20 @@ struct Groups {
 using GroupFactory = std::function<Groups(
     const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t size)>;
 
+/// How gpipe's messages travel on Gloo: on c10d's tags (Gloo's own), or
+/// through the ordered channel NCCL uses, over Gloo groups of two (so that
+/// its logic runs whole jobs on a CPU: the tests do).
+enum class GlooChannel { Tagged, Ordered };
+
 /// Gloo groups over the interface GLOO_SOCKET_IFNAME names; when it is not
 /// set, loopback when `master_addr` is this host's loopback, else the
 /// interface of this host's own name (as c10d picks it). Every group waits
 /// at most `timeout` for a peer. A group that cannot be made is a c10::Error
 /// naming the rank and the timeout. (src/dist/gloo.cpp)
 GroupFactory gloo_groups(
-    const std::string& master_addr, std::chrono::milliseconds timeout);
+    const std::string& master_addr,
+    std::chrono::milliseconds timeout,
+    GlooChannel channel = GlooChannel::Tagged);
 
 /// NCCL groups on cuda:<local_rank modulo the GPUs this process sees>.
 /// (src/dist/nccl.cpp)
@@ -84,7 +92,9 @@ std::vector<std::string> compiled_backends();
 
 /// The factory of the backend GPIPE_DIST_BACKEND names ("gloo", the
 /// default, or "nccl"); an unknown name, or one this build lacks, is a
-/// c10::ValueError naming what there is.
+/// c10::ValueError naming what there is. GPIPE_DIST_CHANNEL=ordered sends
+/// Gloo's messages through the ordered channel (NCCL's only one); "tagged"
+/// (Gloo's default) is refused on NCCL, and any other value everywhere.
 GroupFactory backend_from_env(
     const std::string& master_addr,
     int64_t local_rank,
@@ -93,6 +103,10 @@ GroupFactory backend_from_env(
 /// A Channel over c10d's own tagged send and receive (Gloo's).
 std::shared_ptr<Channel> tagged_channel(
     c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+/// The message of an exception (c10::Error without its backtrace), for the
+/// errors that quote c10d's.
+std::string message_of(std::exception_ptr error);
 
 /// `tensor` where `groups`' collectives take it (itself when it is there).
 torch::Tensor on_group_device(

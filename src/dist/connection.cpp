@@ -10,18 +10,6 @@
 
 namespace gpipe::dist::detail {
 
-std::string message_of(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object) {
   // Never destroyed: a World destroyed at exit may still call this.
   static auto* mutex = new std::mutex();
@@ -187,8 +175,8 @@ PostedBytes Connection::post_bytes(int64_t peer, int tag, int64_t n) {
   if (!posted.failed) {
     try {
       posted.work = groups.channel->recv(posted.buffer, peer, tag);
-    } catch (const std::exception& e) {
-      posted.refused = e.what();  // fails when waited for
+    } catch (const std::exception&) {
+      posted.refused = message_of(std::current_exception());  // when waited for
     }
     if (posted.work) {
       receiving_.insert(posted.work);
@@ -211,8 +199,8 @@ torch::Tensor Connection::wait_bytes(
   if (work) {
     try {
       received = work->wait(timeout);
-    } catch (const std::exception& e) {
-      error = e.what();
+    } catch (const std::exception&) {
+      error = message_of(std::current_exception());
     }
     std::lock_guard<std::mutex> lock(mutex_);
     receiving_.erase(work);
@@ -286,11 +274,11 @@ void Connection::send(
   auto post = [&](torch::Tensor buffer) {
     try {
       pending.push_back(groups.channel->send(std::move(buffer), peer, tag));
-    } catch (const std::exception& e) {
+    } catch (const std::exception&) {
       fail(
           "rank " + std::to_string(rank) + " could not send " + id.describe() +
-          " to rank " + std::to_string(peer) +
-          " [c10d: " + std::string(e.what()).substr(0, 300) + "]");
+          " to rank " + std::to_string(peer) + " [c10d: " +
+          message_of(std::current_exception()).substr(0, 300) + "]");
       throw_failure();
     }
   };
@@ -440,9 +428,9 @@ void Connection::wait_sends(
     }
     try {
       work->wait(timeout);
-    } catch (const std::exception& e) {
+    } catch (const std::exception&) {
       // A send completes when its receiver takes it.
-      const std::string error = e.what();
+      const std::string error = message_of(std::current_exception());
       const bool timed_out = error.find("imed out") != std::string::npos;
       fail(
           "rank " + std::to_string(rank) +

@@ -74,9 +74,6 @@ namespace gpipe::dist::detail {
 /// LeakSanitizer trips over it.
 void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object);
 
-/// The message of an exception (c10::Error without its backtrace).
-std::string message_of(std::exception_ptr error);
-
 /// A c10d receive of bytes, posted and not yet waited for.
 struct PostedBytes {
   c10::intrusive_ptr<c10d::Work> work;  // null when not posted

@@ -8,12 +8,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "dist/backend.h"
+#include "dist/ordered_channel.h"
 #include "dist/process_group.h"
 
 namespace gpipe::dist::detail {
 
 GroupFactory gloo_groups(
-    const std::string& master_addr, std::chrono::milliseconds timeout) {
+    const std::string& master_addr,
+    std::chrono::milliseconds timeout,
+    GlooChannel channel) {
   const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
   std::shared_ptr<::gloo::transport::Device> device;
   if (iface != nullptr && *iface != '\0') {
@@ -24,7 +27,7 @@ GroupFactory gloo_groups(
   } else {
     device = c10d::ProcessGroupGloo::createDefaultDevice();
   }
-  return [device, timeout](
+  return [device, timeout, channel](
              const c10::intrusive_ptr<c10d::Store>& store,
              int64_t rank,
              int64_t size) {
@@ -60,7 +63,29 @@ GroupFactory gloo_groups(
     Groups groups;
     groups.group = as_process_group(
         std::move(backend), store, rank, size, c10::kCPU, type, "gloo");
-    groups.channel = tagged_channel(groups.group);
+    if (channel == GlooChannel::Tagged) {
+      groups.channel = tagged_channel(groups.group);
+    } else {
+      // A Gloo work ends when waited for, and its abort ends the wait: the
+      // channel aborts the receive its reader waits in, and a send to a
+      // rank that is gone fails by itself.
+      groups.channel = ordered_channel(
+          store,
+          rank,
+          size,
+          c10::Device(c10::kCPU),
+          [device, timeout](
+              const c10::intrusive_ptr<c10d::Store>& pair_store,
+              int64_t pair_rank) -> c10::intrusive_ptr<PairGroup> {
+            auto pair_options =
+                c10d::ProcessGroupGloo::Options::create(timeout);
+            pair_options->devices.push_back(device);
+            return c10::make_intrusive<c10d::ProcessGroupGloo>(
+                pair_store, static_cast<int>(pair_rank), 2, pair_options);
+          },
+          [](PairGroup& /*group*/) {},
+          /*poll=*/false);
+    }
     groups.device = c10::Device(c10::kCPU);
     return groups;
   };

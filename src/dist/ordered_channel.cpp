@@ -25,8 +25,12 @@
 // its first send and receive, where the send waits until the peer
 // receives: on its own thread that wait holds up no lane and no other peer
 // (a lane blocked there could starve the peer of what it needs before it
-// asks this rank for anything). The group of all the ranks serves the
-// collectives only.
+// asks this rank for anything). A pair's group is made when the pair first
+// talks, so its other side may come much later: its waits on the store
+// poll rather than hold the process's store client (Note [Waiting on the
+// store while others use it] in polling_store.h; holding it deadlocked 4
+// ranks under 1F1B), and end on an abort. The group of all the ranks
+// serves the collectives only.
 // NCCL's works say when they end (isCompleted), and readers and senders
 // poll them, so that an abort or gpipe's timeout can stop the wait; Gloo's
 // end only when waited for, so over Gloo (the tests) a reader blocks in the
@@ -52,6 +56,7 @@
 #include <vector>
 
 #include "dist/ordered_channel_work.h"
+#include "dist/polling_store.h"
 
 namespace gpipe::dist::detail {
 
@@ -281,14 +286,14 @@ class OrderedChannel final : public Channel {
         }
         std::vector<at::Tensor> body{message.bytes.to(device_)};
         message.work->posted(group->send(body, 1, 0), {}, head_sent);
-      } catch (const std::exception& e) {
-        message.work->posted({}, e.what());
+      } catch (const std::exception&) {
+        const auto why = message_of(std::current_exception());
+        message.work->posted({}, why);
         if (head_posted) {
           // A frame without its bytes: the peer would misread every later
           // frame, so no later message goes.
           broken = true;
-          broken_why = std::string("an earlier message to this peer failed: ") +
-                       e.what();
+          broken_why = "an earlier message to this peer failed: " + why;
         }
       }
     }
@@ -368,8 +373,8 @@ class OrderedChannel final : public Channel {
         if (!body.defined()) {
           return;
         }
-      } catch (const std::exception& e) {
-        fail_inbox(inbox, e.what());
+      } catch (const std::exception&) {
+        fail_inbox(inbox, message_of(std::current_exception()));
         return;
       }
       c10::intrusive_ptr<RecvWork> work;
@@ -415,12 +420,20 @@ class OrderedChannel final : public Channel {
 
   // The group of two that carries `from`'s messages to `to` (rank 0 the
   // sender, 1 the receiver), made by the one thread that uses it.
+  // Its waits on the store poll, so that they hold up no other use of the
+  // store, and end on an abort (Note [Waiting on the store while others use
+  // it] in polling_store.h).
   c10::intrusive_ptr<PairGroup> pair_group(int64_t from, int64_t to) {
-    return make_pair_(
+    auto store = c10::make_intrusive<PollingStore>(
         c10::make_intrusive<c10d::PrefixStore>(
             "pair/" + std::to_string(from) + "-" + std::to_string(to) + "/",
             store_),
-        from == rank_ ? 0 : 1);
+        store_->getTimeout(),
+        [this] {
+          std::lock_guard<std::mutex> lock(mutex_);
+          return stopping_ || aborted_;
+        });
+    return make_pair_(store, from == rank_ ? 0 : 1);
   }
 
   const c10::intrusive_ptr<c10d::Store> store_;

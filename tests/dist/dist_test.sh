@@ -10,6 +10,9 @@
 #   dist_test.sh GPIPE_RUN WORKER failures   # another balance, a failing
 #                                            # loss, a killed rank
 #   dist_test.sh GPIPE_RUN WORKER rendezvous # init_from_env's errors
+#   dist_test.sh GPIPE_RUN WORKER ordered    # parity and failures through
+#                                            # NCCL's ordered channel, over
+#                                            # Gloo (GPIPE_DIST_CHANNEL)
 #   dist_test.sh GPIPE_RUN GPIPE_TRAIN train [DATA_DIR]
 #                                            # gpipe-train on 2 ranks equals
 #                                            # one process (77: no data set)
@@ -95,11 +98,22 @@ parity() {
   fi
 }
 
+# no_backtrace WHAT FILE...: the errors in FILE quote c10d's messages
+# without LibTorch's backtrace ("frame #0: ...").
+no_backtrace() {
+  local what=$1
+  shift
+  if grep -q "frame #" "$@"; then
+    fail "$what: an error carries LibTorch's backtrace: $(grep -m1 -B2 "frame #" "$@" | head -c 400)"
+  fi
+}
+
 # expect WHAT TEXT: the last launch failed, and every rank's error names TEXT.
 expect_error() {
   local what=$1 text=$2 n=$3
   local errors
   errors=$(grep -c "error: .*$text" "$tmp/out")
+  no_backtrace "$what" "$tmp/out"
   if [[ $status -eq 0 ]]; then
     fail "$what: gpipe-run exited 0"
   elif [[ $errors -ne $n ]]; then
@@ -107,6 +121,53 @@ expect_error() {
     sed 's/^/    /' "$tmp/out" | head -40
   else
     echo "ok: $what"
+  fi
+}
+
+# transfers_plan: $tmp/plan_transfers.csv, transfers as written: rank 1
+# posts all its receives first; rank 0 holds micro-batch 0's output until
+# it has computed micro-batch 1's, and posts its gradient receives late.
+transfers_plan() {
+  printf '%s\n' 0F0,0F1,0SEND_F0,0SEND_F1,0F2,0SEND_F2,0F3,0SEND_F3,0RECV_B0,0RECV_B1,0B0,0B1,0RECV_B2,0RECV_B3,0B2,0B3 \
+    1RECV_F0,1RECV_F1,1RECV_F2,1RECV_F3,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1F2,1B2,1SEND_B2,1F3,1B3,1SEND_B3 >"$tmp/plan_transfers.csv"
+}
+
+# survivors: without gpipe-run stopping them, the survivors of a killed
+# rank fail on their own, fast and with a message naming it (4 ranks, rank
+# 2 killed; the timeout is 60 s, so passing here is not the timeout).
+survivors() {
+  local start elapsed
+  start=$(date +%s)
+  by_hand 4 --scenario kill --kill-rank 2 --kill-step 1
+  elapsed=$(($(date +%s) - start))
+  for r in 0 1 3; do
+    if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*rank" "$tmp/rank$r"; then
+      fail "rank $r after rank 2 was killed: exit ${codes[$r]}: $(tail -2 "$tmp/rank$r")"
+    fi
+  done
+  no_backtrace "survivors of a killed rank" "$tmp"/rank[013]
+  if [[ ${codes[2]} -ne 137 ]]; then
+    fail "rank 2 should have been killed, but exited ${codes[2]}"
+  fi
+  if ((elapsed > 30)); then
+    fail "the survivors took ${elapsed} s to fail"
+  else
+    echo "ok: survivors of a killed rank failed in ${elapsed} s: $(grep error "$tmp/rank3" | head -c 200)"
+  fi
+}
+
+# stalled: a rank that stops answering (asleep for 8 s) is given up on
+# after GPIPE_DIST_TIMEOUT (2 s here) with a message that says so; the
+# sleeper then learns of the failure when it wakes.
+stalled() {
+  GPIPE_DIST_TIMEOUT=2 by_hand 2 --scenario stall --kill-rank 1 --kill-step 1
+  no_backtrace "a stalled rank" "$tmp/rank0" "$tmp/rank1"
+  if [[ ${codes[0]} -ne 3 ]] || ! grep -q "gave up after 2 s" "$tmp/rank0"; then
+    fail "a stalled rank 1: rank 0 exited ${codes[0]}: $(tail -2 "$tmp/rank0")"
+  elif [[ ${codes[1]} -ne 3 ]]; then
+    fail "the stalled rank exited ${codes[1]}: $(tail -2 "$tmp/rank1")"
+  else
+    echo "ok: a stalled rank: $(grep error "$tmp/rank0" | head -c 200)"
   fi
 }
 
@@ -140,11 +201,8 @@ case $mode in
     printf '%s\n' 0F0,0F1,2F0,2F1,0F2,2F2,0F3,2F3,2B0,0B0,2B1,0B1,2B2,0B2,2B3,0B3 \
       1F0,1F1,3F0,3F1,3B0,1F2,3F2,3B1,1F3,1B0,3F3,3B2,1B1,3B3,1B2,1B3 >"$tmp/plan4.csv"
     parity 2 --plan "$tmp/plan4.csv" --stages-per-lane 2 --checkpoint always --batch-norm 1
-    # Transfers as written: rank 1 posts all its receives first; rank 0
-    # holds micro-batch 0's output until it has computed micro-batch 1's,
-    # and posts its gradient receives late.
-    printf '%s\n' 0F0,0F1,0SEND_F0,0SEND_F1,0F2,0SEND_F2,0F3,0SEND_F3,0RECV_B0,0RECV_B1,0B0,0B1,0RECV_B2,0RECV_B3,0B2,0B3 \
-      1RECV_F0,1RECV_F1,1RECV_F2,1RECV_F3,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1F2,1B2,1SEND_B2,1F3,1B3,1SEND_B3 >"$tmp/plan_transfers.csv"
+    # Transfers as written (transfers_plan).
+    transfers_plan
     parity 2 --plan "$tmp/plan_transfers.csv" --checkpoint except_last --dropout 0.3
     ;;
   failures)
@@ -195,37 +253,8 @@ case $mode in
       echo "ok: a killed rank fails gpipe-run ($status)"
     fi
 
-    # Without gpipe-run stopping them: the survivors of a killed rank fail
-    # on their own, fast and with a message naming it (4 ranks, rank 2
-    # killed; the timeout is 60 s, so passing here is not the timeout).
-    start=$(date +%s)
-    by_hand 4 --scenario kill --kill-rank 2 --kill-step 1
-    elapsed=$(($(date +%s) - start))
-    for r in 0 1 3; do
-      if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*rank" "$tmp/rank$r"; then
-        fail "rank $r after rank 2 was killed: exit ${codes[$r]}: $(tail -2 "$tmp/rank$r")"
-      fi
-    done
-    if [[ ${codes[2]} -ne 137 ]]; then
-      fail "rank 2 should have been killed, but exited ${codes[2]}"
-    fi
-    if ((elapsed > 30)); then
-      fail "the survivors took ${elapsed} s to fail"
-    else
-      echo "ok: survivors of a killed rank failed in ${elapsed} s: $(grep error "$tmp/rank3" | head -c 200)"
-    fi
-
-    # A rank that stops answering (asleep for 8 s) is given up on after
-    # GPIPE_DIST_TIMEOUT (2 s here) with a message that says so; the
-    # sleeper then learns of the failure when it wakes.
-    GPIPE_DIST_TIMEOUT=2 by_hand 2 --scenario stall --kill-rank 1 --kill-step 1
-    if [[ ${codes[0]} -ne 3 ]] || ! grep -q "gave up after 2 s" "$tmp/rank0"; then
-      fail "a stalled rank 1: rank 0 exited ${codes[0]}: $(tail -2 "$tmp/rank0")"
-    elif [[ ${codes[1]} -ne 3 ]]; then
-      fail "the stalled rank exited ${codes[1]}: $(tail -2 "$tmp/rank1")"
-    else
-      echo "ok: a stalled rank: $(grep error "$tmp/rank0" | head -c 200)"
-    fi
+    survivors
+    stalled
     ;;
   rendezvous)
     # A MASTER_ADDR that does not resolve (here, where gpipe-run would
@@ -285,6 +314,21 @@ case $mode in
         echo "ok: GPIPE_DIST_BACKEND=$backend is refused at once: $(grep error "$tmp/backend" | head -c 300)"
       fi
     done
+    # A channel that is not one: refused as fast, naming the ones there are.
+    start=$SECONDS
+    GPIPE_DIST_CHANNEL=fast MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      RANK=0 WORLD_SIZE=2 GPIPE_DIST_TIMEOUT=20 timeout 60 "$prog" \
+      >"$tmp/channel" 2>&1
+    status=$?
+    elapsed=$((SECONDS - start))
+    if [[ $status -ne 3 ]] ||
+      ! grep -q "GPIPE_DIST_CHANNEL to be unset, 'ordered'.* but got 'fast'" "$tmp/channel"; then
+      fail "GPIPE_DIST_CHANNEL=fast: exit $status: $(head -c 600 "$tmp/channel")"
+    elif ((elapsed > 5)); then
+      fail "GPIPE_DIST_CHANNEL=fast took ${elapsed} s to fail"
+    else
+      echo "ok: GPIPE_DIST_CHANNEL=fast is refused at once: $(grep error "$tmp/channel" | head -c 300)"
+    fi
     # A second rank 0 on a port the first one holds: said at once.
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
       GPIPE_DIST_TIMEOUT=6 timeout 60 "$prog" >"$tmp/holder" 2>&1 &
@@ -476,6 +520,27 @@ case $mode in
     else
       echo "ok: 2 replicas x 2 stages resumed from the 2-rank checkpoint at step 20; test accuracy $accuracy"
     fi
+    ;;
+  ordered)
+    # gpipe's messages through the ordered channel NCCL uses (framed, in
+    # order per pair of ranks, a reader and a writer thread per peer: Note
+    # [Tags over an ordered backend] in src/dist/ordered_channel.cpp), here
+    # over Gloo groups of two: the checks that found its defects on a GPU
+    # (4 ranks under 1F1B and zero-bubble), two stages per rank, transfers
+    # posted as a plan writes them, replicas, a killed and a stalled rank.
+    export GPIPE_DIST_CHANNEL=ordered
+    parity 4 --schedule 1f1b --checkpoint always --dropout 0.3
+    parity 4 --schedule zero_bubble --checkpoint always --batch-norm 1
+    parity 4 --schedule interleaved --stages-per-lane 2 --checkpoint never --dropout 0.3
+    parity 4 --schedule zero_bubble_v --stages-per-lane 2 --v-shape 1 --checkpoint except_last --batch-norm 1
+    transfers_plan
+    parity 2 --plan "$tmp/plan_transfers.csv" --checkpoint except_last --dropout 0.3
+    parity 2 --pipeline-size 1 --schedule 1f1b --dropout 0
+    parity 4 --pipeline-size 2 --schedule zero_bubble --dropout 0
+    by_hand 2 --scenario throw
+    expect_error "a failing loss" "the loss broke on purpose" 2
+    survivors
+    stalled
     ;;
   *)
     echo "unknown mode $mode"

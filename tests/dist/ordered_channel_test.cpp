@@ -18,6 +18,7 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 namespace {
@@ -25,6 +26,7 @@ namespace {
 using gpipe::dist::detail::Channel;
 using gpipe::dist::detail::PairGroup;
 constexpr auto kWait = std::chrono::seconds(30);
+constexpr auto kStoreWait = std::chrono::milliseconds(10000);
 
 std::shared_ptr<Channel> gloo_channel(
     const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t size) {
@@ -45,18 +47,38 @@ std::shared_ptr<Channel> gloo_channel(
       /*poll=*/false);
 }
 
-// Runs `fn(rank, channel)` on `n` threads; rethrows the first error.
+// Runs `fn(rank, channel)` on `n` threads; rethrows the first error. With
+// `tcp`, each rank has a TCPStore client of its own, as a process has
+// (whose operations take turns); else they share a HashStore.
 void run(
     int64_t n,
-    const std::function<void(int64_t, const std::shared_ptr<Channel>&)>& fn) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
+    const std::function<void(int64_t, const std::shared_ptr<Channel>&)>& fn,
+    bool tcp = false) {
+  c10::intrusive_ptr<c10d::Store> shared =
+      c10::make_intrusive<c10d::HashStore>();
+  std::vector<c10::intrusive_ptr<c10d::Store>> stores(n, shared);
+  if (tcp) {
+    c10d::TCPStoreOptions server;
+    server.port = 0;  // any free one
+    server.isServer = true;
+    server.waitWorkers = false;
+    server.timeout = kStoreWait;
+    auto master = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", server);
+    stores[0] = master;
+    for (int64_t r = 1; r < n; ++r) {
+      c10d::TCPStoreOptions client;
+      client.port = master->getPort();
+      client.timeout = kStoreWait;
+      stores[r] = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", client);
+    }
+  }
   std::mutex mutex;
   std::exception_ptr first;
   std::vector<std::thread> threads;
   for (int64_t r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       try {
-        fn(r, gloo_channel(store, r, n));
+        fn(r, gloo_channel(stores[r], r, n));
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!first) {
@@ -177,6 +199,37 @@ TEST(OrderedChannelTest, AnAbortEndsWhatIsPostedAndRefusesWhatComes) {
     kept.push_back(channel);
     checked = true;
   });
+}
+
+// Rank 0 posts the receive of a message rank 2 sends last, then talks to
+// rank 1, which talks to rank 2: making the pair group for rank 2's message
+// waits on the store for rank 2's side, which comes only at the end. With
+// a TCPStore client per rank that wait must not hold up rank 0's other
+// store operations (Note [Waiting on the store while others use it]):
+// before, rank 0's group with rank 1 waited behind it until the store's
+// timeout.
+TEST(OrderedChannelTest, AGroupWaitingForItsPeerHoldsUpNoOtherGroup) {
+  const auto start = std::chrono::steady_clock::now();
+  run(
+      3,
+      [](int64_t rank, const std::shared_ptr<Channel>& channel) {
+        auto got = torch::empty({4}, torch::kByte);
+        if (rank == 0) {
+          auto last = channel->recv(got, 2, 1);
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          channel->send(filled(4, 10), 1, 2)->wait(kWait);
+          last->wait(kWait);
+          EXPECT_TRUE(got.equal(filled(4, 12)));
+        } else if (rank == 1) {
+          channel->recv(got, 0, 2)->wait(kWait);
+          channel->send(got + 1, 2, 3)->wait(kWait);
+        } else {
+          channel->recv(got, 1, 3)->wait(kWait);
+          channel->send(got + 1, 0, 1)->wait(kWait);
+        }
+      },
+      /*tcp=*/true);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
 }  // namespace
