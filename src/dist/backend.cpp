@@ -90,8 +90,8 @@ GroupFactory backend_from_env(
   TORCH_CHECK_VALUE(
       channel.empty() || channel == "ordered" ||
           (channel == "tagged" && name == "gloo"),
-      "gpipe::dist expects GPIPE_DIST_CHANNEL to be unset, 'ordered'",
-      name == "gloo" ? " or 'tagged'" : "",
+      "gpipe::dist expects GPIPE_DIST_CHANNEL to be unset",
+      name == "gloo" ? ", 'tagged' or 'ordered'" : " or 'ordered'",
       " on the ",
       name,
       " backend, but got '",

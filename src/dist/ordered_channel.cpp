@@ -428,7 +428,6 @@ class OrderedChannel final : public Channel {
         c10::make_intrusive<c10d::PrefixStore>(
             "pair/" + std::to_string(from) + "-" + std::to_string(to) + "/",
             store_),
-        store_->getTimeout(),
         [this] {
           std::lock_guard<std::mutex> lock(mutex_);
           return stopping_ || aborted_;

@@ -11,10 +11,10 @@
 namespace gpipe::dist::detail {
 
 PollingStore::PollingStore(
-    c10::intrusive_ptr<c10d::Store> inner,
-    std::chrono::milliseconds timeout,
-    std::function<bool()> stop)
-    : c10d::Store(timeout), inner_(std::move(inner)), stop_(std::move(stop)) {}
+    c10::intrusive_ptr<c10d::Store> inner, std::function<bool()> stop)
+    : c10d::Store(kNoTimeout),
+      inner_(std::move(inner)),
+      stop_(std::move(stop)) {}
 
 void PollingStore::set(
     const std::string& key, const std::vector<uint8_t>& value) {
@@ -29,7 +29,7 @@ std::vector<uint8_t> PollingStore::compareSet(
 }
 
 std::vector<uint8_t> PollingStore::get(const std::string& key) {
-  wait({key}, timeout_);
+  wait({key});
   return inner_->get(key);  // there now: answered at once
 }
 
@@ -55,27 +55,20 @@ void PollingStore::wait(const std::vector<std::string>& keys) {
 
 void PollingStore::wait(
     const std::vector<std::string>& keys,
-    const std::chrono::milliseconds& timeout) {
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
+    const std::chrono::milliseconds& /*timeout*/) {
   auto pause = std::chrono::microseconds(200);
   while (!inner_->check(keys)) {
     TORCH_CHECK(
-        !(stop_ && stop_()),
+        !stop_(),
         "gpipe::dist: stopped waiting for the other rank of a group (the "
         "channel was aborted or closed)");
-    TORCH_CHECK(
-        timeout == kNoTimeout || Clock::now() - start < timeout,
-        "gpipe::dist: the other rank of a group did not come within ",
-        timeout.count() / 1000.0,
-        " s (waited for its key in the store)");
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(20000));
   }
 }
 
 c10::intrusive_ptr<c10d::Store> PollingStore::clone() {
-  return c10::make_intrusive<PollingStore>(inner_, timeout_, stop_);
+  return c10::make_intrusive<PollingStore>(inner_, stop_);
 }
 
 }  // namespace gpipe::dist::detail

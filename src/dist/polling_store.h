@@ -11,11 +11,18 @@
 // the pair first talks, and its other side may come much later (a reader
 // of rank 0 made when it posts the receive of a loss that the last rank
 // sends at the end of the step): with gets that hold the client, 4 ranks
-// under 1F1B deadlocked, on Gloo pairs as on NCCL's. Here a wait polls
+// under 1F1B deadlocked on Gloo pairs (NCCL's pairs wait the same way, for
+// the NCCL id of the pair, and 4 ranks under 1F1B hung there too). Here a
+// wait polls
 // `check` (which answers at once) and sleeps in between, backing off to
-// 20 ms; set, add and the others go straight through. A wait also ends
-// when `stop` says so (the channel was aborted or is closing), so that an
-// abort does not wait out a group that will never be made.
+// 20 ms; set, add and the others go straight through. A wait has no
+// deadline of its own, whatever timeout the group asks for: it ends when
+// `stop` says so (the channel was aborted or is closing). gpipe's timeout
+// counts from when a lane waits for a message, not from when the receive
+// was posted: the last rank's loss, whose receive rank 0 posts when the
+// step begins, may come a long step later, and the pair's group with it.
+// A lane that waits too long fails the connection, which aborts the
+// channel and so ends the group's wait.
 
 #include <c10/util/intrusive_ptr.h>
 
@@ -32,12 +39,10 @@ namespace gpipe::dist::detail {
 // versions that have it, and a class marks all its overrides or none.)
 class PollingStore final : public c10d::Store {
  public:
-  /// Waits through `inner`, for at most `timeout` (the store's timeout),
-  /// unless `stop()` says to give up first (a c10::Error then).
+  /// Waits through `inner` until the keys come, or until `stop()` says to
+  /// give up (a c10::Error then).
   PollingStore(
-      c10::intrusive_ptr<c10d::Store> inner,
-      std::chrono::milliseconds timeout,
-      std::function<bool()> stop);
+      c10::intrusive_ptr<c10d::Store> inner, std::function<bool()> stop);
 
   virtual void set(const std::string& key, const std::vector<uint8_t>& value);
   virtual std::vector<uint8_t> compareSet(
@@ -50,6 +55,7 @@ class PollingStore final : public c10d::Store {
   virtual bool check(const std::vector<std::string>& keys);
   virtual int64_t getNumKeys();
   virtual void wait(const std::vector<std::string>& keys);
+  /// (`timeout` is not a deadline here: see the Note.)
   virtual void wait(
       const std::vector<std::string>& keys,
       const std::chrono::milliseconds& timeout);

@@ -49,11 +49,13 @@ std::shared_ptr<Channel> gloo_channel(
 
 // Runs `fn(rank, channel)` on `n` threads; rethrows the first error. With
 // `tcp`, each rank has a TCPStore client of its own, as a process has
-// (whose operations take turns); else they share a HashStore.
+// (whose operations take turns), with `store_wait` as the stores' timeout;
+// else they share a HashStore.
 void run(
     int64_t n,
     const std::function<void(int64_t, const std::shared_ptr<Channel>&)>& fn,
-    bool tcp = false) {
+    bool tcp = false,
+    std::chrono::milliseconds store_wait = kStoreWait) {
   c10::intrusive_ptr<c10d::Store> shared =
       c10::make_intrusive<c10d::HashStore>();
   std::vector<c10::intrusive_ptr<c10d::Store>> stores(n, shared);
@@ -62,13 +64,13 @@ void run(
     server.port = 0;  // any free one
     server.isServer = true;
     server.waitWorkers = false;
-    server.timeout = kStoreWait;
+    server.timeout = store_wait;
     auto master = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", server);
     stores[0] = master;
     for (int64_t r = 1; r < n; ++r) {
       c10d::TCPStoreOptions client;
       client.port = master->getPort();
-      client.timeout = kStoreWait;
+      client.timeout = store_wait;
       stores[r] = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", client);
     }
   }
@@ -229,6 +231,44 @@ TEST(OrderedChannelTest, AGroupWaitingForItsPeerHoldsUpNoOtherGroup) {
         }
       },
       /*tcp=*/true);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+// gpipe's timeout counts from when a lane waits, not from when it posted
+// the receive: a message whose pair group comes later than the store's
+// timeout (rank 0 sends after 2.5 s, the stores give up after 1 s) still
+// arrives. Before, the group's wait on the store gave up with the store.
+TEST(OrderedChannelTest, APairThatTalksLateStillMeets) {
+  run(
+      2,
+      [](int64_t rank, const std::shared_ptr<Channel>& channel) {
+        if (rank == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+          channel->send(filled(4, 5), 1, 1)->wait(kWait);
+        } else {
+          auto got = torch::empty({4}, torch::kByte);
+          channel->recv(got, 0, 1)->wait(kWait);
+          EXPECT_TRUE(got.equal(filled(4, 5)));
+        }
+      },
+      /*tcp=*/true,
+      /*store_wait=*/std::chrono::milliseconds(1000));
+}
+
+// A receive from a rank that never talks: its pair group waits for the
+// other side on the store. An abort ends the receive and that wait, so the
+// channel closes at once (before, it waited out Gloo's 30 s).
+TEST(OrderedChannelTest, AnAbortEndsAGroupStillWaitingForItsPeer) {
+  const auto start = std::chrono::steady_clock::now();
+  run(2, [](int64_t rank, const std::shared_ptr<Channel>& channel) {
+    if (rank == 0) {
+      return;
+    }
+    auto never = channel->recv(torch::empty({4}, torch::kByte), 0, 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    channel->abort();
+    EXPECT_NE(message_of(never).find("aborted"), std::string::npos);
+  });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
