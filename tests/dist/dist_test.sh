@@ -132,6 +132,25 @@ transfers_plan() {
     1RECV_F0,1RECV_F1,1RECV_F2,1RECV_F3,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1F2,1B2,1SEND_B2,1F3,1B3,1SEND_B3 >"$tmp/plan_transfers.csv"
 }
 
+# refused_at_once VAR VALUE TEXT: rank 0 of 2 with VAR=VALUE (and a 20 s
+# timeout) exits 3 within 5 s, its error naming TEXT, before it waits for
+# the other rank. Uses $port.
+refused_at_once() {
+  local var=$1 value=$2 text=$3 start elapsed code
+  start=$SECONDS
+  env "$var=$value" MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 \
+    WORLD_SIZE=2 GPIPE_DIST_TIMEOUT=20 timeout 60 "$prog" >"$tmp/refused" 2>&1
+  code=$?
+  elapsed=$((SECONDS - start))
+  if [[ $code -ne 3 ]] || ! grep -q "$text" "$tmp/refused"; then
+    fail "$var=$value: exit $code: $(head -c 600 "$tmp/refused")"
+  elif ((elapsed > 5)); then
+    fail "$var=$value took ${elapsed} s to fail"
+  else
+    echo "ok: $var=$value is refused at once: $(grep error "$tmp/refused" | head -c 300)"
+  fi
+}
+
 # survivors: without gpipe-run stopping them, the survivors of a killed
 # rank fail on their own, fast and with a message naming it (4 ranks, rank
 # 2 killed; the timeout is 60 s, so passing here is not the timeout).
@@ -299,36 +318,12 @@ case $mode in
     # build has.
     for backend in mpi nccl; do
       [[ $backend == nccl && -n ${GPIPE_HAS_NCCL:-} ]] && continue
-      start=$SECONDS
-      GPIPE_DIST_BACKEND=$backend MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-        RANK=0 WORLD_SIZE=2 GPIPE_DIST_TIMEOUT=20 timeout 60 "$prog" \
-        >"$tmp/backend" 2>&1
-      status=$?
-      elapsed=$((SECONDS - start))
-      if [[ $status -ne 3 ]] ||
-        ! grep -q "GPIPE_DIST_BACKEND to name a backend of this build (.*), but got '$backend'" "$tmp/backend"; then
-        fail "GPIPE_DIST_BACKEND=$backend: exit $status: $(head -c 600 "$tmp/backend")"
-      elif ((elapsed > 5)); then
-        fail "GPIPE_DIST_BACKEND=$backend took ${elapsed} s to fail"
-      else
-        echo "ok: GPIPE_DIST_BACKEND=$backend is refused at once: $(grep error "$tmp/backend" | head -c 300)"
-      fi
+      refused_at_once GPIPE_DIST_BACKEND $backend \
+        "GPIPE_DIST_BACKEND to name a backend of this build (.*), but got '$backend'"
     done
     # A channel that is not one: refused as fast, naming the ones there are.
-    start=$SECONDS
-    GPIPE_DIST_CHANNEL=fast MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      RANK=0 WORLD_SIZE=2 GPIPE_DIST_TIMEOUT=20 timeout 60 "$prog" \
-      >"$tmp/channel" 2>&1
-    status=$?
-    elapsed=$((SECONDS - start))
-    if [[ $status -ne 3 ]] ||
-      ! grep -q "GPIPE_DIST_CHANNEL to be unset\(, 'tagged'\)\{0,1\} or 'ordered' on the [a-z]* backend, but got 'fast'" "$tmp/channel"; then
-      fail "GPIPE_DIST_CHANNEL=fast: exit $status: $(head -c 600 "$tmp/channel")"
-    elif ((elapsed > 5)); then
-      fail "GPIPE_DIST_CHANNEL=fast took ${elapsed} s to fail"
-    else
-      echo "ok: GPIPE_DIST_CHANNEL=fast is refused at once: $(grep error "$tmp/channel" | head -c 300)"
-    fi
+    refused_at_once GPIPE_DIST_CHANNEL fast \
+      "GPIPE_DIST_CHANNEL to be unset\(, 'tagged'\)\{0,1\} or 'ordered' on the [a-z]* backend, but got 'fast'"
     # A second rank 0 on a port the first one holds: said at once.
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
       GPIPE_DIST_TIMEOUT=6 timeout 60 "$prog" >"$tmp/holder" 2>&1 &
