@@ -281,11 +281,20 @@ class OrderedChannel final : public Channel {
         auto head_sent = group->send(head, 1, 0);
         head_posted = true;
         if (message.bytes.numel() == 0) {  // no body (the reader expects none)
-          message.work->posted(std::move(head_sent));
+          head.clear();
+          message.work->posted(
+              std::move(head_sent), {}, {}, {std::move(frame)});
           continue;
         }
         std::vector<at::Tensor> body{message.bytes.to(device_)};
-        message.work->posted(group->send(body, 1, 0), {}, head_sent);
+        auto body_sent = group->send(body, 1, 0);
+        head.clear();
+        body.clear();
+        message.work->posted(
+            std::move(body_sent),
+            {},
+            std::move(head_sent),
+            {std::move(frame), std::move(message.bytes)});
       } catch (const std::exception&) {
         const auto why = message_of(std::current_exception());
         message.work->posted({}, why);

@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
 
 namespace gpipe::dist::detail::ordered {
 
@@ -51,13 +52,19 @@ class SendWork final : public c10d::Work {
 
   // Called once, by the writer or by an abort.
   // `head`: the frame's send before `last` (kept while the message is in
-  // flight: a Gloo send ends when its work goes).
+  // flight: a Gloo send ends when its work goes). `kept`: the writer's
+  // tensors (the frame, the message's bytes), released after the backend's
+  // works, so that their last release is this work's, on the thread that
+  // drops it (a backend's work may be released inside LibTorch, where
+  // ThreadSanitizer sees no ordering with the writer's own releases).
   void posted(
       c10::intrusive_ptr<c10d::Work> last,
       std::string error = {},
-      c10::intrusive_ptr<c10d::Work> head = {}) {
+      c10::intrusive_ptr<c10d::Work> head = {},
+      std::vector<torch::Tensor> kept = {}) {
     {
       std::lock_guard<std::mutex> lock(post_mutex_);
+      kept_ = std::move(kept);
       head_ = std::move(head);
       last_ = std::move(last);
       error_ = std::move(error);
@@ -108,6 +115,7 @@ class SendWork final : public c10d::Work {
   std::mutex post_mutex_;
   std::condition_variable post_cv_;
   bool posted_ = false;
+  std::vector<torch::Tensor> kept_;      // declared first: released last
   c10::intrusive_ptr<c10d::Work> last_;  // null when it failed: error_
   c10::intrusive_ptr<c10d::Work> head_;
   std::string error_;
