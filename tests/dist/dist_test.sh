@@ -132,22 +132,26 @@ transfers_plan() {
     1RECV_F0,1RECV_F1,1RECV_F2,1RECV_F3,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1F2,1B2,1SEND_B2,1F3,1B3,1SEND_B3 >"$tmp/plan_transfers.csv"
 }
 
-# refused_at_once VAR VALUE TEXT: rank 0 of 2 with VAR=VALUE (and a 20 s
-# timeout) exits 3 within 5 s, its error naming TEXT, before it waits for
-# the other rank. Uses $port.
-refused_at_once() {
-  local var=$1 value=$2 text=$3 start elapsed code
+# refused WHAT LIMIT TEXT VAR=VALUE...: rank 0 of 2, started with the
+# assignments given (after a 20 s GPIPE_DIST_TIMEOUT), exits 3 within LIMIT
+# seconds, before it waits out any timeout, with an error that names TEXT
+# and carries no LibTorch backtrace. Uses $port.
+refused() {
+  local what=$1 limit=$2 text=$3 start elapsed code
+  shift 3
   start=$SECONDS
-  env "$var=$value" MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 \
-    WORLD_SIZE=2 GPIPE_DIST_TIMEOUT=20 timeout 60 "$prog" >"$tmp/refused" 2>&1
+  env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
+    GPIPE_DIST_TIMEOUT=20 "$@" timeout 60 "$prog" >"$tmp/refused" 2>&1
   code=$?
   elapsed=$((SECONDS - start))
   if [[ $code -ne 3 ]] || ! grep -q "$text" "$tmp/refused"; then
-    fail "$var=$value: exit $code: $(head -c 600 "$tmp/refused")"
-  elif ((elapsed > 5)); then
-    fail "$var=$value took ${elapsed} s to fail"
+    fail "$what: exit $code after ${elapsed} s: $(head -c 600 "$tmp/refused")"
+  elif ((elapsed > limit)); then
+    fail "$what took ${elapsed} s to fail"
+  elif grep -q "frame #" "$tmp/refused"; then
+    fail "$what: the error carries LibTorch's backtrace"
   else
-    echo "ok: $var=$value is refused at once: $(grep error "$tmp/refused" | head -c 300)"
+    echo "ok: $what fails in ${elapsed} s: $(grep error "$tmp/refused" | head -c 300)"
   fi
 }
 
@@ -299,31 +303,21 @@ case $mode in
     # came; it used to wait twice the timeout (the store's wait, then
     # Gloo's).
     port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
-    start=$SECONDS
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
-      GPIPE_DIST_TIMEOUT=4 timeout 60 "$prog" >"$tmp/alone" 2>&1
-    status=$?
-    elapsed=$((SECONDS - start))
-    if [[ $status -ne 3 ]] || ! grep -q "only 1 of the 2 ranks" "$tmp/alone"; then
-      fail "rank 0 alone: exit $status after ${elapsed} s: $(head -c 600 "$tmp/alone")"
-    elif ((elapsed > 7)); then
-      fail "rank 0 alone with a 4 s timeout took ${elapsed} s"
-    elif grep -q "frame #" "$tmp/alone"; then
-      fail "rank 0 alone: the error carries LibTorch's backtrace"
-    else
-      echo "ok: rank 0 alone gives up in ${elapsed} s: $(grep error "$tmp/alone" | head -c 300)"
-    fi
+    refused "rank 0 alone with a 4 s timeout" 7 "only 1 of the 2 ranks" \
+      GPIPE_DIST_TIMEOUT=4
     # A backend this build lacks (every build lacks mpi; a CPU LibTorch,
     # nccl): refused before the rank waits for the others, naming what the
     # build has.
     for backend in mpi nccl; do
       [[ $backend == nccl && -n ${GPIPE_HAS_NCCL:-} ]] && continue
-      refused_at_once GPIPE_DIST_BACKEND $backend \
-        "GPIPE_DIST_BACKEND to name a backend of this build (.*), but got '$backend'"
+      refused "GPIPE_DIST_BACKEND=$backend" 5 \
+        "GPIPE_DIST_BACKEND to name a backend of this build (.*), but got '$backend'" \
+        GPIPE_DIST_BACKEND=$backend
     done
     # A channel that is not one: refused as fast, naming the ones there are.
-    refused_at_once GPIPE_DIST_CHANNEL fast \
-      "GPIPE_DIST_CHANNEL to be unset\(, 'tagged'\)\{0,1\} or 'ordered' on the [a-z]* backend, but got 'fast'"
+    refused "GPIPE_DIST_CHANNEL=fast" 5 \
+      "GPIPE_DIST_CHANNEL to be unset\(, 'tagged'\)\{0,1\} or 'ordered' on the [a-z]* backend, but got 'fast'" \
+      GPIPE_DIST_CHANNEL=fast
     # A second rank 0 on a port the first one holds: said at once.
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
       GPIPE_DIST_TIMEOUT=6 timeout 60 "$prog" >"$tmp/holder" 2>&1 &
