@@ -13,9 +13,8 @@
 // sends at the end of the step): with gets that hold the client, 4 ranks
 // under 1F1B deadlocked on Gloo pairs (NCCL's pairs wait the same way, for
 // the NCCL id of the pair, and 4 ranks under 1F1B hung there too). Here a
-// wait polls
-// `check` (which answers at once) and sleeps in between, backing off to
-// 20 ms; set, add and the others go straight through. A wait has no
+// wait polls `check` (which answers at once) and sleeps in between, backing
+// off to 20 ms; set, add and the others go straight through. A wait has no
 // deadline of its own, whatever timeout the group asks for: it ends when
 // `stop` says so (the channel was aborted or is closing). gpipe's timeout
 // counts from when a lane waits for a message, not from when the receive
