@@ -132,10 +132,10 @@ transfers_plan() {
     1RECV_F0,1RECV_F1,1RECV_F2,1RECV_F3,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1F2,1B2,1SEND_B2,1F3,1B3,1SEND_B3 >"$tmp/plan_transfers.csv"
 }
 
-# refused WHAT LIMIT TEXT VAR=VALUE...: rank 0 of 2, started with the
-# assignments given (after a 20 s GPIPE_DIST_TIMEOUT), exits 3 within LIMIT
-# seconds, before it waits out any timeout, with an error that names TEXT
-# and carries no LibTorch backtrace. Uses $port.
+# refused WHAT LIMIT TEXT VAR=VALUE...: rank 0 of 2, started alone with
+# the assignments given (after a 20 s GPIPE_DIST_TIMEOUT), exits 3 within
+# LIMIT seconds with an error that names TEXT and carries no LibTorch
+# backtrace. Uses $port.
 refused() {
   local what=$1 limit=$2 text=$3 start elapsed code
   shift 3
