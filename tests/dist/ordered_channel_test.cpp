@@ -13,13 +13,14 @@
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
+
+#include "dist/ranks.h"
 
 namespace {
 
@@ -74,27 +75,8 @@ void run(
       stores[r] = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", client);
     }
   }
-  std::mutex mutex;
-  std::exception_ptr first;
-  std::vector<std::thread> threads;
-  for (int64_t r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, gloo_channel(stores[r], r, n));
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!first) {
-          first = std::current_exception();
-        }
-      }
-    });
-  }
-  for (auto& t : threads) {
-    t.join();
-  }
-  if (first) {
-    std::rethrow_exception(first);
-  }
+  gpipe::dist::testing::run_threads(
+      n, [&](int64_t r) { fn(r, gloo_channel(stores[r], r, n)); });
 }
 
 torch::Tensor filled(int64_t bytes, int value) {
