@@ -11,6 +11,7 @@
 #include <gpipe/gpipe.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -184,6 +185,10 @@ int main(int argc, char** argv) {
   // --device cuda: the stages on cuda:0 (and GPipe's lanes too).
   const bool on_cuda = arg(argc, argv, "--device", "cpu") == "cuda";
 
+  // The seconds from here to an error are printed with it: dist_test.sh
+  // times refusals by them, apart from how long the process took to start
+  // (seconds under ASan on a loaded machine).
+  const auto began = std::chrono::steady_clock::now();
   try {
     auto world = gpipe::dist::init_from_env();
     const auto r = world.rank();
@@ -383,6 +388,10 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     std::cout << "rank " << std::getenv("RANK")
               << " error: " << e.what_without_backtrace() << std::endl;
+    const std::chrono::duration<double> took =
+        std::chrono::steady_clock::now() - began;
+    std::cout << "rank " << std::getenv("RANK") << " failed after "
+              << took.count() << " s" << std::endl;
     return 3;
   }
 }
