@@ -11,17 +11,12 @@
 #include <sstream>
 #include <string>
 
+#include "error_of.h"
+
 namespace gpipe {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 TEST(PlacementTest, ShapesAndLists) {
   const auto modulo = Placement::modulo(2, 2);

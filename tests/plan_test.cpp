@@ -9,6 +9,7 @@
 #include <functional>
 #include <sstream>
 
+#include "error_of.h"
 #include "schedule/actions.h"
 #include "schedule/simulate.h"
 
@@ -21,14 +22,7 @@ const Schedule kSchedules[] = {
     Schedule::Interleaved1F1B,
     Schedule::ZeroBubble};
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 TEST(PlanTest, EverySchedulesPlanRunsEveryCellOnce) {
   for (auto schedule : kSchedules) {

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "common.h"
+#include "error_of.h"
 
 namespace gpipe {
 namespace {
@@ -17,14 +18,7 @@ namespace {
 using testing::expect_same_gradients;
 using testing::SeededTest;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
+using testing::error_of;
 
 std::string table_of(const Plan& plan) {
   std::ostringstream out;

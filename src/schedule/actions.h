@@ -17,10 +17,18 @@
 #include <cstdint>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace gpipe::detail {
+
+// A cell as sets and maps of cells key it: (micro-batch, stage, action).
+using CellKey = std::tuple<int64_t, int64_t, int>;
+
+inline CellKey key_of(const Cell& c) {
+  return {c.micro_batch, c.partition, static_cast<int>(c.phase)};
+}
 
 // What a plan holds: whether it has forwards, and which cells split their
 // backward (their inputs differ).

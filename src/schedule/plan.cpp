@@ -40,16 +40,8 @@ Plan plan_of_steps(const Steps& steps, int64_t m, int64_t n) {
 
 }  // namespace detail
 
-namespace {
-
-using Key = std::tuple<int64_t, int64_t, int>;
-
-Key key_of(const Cell& c) {
-  return {c.micro_batch, c.partition, static_cast<int>(c.phase)};
-}
-
-}  // namespace
-
+using detail::CellKey;
+using detail::key_of;
 using detail::PlanShape;
 
 namespace {
@@ -93,7 +85,7 @@ CellInputs::CellInputs(const Plan& plan)
 
 std::vector<Cell> CellInputs::of(const Cell& c) const {
   std::vector<Cell> inputs;
-  std::set<Key> taken;
+  std::set<CellKey> taken;
   for (;;) {
     const auto missing = missing_input(c, stages_, *shape_, [&](const Cell& d) {
       return taken.count(key_of(d)) > 0;
@@ -129,7 +121,7 @@ Steps Plan::steps() const {
   for (const auto& lane : lanes) {
     remaining += lane.size();
   }
-  std::map<Key, int64_t> done;  // cell -> the step it ran in
+  std::map<CellKey, int64_t> done;  // cell -> the step it ran in
   std::vector<size_t> next(lanes.size(), 0);
   Steps steps;
   std::vector<Cell> leading;  // instants before step 0
@@ -227,7 +219,7 @@ void Plan::validate() const {
     verify_placement(
         placement, stages, static_cast<int64_t>(lanes.size()), "plan");
   }
-  std::set<Key> seen;
+  std::set<CellKey> seen;
   std::map<int64_t, size_t> stage_lane;
   size_t forwards = 0;
   size_t backwards = 0;  // whole backwards and input parts

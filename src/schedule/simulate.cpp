@@ -29,12 +29,6 @@ double cost_of(const Cell& c, const ActionCosts& costs) {
   return action.cost == nullptr ? 0.0 : costs.*action.cost;
 }
 
-using Key = std::tuple<int64_t, int64_t, int>;
-
-Key key_of(const Cell& c) {
-  return {c.micro_batch, c.partition, static_cast<int>(c.phase)};
-}
-
 }  // namespace
 
 namespace detail {
@@ -49,7 +43,7 @@ Simulation simulate_with_lease(
   Simulation sim;
   sim.busy.assign(lanes, 0.0);
   sim.lanes.resize(lanes);
-  std::map<Key, std::pair<double, size_t>> done;  // end, lane
+  std::map<CellKey, std::pair<double, size_t>> done;  // end, lane
   std::vector<size_t> next(lanes, 0);
   std::vector<double> free(lanes, 0.0);
   size_t remaining = 0;
