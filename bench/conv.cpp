@@ -25,11 +25,6 @@ namespace gpipe::bench {
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int64_t minor_faults() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);

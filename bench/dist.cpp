@@ -24,19 +24,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-void barrier(const gpipe::dist::World& world) {
-  world.barrier();
-}
-
 }  // namespace
 
 nlohmann::json dist_section(
@@ -106,15 +93,15 @@ nlohmann::json dist_section(
   std::vector<double> t_dist;
   std::vector<double> t_late;
   for (int k = 0; k < iters + 2; ++k) {
-    barrier(world);
+    world.barrier();
     auto start = Clock::now();
     single_step();
     const double a = seconds_since(start);
-    barrier(world);
+    world.barrier();
     start = Clock::now();
     dist_step();
     const double b = seconds_since(start);
-    barrier(world);
+    world.barrier();
     start = Clock::now();
     late_step();
     const double c = seconds_since(start);
@@ -203,7 +190,7 @@ nlohmann::json dist_section(
         {"target_us", 100},
         {"target_ratio", 1.3}};
   }
-  barrier(world);
+  world.barrier();
 
   // Every schedule at 32 micro-batches: the same pipeline across the ranks
   // and as lanes of one process (rank 0), timed in alternation, with the
@@ -249,11 +236,11 @@ nlohmann::json dist_section(
       std::vector<double> td;
       auto trace = std::make_shared<gpipe::Trace>();
       for (int k = 0; k < iters + 1; ++k) {
-        barrier(world);
+        world.barrier();
         auto start = Clock::now();
         s_step();
         const double a = seconds_since(start);
-        barrier(world);
+        world.barrier();
         if (k == 1) {
           trace->clear();
           s_stage->set_trace(trace);

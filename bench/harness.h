@@ -67,6 +67,22 @@ inline double quantile(std::vector<double> values, double q) {
   return values[static_cast<size_t>(q * double(values.size() - 1) + 0.5)];
 }
 
+/// The median of `values` (of an even count, the upper middle one).
+inline double median(std::vector<double> values) {
+  return quantile(std::move(values), 0.5);
+}
+
+/// Seconds on the steady clock since `start`.
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+/// The mean squared error, the loss of the benchmarks' regression models.
+inline torch::Tensor mse(torch::Tensor out, torch::Tensor target) {
+  return torch::mse_loss(out, target);
+}
+
 /// Median seconds of `a` and of `b`, timed in alternation (a, b, a, b,
 /// ...) as time_rounds does.
 inline std::pair<double, double> time_paired(

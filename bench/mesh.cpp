@@ -24,10 +24,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 bool is_compute(TraceKind kind) {
   return kind == TraceKind::Forward || kind == TraceKind::Backward ||
          kind == TraceKind::Recompute || kind == TraceKind::Weight ||

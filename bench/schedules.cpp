@@ -47,10 +47,6 @@ namespace {
 
 using gpipe::Schedule;
 
-torch::Tensor mse(torch::Tensor y, torch::Tensor t) {
-  return torch::mse_loss(y, t);
-}
-
 // Adds to each row, for each (key, name), row[key] over 1F1B's row[key]
 // as row[name] (0 where 1F1B's is not positive).
 void add_ratios_to_1f1b(

@@ -22,10 +22,6 @@ namespace {
 
 using nlohmann::json;
 
-torch::Tensor mse(torch::Tensor out, torch::Tensor target) {
-  return torch::mse_loss(out, target);
-}
-
 // One training step of GPipe through train_step.
 double gpipe_step_seconds(
     GPipe& model,

@@ -28,14 +28,6 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-torch::Tensor mse(torch::Tensor out, torch::Tensor target) {
-  return torch::mse_loss(out, target);
-}
-
-void barrier(const gpipe::dist::World& world) {
-  world.barrier();
-}
-
 // Rank 0's balance on every rank: balance_by_time measures, so ranks that
 // each measured their own would disagree (and PipelineStage refuses that).
 std::vector<int64_t> shared_balance(
@@ -55,16 +47,11 @@ std::vector<int64_t> shared_balance(
 // Rank 0's time for `step`, run on every rank between two barriers.
 template <typename F>
 double timed_on_all(const gpipe::dist::World& world, F step) {
-  barrier(world);
+  world.barrier();
   const auto start = Clock::now();
   step();
-  barrier(world);
+  world.barrier();
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double median(std::vector<double> t) {
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
 }
 
 struct Case {

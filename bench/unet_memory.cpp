@@ -24,10 +24,6 @@ namespace {
 
 using nlohmann::json;
 
-torch::Tensor mse(torch::Tensor out, torch::Tensor target) {
-  return torch::mse_loss(out, target);
-}
-
 // VmHWM and VmRSS of this process, in MiB.
 std::pair<double, double> rss_mib() {
   std::ifstream status("/proc/self/status");

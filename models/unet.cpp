@@ -53,7 +53,7 @@ TORCH_MODULE(PopCat);
 
 // Channels of one cell: its first convolution takes `in`, the B - 1 others
 // `mid`, and the last one outputs `out`.
-struct Cell {
+struct CellChannels {
   int64_t in = 0;
   int64_t mid = 0;
   int64_t out = 0;
@@ -61,10 +61,10 @@ struct Cell {
 
 // The encoder cells (depth), the bottleneck cell, then the decoder cells in
 // order of use (level depth-1 first), as torchgpipe lays them out.
-std::vector<Cell> cells(
+std::vector<CellChannels> cells(
     int64_t C, int64_t in_channels, const UNetOptions& options) {
   const int64_t depth = options.depth();
-  std::vector<Cell> result;
+  std::vector<CellChannels> result;
   for (const auto i : c10::irange(depth)) {
     const int64_t in = i == 0 ? in_channels : C << (i - 1);
     result.push_back({in, C << i, C << i});
@@ -108,7 +108,7 @@ void check_arguments(
 void add_cell(
     nn::Sequential& net,
     const std::string& prefix,
-    const Cell& cell,
+    const CellChannels& cell,
     int64_t B,
     double dropout) {
   for (const auto k : c10::irange(B)) {

@@ -49,9 +49,9 @@ struct StashImpl : torch::nn::Cloneable<StashImpl>, Skippable {
 };
 TORCH_MODULE(Stash);
 
-// Pops and adds.
-struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
-  explicit PopAddImpl(std::string name = "skip")
+// Pops and adds what it popped, if anything.
+struct PopMaybeAddImpl : torch::nn::Cloneable<PopMaybeAddImpl>, Skippable {
+  explicit PopMaybeAddImpl(std::string name = "skip")
       : Skippable({}, {name}), name(std::move(name)) {}
   void reset() override {}
   torch::Tensor forward(torch::Tensor x) {
@@ -60,7 +60,7 @@ struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
   }
   std::string name;
 };
-TORCH_MODULE(PopAdd);
+TORCH_MODULE(PopMaybeAdd);
 
 // Stashes an undefined tensor.
 struct StashNothingImpl : torch::nn::Module, Skippable {
@@ -166,7 +166,7 @@ TEST_F(SkipStashPopTest, PopReturnsWhatWasStashed) {
   detail::PlainSkipTracker tracker;
   detail::SkipTrackerGuard guard(&tracker);
   Stash stash_layer("skip", 1.0);
-  PopAdd pop_layer;
+  PopMaybeAdd pop_layer;
   auto y = pop_layer(stash_layer(torch::full({1}, 21.0)));
   EXPECT_EQ(y.item<double>(), 42.0);
   EXPECT_EQ(tracker.size(), 0u);
@@ -191,7 +191,7 @@ TEST_F(SkipStashPopTest, PopNotDeclared) {
 TEST_F(SkipStashPopTest, PopNotStashed) {
   detail::PlainSkipTracker tracker;
   detail::SkipTrackerGuard guard(&tracker);
-  PopAdd layer;
+  PopMaybeAdd layer;
   EXPECT_CONTAINS(
       message_of([&] { layer(torch::ones({1})); }),
       ("'skip' has not been stashed"));
@@ -201,7 +201,7 @@ TEST_F(SkipStashPopTest, StashUndefined) {
   detail::PlainSkipTracker tracker;
   detail::SkipTrackerGuard guard(&tracker);
   StashNothing stash_layer;
-  PopAdd pop_layer;
+  PopMaybeAdd pop_layer;
   auto y = pop_layer(stash_layer(torch::ones({1})));
   EXPECT_EQ(y.item<float>(), 1.0f);
 }
@@ -209,7 +209,7 @@ TEST_F(SkipStashPopTest, StashUndefined) {
 TEST_F(SkipStashPopTest, DeclaredButNotUsedIsAnErrorInGPipe) {
   MaybeStash stash_layer;
   stash_layer->armed = false;
-  torch::nn::Sequential net(stash_layer, PopAdd());
+  torch::nn::Sequential net(stash_layer, PopMaybeAdd());
   GPipe model(net, GPipeOptions({1, 1}).chunks(2));
   EXPECT_CONTAINS(
       message_of([&] {
@@ -224,7 +224,7 @@ TEST_F(SkipStashPopTest, DeclaredButNotUsedIsAnErrorInGPipe) {
 
 TEST_F(SkipStashPopTest, PlainSequentialRunsSkippableLayers) {
   torch::nn::Sequential net(
-      Stash("skip", 3.0), torch::nn::Identity(), PopAdd());
+      Stash("skip", 3.0), torch::nn::Identity(), PopMaybeAdd());
   auto y = net->forward(torch::ones({2}));
   EXPECT_TRUE(torch::equal(y, torch::full({2}, 4.0f)));
 }
@@ -236,13 +236,13 @@ TEST(SkipTrackerTest, EachThreadHasItsOwnDefaultTracker) {
   stash_layer(torch::ones({1}));
   std::string error;
   std::thread other([&] {
-    PopAdd pop_layer;
+    PopMaybeAdd pop_layer;
     error = message_of([&] { pop_layer(torch::ones({1})); });
   });
   other.join();
   EXPECT_CONTAINS(error, ("has not been stashed"));
   // This thread's table still holds it.
-  PopAdd pop_layer;
+  PopMaybeAdd pop_layer;
   EXPECT_EQ(pop_layer(torch::ones({1})).item<float>(), 3.0f);
 }
 
@@ -365,7 +365,7 @@ TEST(SkipLayoutTest, NoSkippables) {
 TEST(SkipLayoutTest, InnerPartitionNeedsNoCopy) {
   detail::SkipLayout layout(partitions_of(
       {{torch::nn::AnyModule(Stash("foo")),
-        torch::nn::AnyModule(PopAdd("foo"))},
+        torch::nn::AnyModule(PopMaybeAdd("foo"))},
        {torch::nn::AnyModule(torch::nn::Identity())}}));
   EXPECT_TRUE(layout.copy_policy(0).empty());
   EXPECT_TRUE(layout.copy_policy(1).empty());
@@ -375,7 +375,7 @@ TEST(SkipLayoutTest, InnerPartitionNeedsNoCopy) {
 TEST(SkipLayoutTest, AdjoiningPartitions) {
   detail::SkipLayout layout(partitions_of(
       {{torch::nn::AnyModule(Stash("foo"))},
-       {torch::nn::AnyModule(PopAdd("foo"))}}));
+       {torch::nn::AnyModule(PopMaybeAdd("foo"))}}));
   const SkipKey foo{Namespace::global(), "foo"};
   EXPECT_TRUE(layout.copy_policy(0).empty());
   EXPECT_EQ(layout.copy_policy(1), (Policy{{0, foo}}));
@@ -387,7 +387,7 @@ TEST(SkipLayoutTest, FarPartitions) {
   detail::SkipLayout layout(partitions_of(
       {{torch::nn::AnyModule(Stash("foo"))},
        {torch::nn::AnyModule(torch::nn::Identity())},
-       {torch::nn::AnyModule(PopAdd("foo"))}}));
+       {torch::nn::AnyModule(PopMaybeAdd("foo"))}}));
   const SkipKey foo{Namespace::global(), "foo"};
   EXPECT_TRUE(layout.copy_policy(1).empty());
   EXPECT_EQ(layout.copy_policy(2), (Policy{{0, foo}}));
@@ -398,8 +398,8 @@ TEST(SkipLayoutTest, TwoPopsFromDifferentPartitionsSortedBySource) {
   detail::SkipLayout layout(partitions_of(
       {{torch::nn::AnyModule(Stash("foo"))},
        {torch::nn::AnyModule(Stash("bar"))},
-       {torch::nn::AnyModule(PopAdd("bar")),
-        torch::nn::AnyModule(PopAdd("foo"))}}));
+       {torch::nn::AnyModule(PopMaybeAdd("bar")),
+        torch::nn::AnyModule(PopMaybeAdd("foo"))}}));
   const SkipKey foo{Namespace::global(), "foo"};
   const SkipKey bar{Namespace::global(), "bar"};
   EXPECT_EQ(layout.copy_policy(2), (Policy{{0, foo}, {1, bar}}));
@@ -412,9 +412,9 @@ TEST(SkipLayoutTest, Namespaces) {
   s1->isolate(ns1);
   Stash s2("foo");
   s2->isolate(ns2);
-  PopAdd p2("foo");
+  PopMaybeAdd p2("foo");
   p2->isolate(ns2);
-  PopAdd p1("foo");
+  PopMaybeAdd p1("foo");
   p1->isolate(ns1);
   detail::SkipLayout layout(partitions_of(
       {{torch::nn::AnyModule(s1)},
@@ -428,8 +428,8 @@ TEST(SkipLayoutTest, Namespaces) {
 // --- through GPipe (tests/skip/test_gpipe.py, test_leak.py) ---
 
 // Linear layers with one skip from layer 1 to layer 7:
-// 0 Linear, 1 Stash, 2 Linear, 3 Tanh, 4 Linear, 5 Tanh, 6 Linear, 7 PopAdd,
-// 8 Linear.
+// 0 Linear, 1 Stash, 2 Linear, 3 Tanh, 4 Linear, 5 Tanh, 6 Linear, 7
+// PopMaybeAdd, 8 Linear.
 torch::nn::Sequential skip_model() {
   return torch::nn::Sequential(
       torch::nn::Linear(4, 4),
@@ -439,7 +439,7 @@ torch::nn::Sequential skip_model() {
       torch::nn::Linear(4, 4),
       torch::nn::Tanh(),
       torch::nn::Dropout(0.3),
-      PopAdd("skip"),
+      PopMaybeAdd("skip"),
       torch::nn::Linear(4, 3));
 }
 
@@ -509,8 +509,8 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(int64_t{1}, int64_t{3})));
 
 TEST_F(SkipGPipeTest, UndefinedSkipCreatesNoRoute) {
-  auto net =
-      torch::nn::Sequential(StashNothing(), torch::nn::Identity(), PopAdd());
+  auto net = torch::nn::Sequential(
+      StashNothing(), torch::nn::Identity(), PopMaybeAdd());
   GPipe model(net, GPipeOptions({1, 2}).chunks(2));
   auto x = torch::ones({4, 1}, torch::requires_grad());
   auto y = model->forward(x);
@@ -655,7 +655,7 @@ TEST_F(SkipGPipeTest, SkipAcrossPartitionsIsNotPassedThroughTheMiddle) {
     seen->push_back(x.size(1));
     return x;
   });
-  torch::nn::Sequential net(Stash("skip", 1.0), middle, PopAdd());
+  torch::nn::Sequential net(Stash("skip", 1.0), middle, PopMaybeAdd());
   GPipe model(net, GPipeOptions({1, 1, 1}).chunks(2));
   auto y = model->forward(torch::ones({2, 5}));
   EXPECT_TRUE(torch::equal(y, torch::full({2, 5}, 2.0f)));

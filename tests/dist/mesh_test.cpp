@@ -123,7 +123,7 @@ std::vector<int64_t> balance_of(int64_t stages) {
   }
 }
 
-struct Layout {
+struct MeshLayout {
   int64_t data;
   int64_t pipeline;
   int64_t stages_per_lane;
@@ -131,7 +131,7 @@ struct Layout {
   Placement placement = {};  // empty: modulo
 };
 
-std::string name_of(const Layout& l) {
+std::string name_of(const MeshLayout& l) {
   return std::to_string(l.data) + "x" + std::to_string(l.pipeline) + " v" +
          std::to_string(l.stages_per_lane) + " " + to_string(l.schedule) +
          " on " + to_string(l.placement);
@@ -141,7 +141,7 @@ std::string name_of(const Layout& l) {
 // shard, against one GPipe under fill-drain on the whole batch: losses and
 // parameters agree (float64, 1e-10). The replicas' models start from
 // different seeds: the stage copies data rank 0's parameters.
-void expect_equal_to_one_pipeline(const Layout& layout) {
+void expect_equal_to_one_pipeline(const MeshLayout& layout) {
   SCOPED_TRACE(name_of(layout));
   const int64_t stages = layout.placement.empty()
                              ? layout.pipeline * layout.stages_per_lane

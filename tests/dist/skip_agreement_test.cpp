@@ -33,15 +33,15 @@ struct ScaleStashImpl : torch::nn::Cloneable<ScaleStashImpl>, Skippable {
 };
 TORCH_MODULE(ScaleStash);
 
-// Pops "s" and adds it.
-struct PopAddImpl : torch::nn::Cloneable<PopAddImpl>, Skippable {
-  PopAddImpl() : Skippable({}, {"s"}) {}
+// Pops "s" and adds it (common.h's PopAdd pops "skip").
+struct PopAddSImpl : torch::nn::Cloneable<PopAddSImpl>, Skippable {
+  PopAddSImpl() : Skippable({}, {"s"}) {}
   void reset() override {}
   torch::Tensor forward(torch::Tensor x) {
     return x + pop("s");
   }
 };
-TORCH_MODULE(PopAdd);
+TORCH_MODULE(PopAddS);
 
 // Two blocks, each with a skip named "s" in a namespace of its own, both
 // from partition 0 to partition 1 (balance 4, 4). `a_first`: which
@@ -62,11 +62,11 @@ torch::nn::Sequential build(bool a_first, bool crossed = false) {
   auto stash_b = ScaleStash(-3.0);
   stash_b->isolate(b);
   net->push_back(stash_b);
-  auto pop_a = PopAdd();
+  auto pop_a = PopAddS();
   pop_a->isolate(crossed ? b : a);
   net->push_back(pop_a);
   net->push_back(torch::nn::Tanh());
-  auto pop_b = PopAdd();
+  auto pop_b = PopAddS();
   pop_b->isolate(crossed ? a : b);
   net->push_back(pop_b);
   net->push_back(torch::nn::Linear(4, 2));
