@@ -242,6 +242,30 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: valid run: $(tail -n 1 "$tmp/out")"
   fi
+  # Only the images the run keeps are read, but those must be there: test
+  # labels cut short after 900 of 10,000 train with --test-limit 800 and
+  # stop with exit 1 naming the file with 1,000 (or all).
+  short="$tmp/short"
+  mkdir "$short"
+  for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz \
+    t10k-images-idx3-ubyte.gz; do
+    ln -s "$data/$f" "$short/$f"
+  done
+  gzip -dc "$data/t10k-labels-idx1-ubyte.gz" | head -c 908 | gzip >"$short/t10k-labels-idx1-ubyte.gz"
+  run --data-dir "$short" --epochs 1 --limit 64 --test-limit 800 --balance 6,7 --json
+  if [[ $status -ne 0 ]] || ! grep -q '"test_samples":800' "$tmp/out"; then
+    fail "800 test images of a file cut after 900: exit $status: $(tail -2 "$tmp/err")"
+  else
+    echo "ok: 800 test images of a file cut after 900 are read"
+  fi
+  for test_limit in 1000 0; do
+    run --data-dir "$short" --epochs 1 --limit 64 --test-limit $test_limit --balance 6,7
+    if [[ $status -ne 1 ]] || ! grep -q "t10k-labels-idx1-ubyte.gz: truncated IDX payload" "$tmp/err"; then
+      fail "--test-limit $test_limit of a file cut after 900: exit $status: $(tail -2 "$tmp/err")"
+    else
+      echo "ok: --test-limit $test_limit of a file cut after 900: $(tail -1 "$tmp/err")"
+    fi
+  done
   # The new schedules, and a plan written by hand (4 micro-batches on 2
   # lanes, zero-bubble style), run.
   for schedule in interleaved zero_bubble zero_bubble_v looped_bfs; do

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -11,35 +12,57 @@ namespace gpipe_data {
 
 namespace {
 
-std::vector<uint8_t> read_gzip(const std::string& path) {
-  gzFile file = gzopen(path.c_str(), "rb");
-  TORCH_CHECK_VALUE(
-      file != nullptr,
-      "cannot open ",
-      path,
-      "; install Debian's dataset-fashion-mnist or pass --data-dir");
-  std::vector<uint8_t> bytes;
-  std::vector<uint8_t> buffer(1 << 20);
-  int got = 0;
-  while ((got = gzread(file, buffer.data(), buffer.size())) > 0) {
-    bytes.insert(bytes.end(), buffer.begin(), buffer.begin() + got);
+// An open gzip file, closed when it goes.
+struct Gzip {
+  explicit Gzip(const std::string& path) : file(gzopen(path.c_str(), "rb")) {
+    TORCH_CHECK_VALUE(
+        file != nullptr,
+        "cannot open ",
+        path,
+        "; install Debian's dataset-fashion-mnist or pass --data-dir");
   }
-  gzclose(file);
-  TORCH_CHECK_VALUE(got == 0, "cannot decompress ", path);
-  return bytes;
-}
+  ~Gzip() {
+    gzclose(file);
+  }
+  Gzip(const Gzip&) = delete;
+  Gzip& operator=(const Gzip&) = delete;
 
-uint32_t big_endian(const std::vector<uint8_t>& b, size_t at) {
-  return (uint32_t(b[at]) << 24) | (uint32_t(b[at + 1]) << 16) |
-         (uint32_t(b[at + 2]) << 8) | uint32_t(b[at + 3]);
+  // Up to `n` bytes into `out`: how many there were.
+  size_t read(uint8_t* out, size_t n, const std::string& path) {
+    size_t got = 0;
+    while (got < n) {
+      // gzread takes an unsigned count: at most 1 GiB at a time.
+      const auto want =
+          static_cast<unsigned>(std::min<size_t>(n - got, size_t(1) << 30));
+      const int r = gzread(file, out + got, want);
+      TORCH_CHECK_VALUE(r >= 0, "cannot decompress ", path);
+      if (r == 0) {
+        break;
+      }
+      got += static_cast<size_t>(r);
+    }
+    return got;
+  }
+
+  gzFile file;
+};
+
+uint32_t big_endian(const uint8_t* b) {
+  return (uint32_t(b[0]) << 24) | (uint32_t(b[1]) << 16) |
+         (uint32_t(b[2]) << 8) | uint32_t(b[3]);
 }
 
 }  // namespace
 
-at::Tensor read_idx(const std::string& path, bool images) {
-  auto bytes = read_gzip(path);
-  TORCH_CHECK_VALUE(bytes.size() >= 8, path, " is too short for IDX");
-  const uint32_t magic = big_endian(bytes, 0);
+Idx read_idx(const std::string& path, bool images, int64_t limit) {
+  Gzip file(path);
+  uint8_t header[16];
+  const size_t header_bytes = images ? 16 : 8;
+  TORCH_CHECK_VALUE(
+      file.read(header, header_bytes, path) == header_bytes,
+      path,
+      " is too short for IDX");
+  const uint32_t magic = big_endian(header);
   const uint32_t expected = images ? 0x803 : 0x801;
   TORCH_CHECK_VALUE(
       magic == expected,
@@ -48,49 +71,61 @@ at::Tensor read_idx(const std::string& path, bool images) {
       expected,
       ", got ",
       magic);
-  const int64_t count = big_endian(bytes, 4);
-  std::vector<int64_t> shape{count};
-  size_t header = 8;
+  Idx idx;
+  idx.count = big_endian(header + 4);
+  const int64_t rows = limit > 0 ? std::min(idx.count, limit) : idx.count;
+  std::vector<int64_t> shape{rows};
   if (images) {
-    TORCH_CHECK_VALUE(bytes.size() >= 16, path, " is too short for IDX");
     shape = {
-        count,
+        rows,
         1,
-        int64_t(big_endian(bytes, 8)),
-        int64_t(big_endian(bytes, 12))};
-    header = 16;
+        int64_t(big_endian(header + 8)),
+        int64_t(big_endian(header + 12))};
   }
-  int64_t numel = 1;
-  for (auto s : shape) {
-    numel *= s;
-  }
+  auto t = torch::empty(shape, torch::kUInt8);
+  const auto bytes = static_cast<size_t>(t.numel());
   TORCH_CHECK_VALUE(
-      int64_t(bytes.size() - header) == numel, path, ": truncated IDX payload");
-  auto t =
-      torch::from_blob(bytes.data() + header, shape, torch::kUInt8).clone();
-  if (images) {
-    // Scale to [0, 1] and standardise with the training set's statistics.
-    return (t.to(torch::kFloat) / 255.0 - 0.2860) / 0.3530;
+      file.read(t.data_ptr<uint8_t>(), bytes, path) == bytes,
+      path,
+      ": truncated IDX payload");
+  if (rows == idx.count) {
+    uint8_t extra = 0;
+    TORCH_CHECK_VALUE(
+        file.read(&extra, 1, path) == 0,
+        path,
+        ": more bytes than its header's ",
+        idx.count,
+        " entries");
   }
-  return t.to(torch::kLong);
+  if (images) {
+    // Scale to [0, 1] and standardise with the training set's statistics
+    // (in place: the whole training set is 188 MB of floats).
+    idx.data = t.to(torch::kFloat).div_(255.0).sub_(0.2860).div_(0.3530);
+  } else {
+    idx.data = t.to(torch::kLong);
+  }
+  return idx;
 }
 
-FashionMnist read_fashion_mnist(const std::string& dir) {
-  FashionMnist data;
-  data.train_x = read_idx(dir + "/" + kFashionMnistFiles[0], true);
-  data.train_y = read_idx(dir + "/" + kFashionMnistFiles[1], false);
-  data.test_x = read_idx(dir + "/" + kFashionMnistFiles[2], true);
-  data.test_y = read_idx(dir + "/" + kFashionMnistFiles[3], false);
+FashionMnist read_fashion_mnist(
+    const std::string& dir, int64_t train_limit, int64_t test_limit) {
+  const auto train_x =
+      read_idx(dir + "/" + kFashionMnistFiles[0], true, train_limit);
+  const auto train_y =
+      read_idx(dir + "/" + kFashionMnistFiles[1], false, train_limit);
+  const auto test_x =
+      read_idx(dir + "/" + kFashionMnistFiles[2], true, test_limit);
+  const auto test_y =
+      read_idx(dir + "/" + kFashionMnistFiles[3], false, test_limit);
   TORCH_CHECK_VALUE(
-      data.train_x.size(0) == data.train_y.size(0) &&
-          data.test_x.size(0) == data.test_y.size(0),
+      train_x.count == train_y.count && test_x.count == test_y.count,
       dir,
       ": the image and label files do not have as many entries");
   TORCH_CHECK_VALUE(
-      data.train_x.size(0) > 0 && data.test_x.size(0) > 0,
+      train_x.count > 0 && test_x.count > 0,
       dir,
       ": no training or no test images");
-  return data;
+  return {train_x.data, train_y.data, test_x.data, test_y.data};
 }
 
 }  // namespace gpipe_data

@@ -96,19 +96,13 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     }
     std::fprintf(out, "loaded weights from %s\n", args.load_path.c_str());
   }
-  auto data = gpipe_data::read_fashion_mnist(args.data_dir);
+  // Only the images --limit and --test-limit keep are read.
+  auto data = gpipe_data::read_fashion_mnist(
+      args.data_dir, args.limit, args.test_limit);
   auto train_x = data.train_x;
   auto train_y = data.train_y;
   auto test_x = data.test_x;
   auto test_y = data.test_y;
-  if (args.limit > 0 && args.limit < train_x.size(0)) {
-    train_x = train_x.narrow(0, 0, args.limit);
-    train_y = train_y.narrow(0, 0, args.limit);
-  }
-  if (args.test_limit > 0 && args.test_limit < test_x.size(0)) {
-    test_x = test_x.narrow(0, 0, args.test_limit);
-    test_y = test_y.narrow(0, 0, args.test_limit);
-  }
   if (args.autotune) {
     autotune_args(args, net, train_x, train_y, world ? &*world : nullptr, out);
   }
