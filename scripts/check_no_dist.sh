@@ -8,7 +8,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${BUILD_DIR:-$root/build-nodist}
 jobs=${JOBS:-$(nproc)}
 cmake -S "$root" -B "$build" -DGPIPE_DIST=OFF -DGPIPE_BUILD_BENCHMARKS=OFF \
-  >/dev/null
+  -DCMAKE_UNITY_BUILD=ON >/dev/null
 cmake --build "$build" -j "$jobs" --target gpipe-train gpipe_dist_available_test
 "$build/tests/gpipe_dist_available_test"
 data=/usr/share/datasets/fashion-mnist

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the project with AddressSanitizer and UndefinedBehaviorSanitizer in
-# build-asan/ (RelWithDebInfo at -O1, no tools or benchmarks) and runs the
-# ctest suite under them. Any sanitizer report fails its test: ASan stops at
-# its first error, and UBSan is built with -fno-sanitize-recover (see
-# CMakeLists.txt). Needs the packages scripts/setup.sh installs.
+# build-asan/ (RelWithDebInfo at -O1, no tools or benchmarks; a unity build,
+# as scripts/setup.sh's) and runs the ctest suite under them. Any sanitizer
+# report fails its test: ASan stops at its first error, and UBSan is built
+# with -fno-sanitize-recover (see CMakeLists.txt). Needs the packages
+# scripts/setup.sh installs.
 #
 #   scripts/sanitize.sh               the whole suite
 #   scripts/sanitize.sh -E models     extra arguments go to ctest
@@ -49,6 +50,7 @@ cmake -S "$root" -B "$build" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" \
   -DGPIPE_USE_ASAN=ON -DGPIPE_USE_UBSAN=ON -DGPIPE_USE_TSAN=OFF \
+  -DCMAKE_UNITY_BUILD=ON \
   -DGPIPE_BUILD_TOOLS=OFF -DGPIPE_BUILD_BENCHMARKS=OFF
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" "$@"
