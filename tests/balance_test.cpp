@@ -480,6 +480,9 @@ TEST_F(BalanceTest, BalanceCostMinimisesTheLargestPartition) {
 TEST_F(BalanceTest, BalanceByTimeSplitsBySleepTime) {
   // 5, 10, ..., 30 ms: [4, 2] (50 and 55 ms) is the only balance whose
   // slowest partition is under 75 ms; the even split [3, 3] has 75 ms.
+  // Timed for 1 s, the mean of about 8 passes: with 0.25 s, one pass could
+  // be all that counted, and a sleep overslept by 20 ms on a loaded machine
+  // chose [3, 3] (once, under ASan in CI).
   torch::nn::Sequential increasing;
   torch::nn::Sequential decreasing;
   for (int i = 1; i <= 6; ++i) {
@@ -488,10 +491,10 @@ TEST_F(BalanceTest, BalanceByTimeSplitsBySleepTime) {
   }
   const auto sample = torch::rand({1});
   EXPECT_EQ(
-      gpipe::balance_by_time(2, increasing, sample, /*timeout=*/0.25),
+      gpipe::balance_by_time(2, increasing, sample, /*timeout=*/1.0),
       (std::vector<int64_t>{4, 2}));
   EXPECT_EQ(
-      gpipe::balance_by_time(2, decreasing, sample, /*timeout=*/0.25),
+      gpipe::balance_by_time(2, decreasing, sample, /*timeout=*/1.0),
       (std::vector<int64_t>{2, 4}));
 }
 
@@ -627,13 +630,14 @@ TEST_F(BalanceTest, BalanceBySizeSupportsTheRawAllocatorInterface) {
 
 TEST_F(BalanceTest, BalanceByTimeRunsSkipLayers) {
   // As BalanceByTimeSplitsBySleepTime, with a skip from layer 1 to layer 4
-  // and a sample that requires grad, so that backward runs through both.
+  // and a sample that requires grad, so that backward runs through both
+  // (timed for 1 s, as that test is).
   torch::nn::Sequential model(
       Sleep(5), StashSleep(10), Sleep(15), Sleep(20), PopSleep(25), Sleep(30));
   gpipe::verify_skippables(model);
   const auto sample = torch::rand({2, 3}, torch::requires_grad());
   EXPECT_EQ(
-      gpipe::balance_by_time(2, model, sample, /*timeout=*/0.25),
+      gpipe::balance_by_time(2, model, sample, /*timeout=*/1.0),
       (std::vector<int64_t>{4, 2}));
   EXPECT_FALSE(sample.grad().defined());
 }
