@@ -45,6 +45,33 @@ std::function<void()> plain_training_step(
   };
 }
 
+// The plain model's step as GPipe's train_step takes it: each
+// micro-batch's loss weighted by its share of the batch, its backward right
+// after its forward (one partition's 1F1B order).
+std::function<void()> plain_weighted_step(
+    torch::nn::Sequential net, std::vector<torch::Tensor> xs) {
+  return [net, xs]() mutable {
+    net->zero_grad();
+    const double share = 1.0 / static_cast<double>(xs.size());
+    for (const auto& x : xs) {
+      (net->forward(x).pow(2).mean() * share).backward();
+    }
+  };
+}
+
+// GPipe's train_step under 1F1B, with the loss of the plain steps.
+std::function<void()> gpipe_train_step(gpipe::GPipe model, torch::Tensor x) {
+  const auto target = torch::zeros({x.size(0)});
+  return [model, x, target]() mutable {
+    model->zero_grad();
+    model->train_step(
+        x,
+        target,
+        [](torch::Tensor out, torch::Tensor) { return out.pow(2).mean(); },
+        Schedule::OneFOneB);
+  };
+}
+
 // GPipe's training step on the whole batch (the loss as the plain steps
 // take it, on the gathered output).
 std::function<void()> gpipe_training_step(gpipe::GPipe model, torch::Tensor x) {
@@ -142,7 +169,8 @@ nlohmann::json overhead_section() {
 // model in fill-drain order (every forward, then every backward in
 // reverse), which keeps every micro-batch's activations and graph alive as
 // GPipe does: what is left is the engine's own cost, without the memory
-// traffic of the schedule (docs/benchmark-history.md).
+// traffic of the schedule (docs/benchmark-history.md). And once train_step
+// under 1F1B against the plain model in the same order.
 nlohmann::json cell_cost_section(int runs) {
   using nlohmann::json;
   constexpr int64_t kLayers = 32;
@@ -200,23 +228,38 @@ nlohmann::json cell_cost_section(int runs) {
   reference["config"] = "vs plain fill-drain";
   print_cost_row(reference["config"], reference);
   rows.push_back(reference);
+  // train_step under 1F1B runs each micro-batch's backward after its
+  // forward, as the plain steps of the runs above do: the engine's cost
+  // without fill-drain's activations.
+  auto one_f_one_b = cost_per_cell(
+      time_rounds(
+          {plain_weighted_step(net, xs), gpipe_train_step(model, x)},
+          5,
+          kPairs),
+      cells);
+  one_f_one_b["config"] = "train_step 1F1B";
+  print_cost_row(one_f_one_b["config"], one_f_one_b);
+  rows.push_back(one_f_one_b);
   const double median = quantile(medians, 0.5);
   const double low = *std::min_element(medians.begin(), medians.end());
   const double high = *std::max_element(medians.begin(), medians.end());
   std::printf(
       "# median of %d runs: %.2f us per cell (runs from %.2f to %.2f); "
-      "against the plain model in fill-drain order: %.2f\n",
+      "against the plain model in fill-drain order: %.2f; train_step under "
+      "1F1B against the plain model in its order: %.2f\n",
       runs,
       median,
       low,
       high,
-      reference["us_per_cell"].get<double>());
+      reference["us_per_cell"].get<double>(),
+      one_f_one_b["us_per_cell"].get<double>());
   return {
       {"runs", rows},
       {"median_us_per_cell", median},
       {"min_us_per_cell", low},
       {"max_us_per_cell", high},
-      {"us_per_cell_vs_fill_drain", reference["us_per_cell"]}};
+      {"us_per_cell_vs_fill_drain", reference["us_per_cell"]},
+      {"us_per_cell_train_step_1f1b", one_f_one_b["us_per_cell"]}};
 }
 
 }  // namespace gpipe::bench
