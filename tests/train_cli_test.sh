@@ -266,6 +266,16 @@ elif [[ $mode == run ]]; then
       echo "ok: --test-limit $test_limit of a file cut after 900: $(tail -1 "$tmp/err")"
     fi
   done
+  # A header that promises 4 billion images of 65535 x 65535 pixels is
+  # said, not allocated.
+  rm "$short/t10k-images-idx3-ubyte.gz"
+  printf '\0\0\10\3\377\377\377\377\0\0\377\377\0\0\377\377' | gzip >"$short/t10k-images-idx3-ubyte.gz"
+  run --data-dir "$short" --epochs 1 --limit 64 --test-limit 800 --balance 6,7
+  if [[ $status -ne 1 ]] || ! grep -q "t10k-images-idx3-ubyte.gz: expected images of 1 x 1 to 4096 x 4096 pixels in its header, but got 65535 x 65535" "$tmp/err"; then
+    fail "an IDX header of 65535 x 65535 images: exit $status: $(tail -2 "$tmp/err")"
+  else
+    echo "ok: an IDX header of 65535 x 65535 images: $(tail -1 "$tmp/err")"
+  fi
   # The new schedules, and a plan written by hand (4 micro-batches on 2
   # lanes, zero-bubble style), run.
   for schedule in interleaved zero_bubble zero_bubble_v looped_bfs; do

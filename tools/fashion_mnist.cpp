@@ -76,18 +76,36 @@ Idx read_idx(const std::string& path, bool images, int64_t limit) {
   const int64_t rows = limit > 0 ? std::min(idx.count, limit) : idx.count;
   std::vector<int64_t> shape{rows};
   if (images) {
-    shape = {
-        rows,
-        1,
-        int64_t(big_endian(header + 8)),
-        int64_t(big_endian(header + 12))};
+    const int64_t height = big_endian(header + 8);
+    const int64_t width = big_endian(header + 12);
+    TORCH_CHECK_VALUE(
+        height >= 1 && width >= 1 && height <= 4096 && width <= 4096,
+        path,
+        ": expected images of 1 x 1 to 4096 x 4096 pixels in its header, "
+        "but got ",
+        height,
+        " x ",
+        width);
+    shape = {rows, 1, height, width};
   }
-  auto t = torch::empty(shape, torch::kUInt8);
-  const auto bytes = static_cast<size_t>(t.numel());
-  TORCH_CHECK_VALUE(
-      file.read(t.data_ptr<uint8_t>(), bytes, path) == bytes,
-      path,
-      ": truncated IDX payload");
+  // Read in pieces rather than allocated from the header's count at once:
+  // a header that promises more than the file holds is said, not allocated.
+  size_t want = 1;
+  for (const auto d : shape) {
+    want *= static_cast<size_t>(d);
+  }
+  std::vector<uint8_t> bytes;
+  while (bytes.size() < want) {
+    const size_t before = bytes.size();
+    const size_t piece = std::min(want - before, size_t(1) << 24);
+    bytes.resize(before + piece);
+    const size_t got = file.read(bytes.data() + before, piece, path);
+    if (got < piece) {
+      bytes.resize(before + got);
+      break;
+    }
+  }
+  TORCH_CHECK_VALUE(bytes.size() == want, path, ": truncated IDX payload");
   if (rows == idx.count) {
     uint8_t extra = 0;
     TORCH_CHECK_VALUE(
@@ -97,6 +115,8 @@ Idx read_idx(const std::string& path, bool images, int64_t limit) {
         idx.count,
         " entries");
   }
+  // (`to` copies out of `bytes`.)
+  const auto t = torch::from_blob(bytes.data(), shape, torch::kUInt8);
   if (images) {
     // Scale to [0, 1] and standardise with the training set's statistics
     // (in place: the whole training set is 188 MB of floats).
