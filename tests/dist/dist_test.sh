@@ -205,13 +205,15 @@ survivors() {
   fi
 }
 
-# stalled: a rank that stops answering (asleep for 8 s) is given up on
-# after GPIPE_DIST_TIMEOUT (2 s here) with a message that says so; the
-# sleeper then learns of the failure when it wakes.
+# stalled: a rank that stops answering (asleep for twice the timeout and
+# 2 s) is given up on after GPIPE_DIST_TIMEOUT (6 s here: the ranks must
+# also meet within it, and an ASan process can take seconds more than
+# another to start) with a message that says so; the sleeper then learns
+# of the failure when it wakes.
 stalled() {
-  GPIPE_DIST_TIMEOUT=2 by_hand 2 --scenario stall --kill-rank 1 --kill-step 1
+  GPIPE_DIST_TIMEOUT=6 by_hand 2 --scenario stall --kill-rank 1 --kill-step 1
   no_backtrace "a stalled rank" "$tmp/rank0" "$tmp/rank1"
-  if [[ ${codes[0]} -ne 3 ]] || ! grep -q "gave up after 2 s" "$tmp/rank0"; then
+  if [[ ${codes[0]} -ne 3 ]] || ! grep -q "gave up after 6 s" "$tmp/rank0"; then
     fail "a stalled rank 1: rank 0 exited ${codes[0]}: $(tail -2 "$tmp/rank0")"
   elif [[ ${codes[1]} -ne 3 ]]; then
     fail "the stalled rank exited ${codes[1]}: $(tail -2 "$tmp/rank1")"

@@ -276,8 +276,10 @@ int main(int argc, char** argv) {
         std::raise(SIGKILL);
       }
       if (scenario == "stall" && r == kill_rank && step == kill_step) {
-        // Alive but silent for longer than GPIPE_DIST_TIMEOUT.
-        std::this_thread::sleep_for(std::chrono::seconds(8));
+        // Alive but silent for longer than GPIPE_DIST_TIMEOUT: twice it
+        // and 2 s.
+        std::this_thread::sleep_for(
+            2 * gpipe::dist::default_timeout() + std::chrono::seconds(2));
       }
       if (scenario == "forward-throw" && step == 1) {
         // Inference where rank 0's layer fails on the last micro-batch while
