@@ -59,24 +59,26 @@ cmake --build "$build" -j "$(nproc)" --target gpipe gpipe_dist_worker \
 grep -E -A4 'error|FAILED' "${BUILD_LOG:-$build/build.log}" | head -120
 [[ -x $build/tests/gpipe_dist_worker && -x $build/tools/gpipe-run ]] || exit 1
 
-export GPIPE_DIST_BACKEND=nccl GPIPE_DIST_TIMEOUT=60
+echo "cuda_check: built in ${SECONDS} s"
+export GPIPE_DIST_BACKEND=nccl GPIPE_DIST_TIMEOUT=${GPIPE_DIST_TIMEOUT:-30}
 export NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
 failures=0
 check() {  # check N ARGS...: the worker on N ranks; every rank says OK
   local n=$1
   shift
   local out
-  out=$(timeout 240 "$build/tools/gpipe-run" -n "$n" -- sh -c \
+  local start=$SECONDS
+  out=$(timeout 120 "$build/tools/gpipe-run" -n "$n" -- sh -c \
     'NCCL_HOSTID=gpipe-rank-$RANK exec "$0" "$@"' \
     "$build/tests/gpipe_dist_worker" "$@" 2>&1)
   local status=$? ok
   ok=$(grep -c ': OK (' <<<"$out")
   if [[ $status -ne 0 || $ok -ne $n ]]; then
-    echo "FAIL: $n ranks, $*: exit $status, $ok of $n OK"
+    echo "FAIL: $n ranks, $*: exit $status, $ok of $n OK ($((SECONDS - start)) s)"
     head -40 <<<"$out" | sed 's/^/    /'
     failures=$((failures + 1))
   else
-    echo "ok: $n ranks, $*"
+    echo "ok: $n ranks, $* ($((SECONDS - start)) s)"
   fi
 }
 # Stages on the CPU: gpipe's messages and collectives go through the GPU.
@@ -90,11 +92,12 @@ check 2 --device cuda --schedule 1f1b --checkpoint except_last --dropout 0
 check 4 --device cuda --pipeline-size 2 --schedule 1f1b --checkpoint always --dropout 0
 # dist_test.sh's parity and failure checks, over NCCL.
 for mode in parity failures; do
-  if ! GPIPE_TEST_HOSTID=1 "$root/tests/dist/dist_test.sh" \
+  start=$SECONDS
+  if ! GPIPE_TEST_HOSTID=1 timeout "${MODE_TIMEOUT:-300}" "$root/tests/dist/dist_test.sh" \
     "$build/tools/gpipe-run" "$build/tests/gpipe_dist_worker" "$mode"; then
-    echo "FAIL: dist_test.sh $mode over NCCL"
+    echo "FAIL: dist_test.sh $mode over NCCL ($((SECONDS - start)) s)"
     failures=$((failures + 1))
   fi
 done
-echo "cuda_check: $failures failed"
+echo "cuda_check: $failures failed, ${SECONDS} s in all"
 exit $((failures > 0))
