@@ -110,17 +110,17 @@ void Connection::listen() {
 }
 
 bool Connection::record_failure(const std::string& message) {
-  std::set<c10::intrusive_ptr<c10d::Work>> receiving;
+  std::set<c10::intrusive_ptr<c10d::Work>> waiting;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure_) {
       return false;
     }
     failure_ = message;
-    receiving.swap(receiving_);
+    waiting.swap(waiting_);
   }
   failure_cv_.notify_all();
-  for (const auto& work : receiving) {
+  for (const auto& work : waiting) {
     work->abort();
   }
   if (groups.channel) {
@@ -179,7 +179,7 @@ PostedBytes Connection::post_bytes(int64_t peer, int tag, int64_t n) {
       posted.refused = message_of(std::current_exception());  // when waited for
     }
     if (posted.work) {
-      receiving_.insert(posted.work);
+      waiting_.insert(posted.work);
     }
   }
   return posted;
@@ -203,7 +203,7 @@ torch::Tensor Connection::wait_bytes(
       error = message_of(std::current_exception());
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    receiving_.erase(work);
+    waiting_.erase(work);
   } else {
     error = refused.empty() ? "c10d refused the receive" : refused;
   }
@@ -423,14 +423,29 @@ Message Connection::complete_recv(PostedReceive posted) {
 void Connection::wait_sends(
     std::vector<c10::intrusive_ptr<c10d::Work>>& pending) {
   for (auto& work : pending) {
-    if (failure()) {
-      break;
+    {
+      // A failure from now on aborts the send (a peer that failed never
+      // takes it).
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_) {
+        break;
+      }
+      waiting_.insert(work);
     }
+    bool sent = false;
+    std::string error;
     try {
-      work->wait(timeout);
+      sent = work->wait(timeout);
     } catch (const std::exception&) {
-      // A send completes when its receiver takes it.
-      const std::string error = message_of(std::current_exception());
+      error = message_of(std::current_exception());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      waiting_.erase(work);
+    }
+    if (!sent) {
+      // A send completes when its receiver takes it. (Not sent and no
+      // error: aborted by a failure, which fail() leaves as it is.)
       const bool timed_out = error.find("imed out") != std::string::npos;
       fail(
           "rank " + std::to_string(rank) +

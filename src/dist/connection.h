@@ -197,9 +197,11 @@ struct Connection : std::enable_shared_from_this<Connection> {
   [[noreturn]] void throw_failure() const;
 
   mutable std::mutex mutex_;
-  std::optional<std::string> failure_;                  // guarded by mutex_
-  std::condition_variable failure_cv_;                  // failure_ was set
-  std::set<c10::intrusive_ptr<c10d::Work>> receiving_;  // guarded by mutex_
+  std::optional<std::string> failure_;  // guarded by mutex_
+  std::condition_variable failure_cv_;  // failure_ was set
+  // Receives posted and sends waited on: a failure aborts them, so that no
+  // rank waits out the timeout for a peer that already failed.
+  std::set<c10::intrusive_ptr<c10d::Work>> waiting_;  // guarded by mutex_
   // Agreed layouts, by (peer, tag): what was last sent and last received.
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> sent_layouts_;
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> received_layouts_;

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../common.h"
@@ -471,6 +472,51 @@ void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
 TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
   expect_a_failure_in_one_replica_to_fail_every_rank(2);  // 2 x 2
   expect_a_failure_in_one_replica_to_fail_every_rank(1);  // 4 x 1
+}
+
+// A rank that waits for its peer to take its messages hears of the peer's
+// failure, rather than waiting out the timeout: in inference the first
+// stage's last act is to wait until the last stage took every output, and
+// here the last stage fails on the first micro-batch before it takes the
+// others. (Flaky before: a replica's first stage did so after its last
+// stage heard of another replica's failure mid-pass.)
+TEST(MeshTest, ARankWaitingForItsSendsHearsOfItsPeersFailure) {
+  auto make = [] {
+    torch::nn::Sequential net;
+    net->push_back(torch::nn::Linear(6, 10));
+    net->push_back(torch::nn::Tanh());
+    net->push_back(torch::nn::Functional([](torch::Tensor x) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      throw std::runtime_error("the layer broke on purpose");
+      return x;
+    }));
+    net->push_back(torch::nn::Linear(10, 3));
+    return net;
+  };
+  const auto options =
+      GPipeOptions({2, 2}).chunks(4).checkpoint(Checkpoint::Never);
+  const auto x = torch::randn({8, 6});
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(2, [&](World world) {
+    dist::PipelineStage stage(make(), options, world);
+    try {
+      torch::NoGradGuard no_grad;
+      stage->forward(world.rank() == 0 ? x : torch::Tensor());
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[world.rank()] = e.what_without_backtrace();
+    }
+  });
+  const auto seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("the layer broke on purpose"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  EXPECT_LT(seconds, 10.0);  // the timeout is 30 s
 }
 
 // The gradient all-reduce of a stage starts as soon as its gradients are
