@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <utility>
@@ -24,19 +25,22 @@ namespace gpipe::dist::detail {
 namespace {
 
 // `tensors` packed into groups of one dtype and device, at most `bytes`
-// bytes each unless one tensor alone is larger, from the last tensor to the
-// first.
+// bytes each (the first group at most `first_bytes`) unless one tensor
+// alone is larger, from the last tensor to the first.
 std::vector<std::vector<torch::Tensor>> pack(
-    const std::vector<torch::Tensor>& tensors, int64_t bytes) {
+    const std::vector<torch::Tensor>& tensors,
+    int64_t bytes,
+    int64_t first_bytes) {
   std::vector<std::vector<torch::Tensor>> groups;
   std::vector<int64_t> sizes;
   for (auto it = tensors.rbegin(); it != tensors.rend(); ++it) {
     const auto& t = *it;
     const auto n = static_cast<int64_t>(t.numel() * t.element_size());
-    const bool fits = !groups.empty() &&
-                      groups.back().front().scalar_type() == t.scalar_type() &&
-                      groups.back().front().device() == t.device() &&
-                      sizes.back() + n <= bytes;
+    const bool fits =
+        !groups.empty() &&
+        groups.back().front().scalar_type() == t.scalar_type() &&
+        groups.back().front().device() == t.device() &&
+        sizes.back() + n <= (groups.size() == 1 ? first_bytes : bytes);
     if (!fits) {
       groups.emplace_back();
       sizes.push_back(0);
@@ -111,7 +115,10 @@ GradientBuckets::GradientBuckets(
     }
   }
   torch::NoGradGuard no_grad;
-  for (auto& group : pack(trainable_, bucket_bytes)) {
+  for (auto& group : pack(
+           trainable_,
+           bucket_bytes,
+           std::min(bucket_bytes, kFirstBucketBytes))) {
     int64_t numel = 0;
     for (const auto& p : group) {
       numel += p.numel();
@@ -243,6 +250,15 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
       });
 }
 
+std::vector<int64_t> GradientBuckets::bucket_bytes() const {
+  std::vector<int64_t> sizes;
+  for (const auto& bucket : buckets_) {
+    sizes.push_back(
+        static_cast<int64_t>(bucket.flat.numel() * bucket.flat.element_size()));
+  }
+  return sizes;
+}
+
 void GradientBuckets::finish(Trace* trace, int64_t lane) {
   if (next_ == 0) {
     return;
@@ -285,7 +301,7 @@ void broadcast_from_first_replica(
   }
   torch::NoGradGuard no_grad;
   auto& connection = *data.connection();
-  for (auto& group : pack(tensors, kDefaultBucketBytes)) {
+  for (auto& group : pack(tensors, kDefaultBucketBytes, kDefaultBucketBytes)) {
     auto flat = flatten(group);
     std::vector<torch::Tensor> list{flat};
     c10d::BroadcastOptions options;

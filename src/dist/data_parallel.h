@@ -7,22 +7,22 @@
 // Note [Gradient buckets]
 // As DDP does, gradients are packed into flat buckets of about
 // `bucket_bytes` (25 MiB by default), filled from the last parameter to the
-// first (the order in which backward makes them final), one dtype and
-// device per bucket; each bucket is one all-reduce of its sum, then divided
-// by the number of replicas in place. Each `.grad` shares the memory of its
-// slot in a bucket (as DDP's gradient_as_bucket_view, but not as an
-// autograd view, which the optimizer's zero_grad could not detach), so
-// that backward accumulates straight into the bucket and nothing is copied
-// in or out; a gradient made anew (the first step, or after it was set to
-// none) is copied into its slot once and replaced by the slot. The buckets
-// are kept while the same parameters train (made again when one is frozen
-// or thawed). During a stage's last backward of the step (its last B or
-// W), each bucket starts as soon as every gradient in it has been
-// accumulated (a post hook on each parameter's gradient accumulator counts
-// them), in bucket order; whatever has not started when that backward ends
-// starts then. The all-reduces run on c10d's threads while the lanes go
-// on; the step waits for them before it returns.
-// Every replica runs the same plan, so the ranks of a data World start
+// first (the order in which backward makes them final), the first of them
+// at most 1 MiB (so that the all-reduce starts early in the last backward),
+// one dtype and device per bucket; each bucket is one all-reduce of its sum,
+// then divided by the number of replicas in place. Each `.grad` shares the
+// memory of its slot in a bucket (as DDP's gradient_as_bucket_view, but not as
+// an autograd view, which the optimizer's zero_grad could not detach), so that
+// backward accumulates straight into the bucket and nothing is copied in or
+// out; a gradient made anew (the first step, or after it was set to none) is
+// copied into its slot once and replaced by the slot. The buckets are kept
+// while the same parameters train (made again when one is frozen or thawed).
+// During a stage's last backward of the step (its last B or W), each bucket
+// starts as soon as every gradient in it has been accumulated (a post hook on
+// each parameter's gradient accumulator counts them), in bucket order; whatever
+// has not started when that backward ends starts then. The all-reduces run on
+// c10d's threads while the lanes go on; the step waits for them before it
+// returns. Every replica runs the same plan, so the ranks of a data World start
 // their buckets in the same order, as a collective needs. A parameter
 // without a gradient (a layer the step did not use) takes part with zeros,
 // so that the replicas agree on every bucket's layout; afterwards it has a
@@ -50,6 +50,9 @@ class Trace;
 namespace gpipe::dist::detail {
 
 constexpr int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
+// The first bucket (the last layers') holds at most this much, as DDP's
+// does, so that the all-reduce starts early in the last backward.
+constexpr int64_t kFirstBucketBytes = 1024 * 1024;
 
 /// The gradient all-reduce of one stage's parameters over `data`.
 class GradientBuckets {
@@ -82,6 +85,8 @@ class GradientBuckets {
   int64_t bytes() const {
     return bytes_;
   }
+  /// Each bucket's bytes, in the order the buckets start.
+  std::vector<int64_t> bucket_bytes() const;
   /// Whether these buckets are made for `parameters` as they are now (the
   /// same ones requiring grad, in the same order).
   bool holds(const std::vector<torch::Tensor>& parameters) const;

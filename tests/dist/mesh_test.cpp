@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "dist/data_parallel.h"
 #include "dist/ranks.h"
 
 namespace gpipe {
@@ -472,6 +473,30 @@ void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
 TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
   expect_a_failure_in_one_replica_to_fail_every_rank(2);  // 2 x 2
   expect_a_failure_in_one_replica_to_fail_every_rank(1);  // 4 x 1
+}
+
+// As DDP's, the buckets are filled from the last parameter to the first,
+// the first at most 1 MiB (or the bucket size, if less), a tensor larger
+// than a bucket alone in its own.
+TEST(MeshTest, GradientBucketsStartSmallAndFillFromTheLastLayer) {
+  constexpr int64_t KiB = 1024;
+  // Floats of 1.5 MiB, 256 KiB, 512 KiB and 512 KiB, in layer order.
+  std::vector<torch::Tensor> params;
+  for (const int64_t kib : {1536, 256, 512, 512}) {
+    params.push_back(torch::zeros({kib * KiB / 4}).requires_grad_());
+  }
+  run_ranks(1, [&](World world) {
+    using dist::detail::GradientBuckets;
+    EXPECT_EQ(
+        GradientBuckets(world, params, 25 * 1024 * KiB).bucket_bytes(),
+        (std::vector<int64_t>{1024 * KiB, 1792 * KiB}));
+    EXPECT_EQ(
+        GradientBuckets(world, params, 600 * KiB).bucket_bytes(),
+        (std::vector<int64_t>{512 * KiB, 512 * KiB, 256 * KiB, 1536 * KiB}));
+    EXPECT_EQ(
+        GradientBuckets(world, params, 1024 * KiB).bucket_bytes(),
+        (std::vector<int64_t>{1024 * KiB, 256 * KiB, 1536 * KiB}));
+  });
 }
 
 // A rank that waits for its peer to take its messages hears of the peer's
