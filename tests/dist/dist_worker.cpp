@@ -189,8 +189,14 @@ int main(int argc, char** argv) {
   // times refusals by them, apart from how long the process took to start
   // (seconds under ASan on a loaded machine).
   const auto began = std::chrono::steady_clock::now();
+  // The World and the stage outlive the try block, so that an error is
+  // printed before they are destroyed (a teardown that blocked would
+  // otherwise hide it).
+  std::optional<gpipe::dist::World> kept_world;
+  std::optional<gpipe::dist::PipelineStage> kept_stage;
   try {
     auto world = gpipe::dist::init_from_env();
+    kept_world = world;
     const auto r = world.rank();
     gpipe::dist::Mesh mesh(
         world, pipeline_size > 0 ? pipeline_size : world.size());
@@ -241,6 +247,7 @@ int main(int argc, char** argv) {
     auto ref_net = build(batch_norm, dropout);
 
     gpipe::dist::PipelineStage stage(net, options, mesh);
+    kept_stage = stage;
     if (scenario == "mismatch" || scenario == "bad-layout") {
       std::cout << "rank " << r << ": no error in scenario " << scenario
                 << "\n";
