@@ -28,8 +28,8 @@
 // Failures travel on a control plane apart from the data channel: the
 // rank whose pass fails first writes its message under a key of the
 // World's store, and a listener thread of each process polls that key
-// (every 20 ms) and, when it appears, aborts the receives in progress
-// there, which fail with that message. The data channel needs no
+// (every 20 ms) and, when it appears, aborts the receives and sends in
+// progress there, which fail with that message. The data channel needs no
 // any-source receive for this (NCCL has none), and a notice is out as
 // soon as the store has taken it, even if the failing process exits next.
 // A dead rank closes its sockets, so receives from it fail at once; a rank
@@ -145,7 +145,8 @@ struct Connection : std::enable_shared_from_this<Connection> {
       const std::string& what);
 
   /// Marks the connection failed with `message` (the first failure wins),
-  /// tells the other ranks, and aborts every receive in progress here.
+  /// tells the other ranks, and aborts every receive and send in progress
+  /// here.
   void fail(const std::string& message);
   /// The failure, if any.
   std::optional<std::string> failure() const;
@@ -181,8 +182,8 @@ struct Connection : std::enable_shared_from_this<Connection> {
 
  private:
   void listen();
-  // Records the first failure and aborts the receives in progress; returns
-  // true if this one was the first.
+  // Records the first failure and aborts the receives and sends in
+  // progress; returns true if this one was the first.
   bool record_failure(const std::string& message);
   // Posts a receive of `bytes` bytes from `peer` on `tag` (registered, so
   // that a failure aborts it), and waits for it. Waiting throws the failure

@@ -7,8 +7,9 @@
 // Note [Gradient buckets]
 // As DDP does, gradients are packed into flat buckets of about
 // `bucket_bytes` (25 MiB by default), filled from the last parameter to the
-// first (the order in which backward makes them final), the first of them
-// at most 1 MiB (so that the all-reduce starts early in the last backward),
+// first (the order in which backward makes them final), the first bucket
+// of all at most 1 MiB (so that the all-reduce starts early in the last
+// backward),
 // one dtype and device per bucket; each bucket is one all-reduce of its sum,
 // then divided by the number of replicas in place. Each `.grad` shares the
 // memory of its slot in a bucket (as DDP's gradient_as_bucket_view, but not as

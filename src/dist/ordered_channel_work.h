@@ -108,7 +108,27 @@ class SendWork final : public c10d::Work {
     TORCH_CHECK(finished(last, late), "Operation timed out!");
     return last->wait();  // rethrows NCCL's error, if any
   }
-  void abort() override {}
+  // Over a backend whose works end only when waited for (Gloo's), ends a
+  // wait on the message's sends: wait() then returns false. (NCCL's works
+  // end when the channel aborts their pair's group.)
+  void abort() override {
+    if (poll_) {
+      return;
+    }
+    c10::intrusive_ptr<c10d::Work> head;
+    c10::intrusive_ptr<c10d::Work> last;
+    {
+      std::lock_guard<std::mutex> lock(post_mutex_);
+      head = head_;
+      last = last_;
+    }
+    if (head) {
+      head->abort();
+    }
+    if (last) {
+      last->abort();
+    }
+  }
 
  private:
   const bool poll_;

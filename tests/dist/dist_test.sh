@@ -107,9 +107,11 @@ no_backtrace() {
   local what=$1 file
   shift
   for file in "$@"; do
-    if awk '/^(\[[0-9]+\] )?rank [0-9]+ error: / { in_error = 1 }
-            in_error && /frame #/ { found = 1 }
-            / failed after [0-9.e+-]+ s$/ { in_error = 0 }
+    # (Per rank: gpipe-run prefixes each rank's lines with "[R] ".)
+    if awk '{ p = match($0, /^\[[0-9]+\] /) ? substr($0, 1, RLENGTH) : "" }
+            /^(\[[0-9]+\] )?rank [0-9]+ error: / { in_error[p] = 1 }
+            in_error[p] && /frame #/ { found = 1 }
+            / failed after [0-9.e+-]+ s$/ { in_error[p] = 0 }
             END { exit !found }' "$file"; then
       fail "$what: an error carries LibTorch's backtrace: $(grep -m1 -B2 "frame #" "$file" | head -c 400)"
       return

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -504,8 +505,18 @@ TEST(MeshTest, GradientBucketsStartSmallAndFillFromTheLastLayer) {
 // stage's last act is to wait until the last stage took every output, and
 // here the last stage fails on the first micro-batch before it takes the
 // others. (Flaky before: a replica's first stage did so after its last
-// stage heard of another replica's failure mid-pass.)
-TEST(MeshTest, ARankWaitingForItsSendsHearsOfItsPeersFailure) {
+// stage heard of another replica's failure mid-pass.) On Gloo's tagged
+// channel and on the ordered one NCCL uses (GPIPE_DIST_CHANNEL).
+void expect_a_waiting_sender_to_hear_of_a_failure(const char* channel) {
+  SCOPED_TRACE(std::string("GPIPE_DIST_CHANNEL=") + channel);
+  struct Channel {  // read when the ranks' Worlds are made
+    explicit Channel(const char* name) {
+      ::setenv("GPIPE_DIST_CHANNEL", name, 1);
+    }
+    ~Channel() {
+      ::unsetenv("GPIPE_DIST_CHANNEL");
+    }
+  } set_channel(channel);
   auto make = [] {
     torch::nn::Sequential net;
     net->push_back(torch::nn::Linear(6, 10));
@@ -542,6 +553,11 @@ TEST(MeshTest, ARankWaitingForItsSendsHearsOfItsPeersFailure) {
         << "rank " << r << ": " << errors[r];
   }
   EXPECT_LT(seconds, 10.0);  // the timeout is 30 s
+}
+
+TEST(MeshTest, ARankWaitingForItsSendsHearsOfItsPeersFailure) {
+  expect_a_waiting_sender_to_hear_of_a_failure("tagged");
+  expect_a_waiting_sender_to_hear_of_a_failure("ordered");
 }
 
 // The gradient all-reduce of a stage starts as soon as its gradients are
