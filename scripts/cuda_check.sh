@@ -98,6 +98,10 @@ for mode in parity failures; do
     echo "FAIL: dist_test.sh $mode over NCCL ($((SECONDS - start)) s)"
     failures=$((failures + 1))
   fi
+  # A mode stopped at its limit leaves its ranks behind (each under a
+  # timeout of its own, in a process group of its own): none may run on
+  # into the next.
+  pkill -9 -f "$build/tests/gpipe_dist_worker" 2>/dev/null
 done
 echo "cuda_check: $failures failed, ${SECONDS} s in all"
 exit $((failures > 0))
