@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,9 +15,55 @@
 #include "harness.h"
 #include "sections.h"
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 namespace gpipe::bench {
 
 namespace {
+
+// Note [Paired steps on one CPU]
+// A paired figure compares a step on the calling thread (the plain model)
+// with a step on a lane thread (GPipe). Left to the scheduler, the two
+// threads may sit on different CPUs, and on a shared virtual machine one
+// CPU can run a third slower than the other for seconds at a time: the
+// plain model's step alone, unpinned, went from 36 to 49 ms and back within
+// a run, and the per-cell figure swung between -230 and +360 us from one
+// run of 101 pairs to the next. Pinned to one CPU, both steps see the same
+// core and the same caches, and five runs agree within a few us. A lane
+// made while the pin holds inherits it; the previous mask comes back when
+// the pin goes.
+class OneCpu {
+ public:
+  OneCpu() {
+#if defined(__linux__)
+    pinned_ = sched_getaffinity(0, sizeof(previous_), &previous_) == 0;
+    const int cpu = sched_getcpu();
+    if (pinned_ && cpu >= 0) {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      pinned_ = sched_setaffinity(0, sizeof(one), &one) == 0;
+    }
+#endif
+  }
+  ~OneCpu() {
+#if defined(__linux__)
+    if (pinned_) {
+      sched_setaffinity(0, sizeof(previous_), &previous_);
+    }
+#endif
+  }
+  OneCpu(const OneCpu&) = delete;
+  OneCpu& operator=(const OneCpu&) = delete;
+
+ private:
+#if defined(__linux__)
+  cpu_set_t previous_{};
+#endif
+  bool pinned_ = false;
+};
 
 // The plain model's training step over the micro-batches: one after the
 // other (the work a one-partition GPipe step does, without the engine), or
@@ -132,6 +179,12 @@ nlohmann::json overhead_section() {
       "gpipe_ms",
       "us_per_cell");
   for (int64_t n : {1, 2}) {
+    // One lane: the pair on one CPU (Note [Paired steps on one CPU]); two
+    // lanes need both.
+    std::optional<OneCpu> pin;
+    if (n == 1) {
+      pin.emplace();
+    }
     gpipe::GPipe model(
         tiny,
         gpipe::GPipeOptions(
@@ -179,6 +232,8 @@ nlohmann::json cell_cost_section(int runs) {
   constexpr int64_t kWidth = 64;
   constexpr int kPairs = 101;
   at::set_num_threads(1);
+  // Before the model makes its lane (Note [Paired steps on one CPU]).
+  const OneCpu pin;
   torch::manual_seed(0);
   torch::nn::Sequential net;
   for (int64_t k = 0; k < kLayers; ++k) {
@@ -196,7 +251,8 @@ nlohmann::json cell_cost_section(int runs) {
   const double cells = 2.0 * kChunks;
   std::printf(
       "\n# cost per cell: 32 x Linear(64,64) in 1 partition, 32 micro-batches "
-      "of 64 rows, checkpoint never, 1 thread; per run the median over %d "
+      "of 64 rows, checkpoint never, 1 thread on one CPU; per run the median "
+      "over %d "
       "pairs (plain, GPipe) of the difference over %g cells\n",
       kPairs,
       cells);

@@ -297,7 +297,9 @@ EOF
 ## Per-cell overhead (\`--only overhead\`, ${seconds[overhead]} s)
 
 16 x (Linear(64,64)+ReLU) at chunks 32, checkpoint never: the engine's
-cost per cell over the plain model running the same micro-batches.
+cost per cell over the plain model running the same micro-batches. The
+one-partition row runs both steps on one CPU (Note [Paired steps on one
+CPU] in \`bench/overhead.cpp\`).
 
 EOF
   table overhead
@@ -306,13 +308,14 @@ EOF
 ## Cost per cell (\`--only cell-cost\`, ${seconds[cell-cost]} s)
 
 32 x Linear(64,64) in one partition, 32 micro-batches of 64 rows, forward
-and backward, checkpoint never, one thread: plain and GPipe steps in
-alternation, per pair the difference over the 64 cells, its median over 101
-pairs, five runs. The last row compares GPipe with the plain model run in
-fill-drain order (every forward, then every backward), which holds every
-micro-batch's activations as GPipe does: the rows above it include that
-memory traffic, the last one is the engine alone (see
-[benchmark-history](benchmark-history.md)).
+and backward, checkpoint never, one thread, both steps on one CPU: plain
+and GPipe steps in alternation, per pair the difference over the 64 cells,
+its median over 101 pairs, five runs. The \`vs plain fill-drain\` row
+compares GPipe with the plain model run in fill-drain order (every forward,
+then every backward), which holds every micro-batch's activations as GPipe
+does: the runs above it include that memory traffic, that row is the
+engine alone. The last row is \`train_step\` under 1F1B against the plain
+model in the same order (see [benchmark-history](benchmark-history.md)).
 
 EOF
   table cell-cost
