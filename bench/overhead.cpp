@@ -27,13 +27,12 @@ namespace {
 // A paired figure compares a step on the calling thread (the plain model)
 // with a step on a lane thread (GPipe). Left to the scheduler, the two
 // threads may sit on different CPUs, and on a shared virtual machine one
-// CPU can run a third slower than the other for seconds at a time: the
-// plain model's step alone, unpinned, went from 36 to 49 ms and back within
-// a run, and the per-cell figure swung between -230 and +360 us from one
-// run of 101 pairs to the next. Pinned to one CPU, both steps see the same
-// core and the same caches, and five runs agree within a few us. A lane
-// made while the pin holds inherits it; the previous mask comes back when
-// the pin goes.
+// CPU can run much slower than the other for seconds at a time: whichever
+// side lands there loses, and the per-cell difference swings by far more
+// than the engine costs (docs/benchmark-history.md, "Paired steps on one
+// CPU"). Pinned to one CPU, both steps see the same core and the same
+// caches. A lane made while the pin holds inherits it; the previous mask
+// comes back when the pin goes.
 class OneCpu {
  public:
   OneCpu() {
