@@ -10,7 +10,11 @@
 #include <gpipe/trace.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
+#include <optional>
+#include <vector>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "dist/connection.h"
@@ -23,6 +27,73 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
+
+// In a gathered trace of a pipeline with one stage per rank (lane = rank =
+// stage): for each receive that began before its message's producer
+// ended, the microseconds from the end of the producing cell (the previous
+// rank's forward, or the next rank's backward, of the same micro-batch) to
+// the end of the receive. That is what one message adds to the critical
+// path: the sender's packing and send, the transport, and the wake-ups of
+// the receiving rank's threads.
+std::vector<double> hop_latencies_us(const gpipe::Trace& merged) {
+  using gpipe::TraceKind;
+  std::map<int64_t, std::vector<gpipe::TraceEvent>> by_rank;
+  for (const auto& e : merged.events()) {
+    by_rank[e.lane].push_back(e);
+  }
+  for (auto& [rank, events] : by_rank) {
+    std::sort(events.begin(), events.end(), [](const auto& a, const auto& b) {
+      return a.start_us < b.start_us;
+    });
+  }
+  // The latest end of a cell of `kind` for micro-batch `i` on `rank` no
+  // later than `by` (a little slack for the clocks' alignment), or none.
+  auto produced = [&](int64_t rank, TraceKind kind, int64_t i, double by) {
+    std::optional<double> end;
+    auto it = by_rank.find(rank);
+    if (it == by_rank.end()) {
+      return end;
+    }
+    for (const auto& e : it->second) {
+      if (e.kind == kind && e.micro_batch == i && e.end_us <= by + 50 &&
+          (!end || e.end_us > *end)) {
+        end = e.end_us;
+      }
+    }
+    return end;
+  };
+  std::vector<double> hops;
+  for (const auto& [rank, events] : by_rank) {
+    for (size_t k = 0; k < events.size(); ++k) {
+      const auto& r = events[k];
+      if (r.kind != TraceKind::Receive) {
+        continue;
+      }
+      // The cell that waited for it: the next forward or backward.
+      const gpipe::TraceEvent* cell = nullptr;
+      for (size_t c = k + 1; c < events.size() && cell == nullptr; ++c) {
+        if (events[c].kind == TraceKind::Forward ||
+            events[c].kind == TraceKind::Backward ||
+            events[c].kind == TraceKind::Recompute) {
+          cell = &events[c];
+        }
+      }
+      if (cell == nullptr) {
+        continue;
+      }
+      const bool forward = cell->kind == TraceKind::Forward;
+      const auto end = produced(
+          forward ? rank - 1 : rank + 1,
+          forward ? TraceKind::Forward : TraceKind::Backward,
+          cell->micro_batch,
+          r.end_us);
+      if (end && r.start_us < *end) {
+        hops.push_back(r.end_us - *end);
+      }
+    }
+  }
+  return hops;
+}
 
 }  // namespace
 
@@ -234,6 +305,7 @@ nlohmann::json dist_section(
       };
       std::vector<double> ts;
       std::vector<double> td;
+      std::vector<double> hops;
       auto trace = std::make_shared<gpipe::Trace>();
       for (int k = 0; k < iters + 1; ++k) {
         world.barrier();
@@ -249,6 +321,12 @@ nlohmann::json dist_section(
         d_step();
         const double c = seconds_since(start);
         if (k == 1) {
+          if (v == 1) {
+            // Every rank takes part; rank 0 gets every rank's events.
+            if (auto merged = gpipe::dist::gather_trace(s_stage)) {
+              hops = hop_latencies_us(*merged);
+            }
+          }
           s_stage->set_trace(nullptr);
         }
         if (k >= 1) {
@@ -276,7 +354,12 @@ nlohmann::json dist_section(
            {"ratio", single / dist},
            {"target_ratio", 0.9},
            {"rank0_wait_seconds", waits},
-           {"rank0_waits", messages}});
+           {"rank0_waits", messages},
+           // Interleaved (two stages a rank) is left out: its trace does
+           // not say which of a rank's stages a cell ran.
+           {"hops_waited", hops.size()},
+           {"hop_median_us", hops.empty() ? 0.0 : quantile(hops, 0.5)},
+           {"hop_p90_us", hops.empty() ? 0.0 : quantile(hops, 0.9)}});
     }
     out["schedules_m32"] = rows;
     if (lead) {
@@ -286,22 +369,28 @@ nlohmann::json dist_section(
           static_cast<long long>(n),
           static_cast<long long>(n));
       std::printf(
-          "%-14s %12s %12s %8s %12s %8s\n",
+          "%-14s %12s %12s %8s %12s %8s %8s %10s %10s\n",
           "schedule",
           "single_s",
           "dist_s",
           "ratio",
           "r0_wait_s",
-          "waits");
+          "waits",
+          "hops",
+          "hop_med_us",
+          "hop_p90_us");
       for (const auto& r : rows) {
         std::printf(
-            "%-14s %12.4f %12.4f %8.3f %12.4f %8lld\n",
+            "%-14s %12.4f %12.4f %8.3f %12.4f %8lld %8lld %10.0f %10.0f\n",
             r["schedule"].get<std::string>().c_str(),
             r["single_process_seconds"].get<double>(),
             r["distributed_seconds"].get<double>(),
             r["ratio"].get<double>(),
             r["rank0_wait_seconds"].get<double>(),
-            static_cast<long long>(r["rank0_waits"].get<int64_t>()));
+            static_cast<long long>(r["rank0_waits"].get<int64_t>()),
+            static_cast<long long>(r["hops_waited"].get<int64_t>()),
+            r["hop_median_us"].get<double>(),
+            r["hop_p90_us"].get<double>());
       }
     }
   }
