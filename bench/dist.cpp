@@ -14,8 +14,8 @@
 #include <cstdio>
 #include <map>
 #include <optional>
-#include <vector>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
 
 #include "dist/connection.h"
 #include "harness.h"
