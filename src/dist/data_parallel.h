@@ -9,14 +9,14 @@
 // `bucket_bytes` (25 MiB by default), filled from the last parameter to the
 // first (the order in which backward makes them final), the first bucket
 // of all at most 1 MiB (so that the all-reduce starts early in the last
-// backward),
-// one dtype and device per bucket; each bucket is one all-reduce of its sum,
-// then divided by the number of replicas in place. Each `.grad` shares the
-// memory of its slot in a bucket (as DDP's gradient_as_bucket_view, but not as
-// an autograd view, which the optimizer's zero_grad could not detach), so that
-// backward accumulates straight into the bucket and nothing is copied in or
-// out; a gradient made anew (the first step, or after it was set to none) is
-// copied into its slot once and replaced by the slot. The buckets are kept
+// backward), one dtype and device per bucket; each bucket is one
+// all-reduce of its sum, then divided by the number of replicas in place.
+// Each `.grad` shares the memory of its slot in a bucket (as DDP's
+// gradient_as_bucket_view, but not as an autograd view, which the
+// optimizer's zero_grad could not detach), so that backward accumulates
+// straight into the bucket and nothing is copied in or out; a gradient
+// made anew (the first step, or after it was set to none) is copied into
+// its slot once and replaced by the slot. The buckets are kept
 // while the same parameters train (made again when one is frozen or thawed).
 // During a stage's last backward of the step (its last B or W), each bucket
 // starts as soon as every gradient in it has been accumulated (a post hook on

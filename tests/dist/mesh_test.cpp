@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -415,9 +416,6 @@ TEST(MeshTest, CastingBetweenStepsIsFollowed) {
   }
 }
 
-// A step that fails in one replica (its loss throws) fails on every rank
-// of every replica with that message, at once, rather than leaving the
-// other replica waiting in its gradient all-reduce until the timeout.
 // Every rank's error names `text`, and all of them came well within the
 // ranks' 30 s timeout of `start`.
 void expect_every_rank_to_fail_fast(
@@ -434,6 +432,9 @@ void expect_every_rank_to_fail_fast(
   EXPECT_LT(seconds, 10.0);
 }
 
+// A step that fails in one replica (its loss throws) fails on every rank
+// of every replica with that message, at once, rather than leaving the
+// other replica waiting in its gradient all-reduce until the timeout.
 void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
   SCOPED_TRACE("pipeline size " + std::to_string(p));
   const auto options =
@@ -520,11 +521,19 @@ void expect_a_waiting_sender_to_hear_of_a_failure(const char* channel) {
   SCOPED_TRACE(std::string("GPIPE_DIST_CHANNEL=") + channel);
   struct Channel {  // read when the ranks' Worlds are made
     explicit Channel(const char* name) {
+      if (const char* before = std::getenv("GPIPE_DIST_CHANNEL")) {
+        saved = before;
+      }
       ::setenv("GPIPE_DIST_CHANNEL", name, 1);
     }
     ~Channel() {
-      ::unsetenv("GPIPE_DIST_CHANNEL");
+      if (saved) {
+        ::setenv("GPIPE_DIST_CHANNEL", saved->c_str(), 1);
+      } else {
+        ::unsetenv("GPIPE_DIST_CHANNEL");
+      }
     }
+    std::optional<std::string> saved;
   } set_channel(channel);
   auto make = [] {
     torch::nn::Sequential net;
