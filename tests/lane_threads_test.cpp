@@ -180,33 +180,6 @@ struct ThreadOfImpl : torch::nn::Module {
 };
 TORCH_MODULE(ThreadOf);
 
-TEST(LaneThreadsTest, CellsThePlanRunsAloneShareOneWideLane) {
-  if (detail::available_cores() < 2) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
-  }
-  // One pool holds the cores (Note [Threads that follow the plan]): at
-  // chunks 1 both partitions compute on the same thread, not on their
-  // lanes; with a count given, each on its own lane.
-  for (const int64_t threads : {0, 1}) {
-    ThreadOf a;
-    ThreadOf b;
-    GPipe model(
-        torch::nn::Sequential(a, b),
-        GPipeOptions({1, 1}).chunks(1).threads_per_lane(threads));
-    model->forward(torch::ones({1, 2}));
-    ASSERT_EQ(a->seen.size(), 1u);
-    ASSERT_EQ(b->seen.size(), 1u);
-    if (threads == 0) {
-      EXPECT_EQ(a->seen[0], b->seen[0]);
-    } else {
-      EXPECT_NE(a->seen[0], b->seen[0]);
-    }
-    EXPECT_NE(a->seen[0], std::this_thread::get_id());
-  }
-}
-
 // Throws a c10::ValueError from its first forward.
 struct FailOnceImpl : torch::nn::Module {
   bool armed = true;
@@ -220,7 +193,79 @@ struct FailOnceImpl : torch::nn::Module {
 };
 TORCH_MODULE(FailOnce);
 
-TEST(LaneThreadsTest, AnErrorOnTheWideLaneIsTheCellsAndTheModelGoesOn) {
+TEST(LaneThreadsTest, ASerialPlanRunsOnTheCallingThread) {
+  if (detail::available_cores() < 2) {
+    // Skipped on a one-core machine and under scripts/tsan.sh
+    // (OMP_NUM_THREADS=1): there are no cores to share.
+    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+  }
+  // Note [A serial plan on the calling thread]: at chunks 1 both
+  // partitions compute on the caller's thread, forward and backward; with
+  // a count given, each on its own lane; at chunks 2 the lanes overlap and
+  // each partition runs on its lane.
+  struct Case {
+    int64_t threads;
+    int64_t chunks;
+  };
+  for (const auto c : {Case{0, 1}, Case{1, 1}, Case{0, 2}}) {
+    ThreadOf a;
+    ThreadOf b;
+    GPipe model(
+        torch::nn::Sequential(a, torch::nn::Linear(2, 2), b),
+        GPipeOptions({2, 1})
+            .chunks(c.chunks)
+            .checkpoint(Checkpoint::Always)
+            .threads_per_lane(c.threads));
+    model->forward(torch::ones({c.chunks, 2})).sum().backward();
+    // Each forward once, and again when backward recomputes it.
+    ASSERT_EQ(a->seen.size(), 2u * c.chunks);
+    ASSERT_EQ(b->seen.size(), 2u * c.chunks);
+    const auto caller = std::this_thread::get_id();
+    for (size_t k = 0; k < a->seen.size(); ++k) {
+      if (c.threads == 0 && c.chunks == 1) {
+        EXPECT_EQ(a->seen[k], caller) << k;
+        EXPECT_EQ(b->seen[k], caller) << k;
+      } else {
+        EXPECT_NE(a->seen[k], caller) << k;
+        EXPECT_NE(b->seen[k], caller) << k;
+        EXPECT_NE(a->seen[k], b->seen[k]) << k;
+      }
+    }
+  }
+}
+
+TEST(LaneThreadsTest, ASerialPlanGivesTheCallerItsCountBack) {
+  if (detail::available_cores() < 2) {
+    // Skipped on a one-core machine and under scripts/tsan.sh
+    // (OMP_NUM_THREADS=1): there are no cores to share.
+    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+  }
+  // The caller's thread runs the serial plan with every core, then has its
+  // own count again, after a pass that failed too.
+  std::vector<int64_t> after;
+  std::vector<int64_t> during;
+  std::thread user([&] {
+    at::set_num_threads(1);
+    ThreadsSeen seen;
+    FailOnce fail;
+    GPipe model(
+        torch::nn::Sequential(seen, torch::nn::Linear(4, 4), fail),
+        GPipeOptions({2, 1}).chunks(1));
+    EXPECT_THROW(model->forward(torch::ones({2, 4})), c10::ValueError);
+    after.push_back(at::get_num_threads());
+    model->forward(torch::ones({2, 4})).sum().backward();
+    after.push_back(at::get_num_threads());
+    during = seen->seen;
+  });
+  user.join();
+  EXPECT_EQ(after, std::vector<int64_t>({1, 1}));
+  EXPECT_EQ(
+      during,
+      std::vector<int64_t>(
+          {detail::available_cores(), detail::available_cores()}));
+}
+
+TEST(LaneThreadsTest, AnErrorInASerialPlanIsTheCellsAndTheModelGoesOn) {
   torch::nn::Linear first(2, 2);
   GPipe model(
       torch::nn::Sequential(first, FailOnce()), GPipeOptions({1, 1}).chunks(1));
@@ -287,7 +332,7 @@ TEST(LaneThreadsTest, SharedThreadsTrainAsFixedOnes) {
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::mse_loss(out, target);
   };
-  // Every schedule, at chunks 1 (every cell on the wide lane) and 4.
+  // Every schedule, at chunks 1 (every cell on the calling thread) and 4.
   struct Case {
     GPipeOptions options;
     Schedule schedule;
@@ -298,6 +343,11 @@ TEST(LaneThreadsTest, SharedThreadsTrainAsFixedOnes) {
          {Schedule::FillDrain, Schedule::OneFOneB, Schedule::ZeroBubble}) {
       cases.push_back({GPipeOptions({4, 4}).chunks(chunks), schedule});
     }
+    // Recomputed in backward: at chunks 1 a reentrant backward on the
+    // calling thread.
+    cases.push_back(
+        {GPipeOptions({4, 4}).chunks(chunks).checkpoint(Checkpoint::Always),
+         Schedule::FillDrain});
     for (const auto schedule :
          {Schedule::Interleaved1F1B, Schedule::LoopedBFS}) {
       cases.push_back(

@@ -23,12 +23,14 @@ namespace gpipe::detail {
 // When GPipeOptions::threads_per_lane is 0, the lanes share the cores: each
 // cell's share is the cores over the number of CPU lanes whose cells run
 // beside it in the plan's simulated timeline (unit costs: a forward 1, a
-// backward 2, each part of a split backward 1). In a plan that never runs
-// two sharing lanes at once (every plan at chunks 1), every cell is
-// computed on the pipeline's wide lane, a thread whose pool has every core,
-// while its own lane waits; its lane still takes its messages and sends its
-// results, so the wide lane never waits on another lane. In a plan whose
-// lanes overlap, every cell runs on its own lane, with the lane's count.
+// backward 2, each part of a split backward 1). A plan that never runs two
+// sharing lanes at once (every plan at chunks 1) runs on the calling
+// thread, with every core (Note [A serial plan on the calling thread] in
+// runner.cpp); in a pipeline that also has a lane on another device, its
+// CPU cells are computed on the pipeline's wide lane, a thread whose pool
+// has every core, while their own lanes wait and take and send their
+// messages. In a plan whose lanes overlap, every cell runs on its own lane,
+// with the lane's count.
 //
 // Why not the fill and the drain too, which also run alone: after a
 // parallel region GNU OpenMP's threads spin for about 3 ms (300,000 turns,
@@ -41,16 +43,15 @@ namespace gpipe::detail {
 // the lanes at once. (The 64-image conv model, cells of about 20 ms, gained
 // 13% at chunks 4 from the fill and the drain.)
 
-// Why a wide lane rather than each lane growing its own pool when alone:
+// Why the calling thread or a wide lane rather than each lane growing its
+// own pool when alone:
 // GNU OpenMP counts the threads of every pool in the process, idle ones
 // included, and once they outnumber the cores it spins only about 100 times
 // at a barrier before it sleeps in the kernel. Two lanes that had each
 // grown a pool of 2 on 2 cores made every barrier of a conv layer a futex
 // wait: 5,400 context switches in 34 steps against 130, and 10% of the
-// plain model's speed. With the wide lane the pools hold the cores once
-// (lanes of one thread each when there are no more cores than lanes). A
-// caller that runs its own parallel ops on several threads (a
-// torch::set_num_threads(2) on the main thread) adds a pool of its own.
+// plain model's speed. With one wide thread the pools hold the cores once
+// (lanes of one thread each when there are no more cores than lanes).
 //
 // A lane's count is set through the omp_set_num_threads of the OpenMP
 // runtime LibTorch loaded (looked up at run time: a pip wheel bundles its
@@ -150,6 +151,15 @@ void set_intra_op_threads(int64_t threads) {
     }
   }
   at::set_num_threads(count);
+}
+
+IntraOpThreads::IntraOpThreads(int64_t threads)
+    : previous_(at::get_num_threads()) {
+  set_intra_op_threads(threads);
+}
+
+IntraOpThreads::~IntraOpThreads() {
+  set_intra_op_threads(previous_);
 }
 
 }  // namespace gpipe::detail

@@ -27,4 +27,17 @@ std::vector<std::vector<int64_t>> threads_of_cells(
 /// LibTorch's process-wide pthreadpool when the intra-op pool is OpenMP's.
 void set_intra_op_threads(int64_t threads);
 
+/// Sets the calling thread's intra-op thread count for its lifetime, and
+/// puts the previous count back when it ends.
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int64_t threads);
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+  ~IntraOpThreads();
+
+ private:
+  int64_t previous_;
+};
+
 }  // namespace gpipe::detail

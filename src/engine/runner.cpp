@@ -7,9 +7,11 @@
 #include <condition_variable>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
+#include "engine/lane_threads.h"
 #include "engine/pipeline.h"
 #include "schedule/actions.h"
 
@@ -130,7 +132,6 @@ void Pass::train_with(
 
 void Pass::run(
     const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self) {
-  at::ThreadLocalState tls;
   explicit_losses_ = false;
   explicit_transfers_ = false;
   lane_of_stage_.assign(n_, -1);
@@ -175,7 +176,15 @@ void Pass::run(
       }
     }
   }
-  if (inline_cells) {
+  const auto threads = inline_cells ? nullptr : pipeline_.threads_of(plan);
+  const bool serial_here = !inline_cells && serial(plan, threads.get());
+  if (inline_cells || serial_here) {
+    // A serial plan gets every core on this thread while it runs (Note [A
+    // serial plan on the calling thread]).
+    std::optional<IntraOpThreads> every_core;
+    if (serial_here) {
+      every_core.emplace(pipeline_.shared_cores());
+    }
     for (const auto& step : plan.steps()) {
       for (const auto& cell : step) {
         if (pipeline_.is_local(cell.partition)) {
@@ -193,51 +202,7 @@ void Pass::run(
       }
     }
   } else {
-    // Lanes of partitions in other processes run there.
-    std::vector<int64_t> lanes;
-    for (const auto l : c10::irange(plan.lanes.size())) {
-      const auto& row = plan.lanes[l];
-      if (!row.empty() && pipeline_.is_local(row.front().partition)) {
-        lanes.push_back(static_cast<int64_t>(l));
-      }
-    }
-    auto countdown = std::make_shared<Countdown>(lanes.size());
-    const auto threads = pipeline_.threads_of(plan);
-    for (const auto l : lanes) {
-      // One task per lane and run: the lane's row in plan order.
-      pipeline_.lane(l).post([pass = self,
-                              countdown,
-                              cells = plan.lanes[l],
-                              finals = std::move(finals[l]),
-                              threads,
-                              tls,
-                              l]() mutable {
-        {
-          at::ThreadLocalStateGuard guard(tls);
-          for (const auto k : c10::irange(cells.size())) {
-            const bool final = !finals.empty() && finals[k] >= 0;
-            if (final && pass->before_final_gradients) {
-              pass->gradients_final(finals[k], /*before=*/true);
-            }
-            // A cell given every core (threads_of: a serial plan's) runs
-            // on the wide lane.
-            const bool alone =
-                threads != nullptr &&
-                (*threads)[l][k] >= pass->pipeline_.shared_cores();
-            pass->run_cell(
-                cells[k], l, alone ? pass->pipeline_.wide_lane() : nullptr);
-            if (final) {
-              pass->gradients_final(finals[k], /*before=*/false);
-            }
-          }
-        }
-        // The caller holds the pass until the countdown is done, so it,
-        // not this lane, frees the pass and its tensors.
-        pass.reset();
-        countdown->done();
-      });
-    }
-    countdown->wait();
+    run_lanes(plan, std::move(finals), threads, self);
   }
   if (!error_.has()) {
     const auto why = transport_->failure();
@@ -250,6 +215,98 @@ void Pass::run(
     }
   }
   error_.rethrow_and_clear();
+}
+
+// Note [A serial plan on the calling thread]
+// A plan that never runs two CPU lanes at once (every plan at chunks 1)
+// gives each cell every core (Note [Threads that follow the plan]). On the
+// lanes, each cell would go to the wide lane while its own lane waits, and
+// the lanes would hand each other every message: about four thread
+// wake-ups a cell, which cost more than a small cell's work on a loaded
+// machine. Such a plan runs on the calling thread instead, as a CUDA
+// pipeline's backward does (Note [Backward on CUDA lanes]), its cells in
+// the order of Plan::steps (each after its inputs, so that every message
+// is sent before it is received), with the thread's intra-op count raised
+// to every core for the pass and put back after. Cells keep their lanes in
+// contexts and traces. A pipeline with a lane on another device keeps its
+// lanes, and its CPU cells go to the wide lane.
+bool Pass::serial(
+    const Plan& plan, const std::vector<std::vector<int64_t>>* threads) const {
+  if (threads == nullptr || pipeline_.wide_lane() == nullptr) {
+    return false;
+  }
+  for (const auto l : c10::irange(plan.lanes.size())) {
+    const auto& row = plan.lanes[l];
+    if (!row.empty() && !pipeline_.is_local(row.front().partition)) {
+      return false;
+    }
+    for (const auto k : c10::irange(row.size())) {
+      if (action_info(row[k].phase).step &&
+          (*threads)[l][k] < pipeline_.shared_cores()) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+void Pass::run_cell_of_row(
+    const Cell& cell, int64_t lane, int64_t final_stage, Lane* wide) {
+  const bool final = final_stage >= 0;
+  if (final && before_final_gradients) {
+    gradients_final(final_stage, /*before=*/true);
+  }
+  run_cell(cell, lane, wide);
+  if (final) {
+    gradients_final(final_stage, /*before=*/false);
+  }
+}
+
+void Pass::run_lanes(
+    const Plan& plan,
+    std::vector<std::vector<int64_t>> finals,
+    std::shared_ptr<const std::vector<std::vector<int64_t>>> threads,
+    const std::shared_ptr<Pass>& self) {
+  // Lanes of partitions in other processes run there.
+  std::vector<int64_t> lanes;
+  for (const auto l : c10::irange(plan.lanes.size())) {
+    const auto& row = plan.lanes[l];
+    if (!row.empty() && pipeline_.is_local(row.front().partition)) {
+      lanes.push_back(static_cast<int64_t>(l));
+    }
+  }
+  auto countdown = std::make_shared<Countdown>(lanes.size());
+  const at::ThreadLocalState tls;
+  for (const auto l : lanes) {
+    // One task per lane and run: the lane's row in plan order.
+    pipeline_.lane(l).post([pass = self,
+                            countdown,
+                            cells = plan.lanes[l],
+                            finals = std::move(finals[l]),
+                            threads,
+                            tls,
+                            l]() mutable {
+      {
+        at::ThreadLocalStateGuard guard(tls);
+        for (const auto k : c10::irange(cells.size())) {
+          // A cell given every core (a serial plan's CPU cells in a
+          // pipeline with a lane on another device) runs on the wide lane.
+          const bool alone = threads != nullptr &&
+                             (*threads)[l][k] >= pass->pipeline_.shared_cores();
+          pass->run_cell_of_row(
+              cells[k],
+              l,
+              finals.empty() ? -1 : finals[k],
+              alone ? pass->pipeline_.wide_lane() : nullptr);
+        }
+      }
+      // The caller holds the pass until the countdown is done, so it,
+      // not this lane, frees the pass and its tensors.
+      pass.reset();
+      countdown->done();
+    });
+  }
+  countdown->wait();
 }
 
 CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {

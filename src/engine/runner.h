@@ -90,6 +90,20 @@ class Pass {
   // a cell the plan runs alone), or null for this thread. Messages are
   // taken and sent on this thread either way.
   void run_cell(const Cell& cell, int64_t lane, Lane* wide = nullptr);
+  // run_cell, with on_gradients_final's calls around it when the cell is
+  // the last of `final_stage`'s gradients (-1: it is not).
+  void run_cell_of_row(
+      const Cell& cell, int64_t lane, int64_t final_stage, Lane* wide);
+  // Every compute cell of `plan` gets every shared core (`threads`: the
+  // pipeline's threads_of), and every lane is a CPU lane of this process.
+  bool serial(
+      const Plan& plan, const std::vector<std::vector<int64_t>>* threads) const;
+  // Each lane's row as one task on that lane.
+  void run_lanes(
+      const Plan& plan,
+      std::vector<std::vector<int64_t>> finals,
+      std::shared_ptr<const std::vector<std::vector<int64_t>>> threads,
+      const std::shared_ptr<Pass>& self);
   // Calls before_final_gradients(stage) (`before`) or
   // on_gradients_final(stage) unless the pass has failed; an error it
   // throws becomes the pass's.
