@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <set>
+#include <string>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -129,44 +131,20 @@ TEST(WorkerTest, ContextTurnsOtherExceptionsIntoC10Errors) {
   }
 }
 
-// Note [Lanes and glibc's malloc]: steps through lanes reuse the memory of
-// the steps before them instead of faulting in fresh pages (with
-// GPIPE_MALLOC=system, and the skip below taken out, 5,356 faults per step
-// here; with the lanes' setting, 0 to about 200).
-TEST(WorkerTest, LaneStepsReuseTheirMemory) {
-#if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
-  // Skipped in the sanitizer build and off glibc: mallopt does not govern
-  // a sanitizer's allocator or another libc's malloc, so there is nothing
-  // of gpipe's to check.
-  GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
-#else
-  const char* choice = std::getenv("GPIPE_MALLOC");
-  if (choice != nullptr && std::string(choice) == "system") {
-    // Skipped when the user asked gpipe to leave malloc alone: the faults
-    // are then glibc's default behaviour, which this test does not judge.
-    GTEST_SKIP() << "GPIPE_MALLOC=system: lanes leave malloc alone";
-  }
-  at::set_num_threads(1);
-  torch::manual_seed(0);
-  torch::nn::Sequential net;
-  for (int k = 0; k < 4; ++k) {
-    net->push_back(
-        torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 16, 3).padding(1)));
-    net->push_back(torch::nn::ReLU());
-  }
-  gpipe::GPipe model(
-      net,
-      gpipe::GPipeOptions({4, 4})
-          .chunks(1)
-          .checkpoint(gpipe::Checkpoint::Never)
-          .threads_per_lane(1));
-  auto x = torch::randn({32, 16, 32, 32});
+#if !defined(GPIPE_SANITIZED) && defined(__GLIBC__)
+// The minor page faults per step of 5 training steps of `net` through
+// `options`, after 5 of warm-up (the memory of a step is taken once).
+int64_t faults_per_step(
+    torch::nn::Sequential net,
+    const torch::Tensor& x,
+    const gpipe::GPipeOptions& options) {
+  gpipe::GPipe model(net, options);
   auto step = [&] {
     model->zero_grad();
     model->forward(x).sum().backward();
   };
   for (int k = 0; k < 5; ++k) {
-    step();  // warm-up: the memory of a step is taken once
+    step();
   }
   auto faults = [] {
     rusage usage{};
@@ -177,10 +155,80 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
   for (int k = 0; k < 5; ++k) {
     step();
   }
-  const auto per_step = (faults() - before) / 5;
+  return (faults() - before) / 5;
+}
+#endif
+
+// Skipped in the sanitizer build and off glibc: mallopt does not govern a
+// sanitizer's allocator or another libc's malloc, so there is nothing of
+// gpipe's to check. Skipped too when the user asked gpipe to leave malloc
+// alone: the faults are then glibc's default behaviour, which these tests
+// do not judge.
+#define SKIP_UNLESS_GPIPE_SETS_MALLOC()                                \
+  do {                                                                 \
+    const char* choice = std::getenv("GPIPE_MALLOC");                  \
+    if (choice != nullptr && std::string(choice) == "system") {        \
+      GTEST_SKIP() << "GPIPE_MALLOC=system: lanes leave malloc alone"; \
+    }                                                                  \
+  } while (false)
+
+// Note [Lanes and glibc's malloc]: steps through lanes reuse the memory of
+// the steps before them instead of faulting in fresh pages (with
+// GPIPE_MALLOC=system, and the skip below taken out, 5,356 faults per step
+// here; with the lanes' setting, 0 to about 200).
+TEST(WorkerTest, LaneStepsReuseTheirMemory) {
+#if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
+  GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
+#else
+  SKIP_UNLESS_GPIPE_SETS_MALLOC();
+  at::set_num_threads(1);
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int k = 0; k < 4; ++k) {
+    net->push_back(
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 16, 3).padding(1)));
+    net->push_back(torch::nn::ReLU());
+  }
+  const auto per_step = faults_per_step(
+      net,
+      torch::randn({32, 16, 32, 32}),
+      gpipe::GPipeOptions({4, 4})
+          .chunks(1)
+          .checkpoint(gpipe::Checkpoint::Never)
+          .threads_per_lane(1));
   // A few hundred remain on a busy machine (thread stacks, the heap's
   // last growth), against thousands without the setting.
   EXPECT_LT(per_step, 1000) << "minor page faults per step";
+#endif
+}
+
+// The same when a lane holds more than one of glibc's heaps (64 MiB): 128
+// MiB of saved activations per lane. With one arena per thread and only the
+// mmap and trim settings (no top pad), glibc unmapped each free heap after
+// the first: 13,000 faults per step here.
+TEST(WorkerTest, LaneStepsReuseMemoryBeyondOneHeap) {
+#if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
+  GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
+#else
+  SKIP_UNLESS_GPIPE_SETS_MALLOC();
+  at::set_num_threads(1);
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int k = 0; k < 2; ++k) {
+    net->push_back(torch::nn::Linear(64, 64));
+    for (int s = 0; s < 16; ++s) {
+      // Each saves its 8 MiB output for backward.
+      net->push_back(torch::nn::Sigmoid());
+    }
+  }
+  const auto per_step = faults_per_step(
+      net,
+      torch::randn({32768, 64}),
+      gpipe::GPipeOptions({17, 17})
+          .chunks(1)
+          .checkpoint(gpipe::Checkpoint::Never)
+          .threads_per_lane(1));
+  EXPECT_LT(per_step, 2500) << "minor page faults per step";
 #endif
 }
 

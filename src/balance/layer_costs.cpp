@@ -260,8 +260,8 @@ BusyLanes::BusyLanes(
   } catch (const c10::Error&) {
     return;  // a layer that does not clone: profile without the load
   }
-  // Before the first thread allocates: a thread with an arena of its own
-  // would be handed to a lane later (Note [Lanes and glibc's malloc]).
+  // Before the copies' threads allocate, so that their arenas keep what
+  // they free as the lanes' do (Note [Lanes and glibc's malloc]).
   keep_freed_memory_once();
   for (auto& copy : copies) {
     auto x = input.detach().clone();

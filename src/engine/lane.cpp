@@ -13,31 +13,31 @@
 namespace gpipe::detail {
 
 // Note [Lanes and glibc's malloc]
-// glibc gives each thread that allocates its own arena, and an arena other
-// than the main one lives in heaps of at most 64 MiB that it unmaps or
-// shrinks as soon as they are free. A lane's activations (megabytes each,
-// a whole partition's worth in flight) therefore went back to the system
-// at the end of every step and came back as fresh pages in the next: a
-// conv model through 2 lanes at chunks 1 took 27,000 minor page faults and
-// 2 to 3 times the plain model's time per step (gpipe-bench --only conv).
-// One arena that keeps what is freed (no mmap for big blocks, no trimming)
-// reuses the same memory every step, as the plain model on the main thread
-// mostly does: about 1,200 faults, and the plain model's time. It takes
-// hold for threads that get their arena after it: with one arena allowed,
-// glibc hands them the arenas that exist, in turn, and a thread that
-// allocated before it keeps an arena of its own that a lane may then be
-// handed. gpipe::dist::init_from_env therefore calls this before c10d
-// starts its threads: after them, each rank had 3 or 4 arenas, and in one
-// run out of two a rank's U-Net steps took 8,000 to 30,000 fresh pages
-// each. A program that starts threads of its own first can set it from the
-// start with the GLIBC_TUNABLES that docs/guide.md gives. It applies to the
-// whole process and only to memory freed from then on; peak memory is not
-// given back to the system until the process ends. The user's own settings win:
-// with GPIPE_MALLOC=system, MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
-// MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES in the environment, malloc is
-// left alone (as it is under another allocator, such as jemalloc).
+// glibc gives each thread that allocates an arena of its own. An arena
+// other than the main one lives in heaps of at most 64 MiB, and by default
+// it unmaps a heap as soon as the heap is free and shrinks the last one,
+// and big blocks come from mmap and go back at free. A lane's activations
+// (megabytes each, a whole partition's worth in flight) therefore went
+// back to the system at the end of every step and came back as fresh pages
+// in the next: a conv model through 2 lanes at chunks 1 took 27,000 minor
+// page faults and 2 to 3 times the plain model's time per step (gpipe-bench
+// --only conv). Three settings make every arena keep what it frees: no
+// mmap for big blocks, no trimming, and a top pad of a whole heap, which
+// is what stops glibc from unmapping a free heap or shrinking the last
+// one (the trim threshold alone does not). The arenas stay one per
+// thread: a single arena for the whole process (how this began) kept the
+// pages too, but its one lock made every malloc of two lanes wait for the
+// other's, and a pipeline of small cells ran at half the speed. A block
+// over 64 MiB still comes from mmap on a lane (no heap holds it). It
+// applies to the whole process and to memory freed from then on; peak
+// memory is not given back to the system until the process ends.
+// gpipe::dist::init_from_env calls it too, before c10d starts its threads.
+// The user's own settings win: with GPIPE_MALLOC=system, MALLOC_ARENA_MAX,
+// MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or
+// GLIBC_TUNABLES in the environment, malloc is left alone (as it is under
+// another allocator, such as jemalloc).
 void keep_freed_memory_once() {
-#if defined(__GLIBC__) && defined(M_ARENA_MAX)
+#if defined(__GLIBC__) && defined(M_TOP_PAD)
   static const bool done = [] {
     const char* choice = std::getenv("GPIPE_MALLOC");
     if (choice != nullptr && std::string(choice) == "system") {
@@ -48,14 +48,16 @@ void keep_freed_memory_once() {
           "MALLOC_MMAP_THRESHOLD_",
           "MALLOC_TRIM_THRESHOLD_",
           "MALLOC_MMAP_MAX_",
+          "MALLOC_TOP_PAD_",
           "GLIBC_TUNABLES"}) {
       if (std::getenv(name) != nullptr) {
         return false;
       }
     }
-    mallopt(M_ARENA_MAX, 1);
     mallopt(M_MMAP_MAX, 0);
     mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+    // A whole heap (HEAP_MAX_SIZE on 64-bit glibc).
+    mallopt(M_TOP_PAD, 64 << 20);
     return true;
   }();
   (void)done;
