@@ -228,7 +228,9 @@ TEST(WorkerTest, LaneStepsReuseMemoryBeyondOneHeap) {
           .chunks(1)
           .checkpoint(gpipe::Checkpoint::Never)
           .threads_per_lane(1));
-  EXPECT_LT(per_step, 2500) << "minor page faults per step";
+  // Half of what a missing top pad costs: an arena still grows by a block
+  // (2,048 pages) now and then while the steps settle.
+  EXPECT_LT(per_step, 6500) << "minor page faults per step";
 #endif
 }
 

@@ -245,7 +245,7 @@ TEST(LaneThreadsTest, ASerialPlanGivesTheCallerItsCountBack) {
   std::vector<int64_t> after;
   std::vector<int64_t> during;
   std::thread user([&] {
-    at::set_num_threads(1);
+    detail::set_intra_op_threads(1);
     ThreadsSeen seen;
     FailOnce fail;
     GPipe model(

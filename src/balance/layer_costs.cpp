@@ -260,8 +260,8 @@ BusyLanes::BusyLanes(
   } catch (const c10::Error&) {
     return;  // a layer that does not clone: profile without the load
   }
-  // Before the copies' threads allocate, so that their arenas keep what
-  // they free as the lanes' do (Note [Lanes and glibc's malloc]).
+  // So that the copies' threads keep what they free as the lanes do (Note
+  // [Lanes and glibc's malloc]).
   keep_freed_memory_once();
   for (auto& copy : copies) {
     auto x = input.detach().clone();

@@ -164,7 +164,8 @@ World init_from_env(std::chrono::milliseconds timeout) {
       "gpipe::dist::init_from_env expects a positive timeout, but got ",
       timeout.count(),
       " ms");
-  // Before c10d's threads allocate (Note [Lanes and glibc's malloc]).
+  // So that c10d's threads keep what they free too (Note [Lanes and glibc's
+  // malloc]).
   gpipe::detail::keep_freed_memory_once();
   ignore_sigpipe();  // Note [SIGPIPE]
   const char* addr = env("MASTER_ADDR");

@@ -24,14 +24,19 @@ namespace gpipe::detail {
 // --only conv). Three settings make every arena keep what it frees: no
 // mmap for big blocks, no trimming, and a top pad of a whole heap, which
 // is what stops glibc from unmapping a free heap or shrinking the last
-// one (the trim threshold alone does not). The arenas stay one per
-// thread: a single arena for the whole process (how this began) kept the
-// pages too, but its one lock made every malloc of two lanes wait for the
-// other's, and a pipeline of small cells ran at half the speed. A block
-// over 64 MiB still comes from mmap on a lane (no heap holds it). It
-// applies to the whole process and to memory freed from then on; peak
-// memory is not given back to the system until the process ends.
-// gpipe::dist::init_from_env calls it too, before c10d starts its threads.
+// one (the trim threshold alone does not). The arenas stay one per thread
+// (up to glibc's limit of 8 per core, after which threads share them): a
+// single arena for the whole process (how this began) kept the pages too,
+// but its one lock made every malloc of two lanes wait for the other's,
+// and a pipeline of small cells ran at half the speed. A block over 64 MiB
+// still comes from mmap on a lane (no heap holds it). These are settings
+// of the whole process, read at each free, so they hold for threads
+// started before them too, and for memory freed from then on. The cost:
+// what a thread frees stays in its arena until the process ends, so the
+// process holds each thread's peak (the lanes', and the calling thread's
+// for a serial plan: Note [A serial plan on the calling thread]), not one
+// peak for all. gpipe::dist::init_from_env and the profiler's copies
+// (balance_by_time) call it too.
 // The user's own settings win: with GPIPE_MALLOC=system, MALLOC_ARENA_MAX,
 // MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or
 // GLIBC_TUNABLES in the environment, malloc is left alone (as it is under
@@ -65,8 +70,7 @@ void keep_freed_memory_once() {
 }
 
 Lane::Lane(std::function<void()> init)
-    // Before the first lane thread allocates (Note [Lanes and glibc's
-    // malloc]).
+    // Note [Lanes and glibc's malloc].
     : thread_(
           (keep_freed_memory_once(),
            std::thread([this, init = std::move(init)]() mutable {

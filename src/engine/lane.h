@@ -16,8 +16,7 @@ namespace gpipe::detail {
 
 /// Sets glibc's malloc up to keep what the lanes free, once per process,
 /// unless the environment chose otherwise (Note [Lanes and glibc's malloc]
-/// in lane.cpp). The first Lane calls it; gpipe::dist::init_from_env calls
-/// it before c10d starts its threads.
+/// in lane.cpp). The first Lane calls it, and gpipe::dist::init_from_env.
 void keep_freed_memory_once();
 
 /// One worker thread with a FIFO queue. Tasks must not throw (the pipeline

@@ -26,32 +26,30 @@ namespace gpipe::detail {
 // backward 2, each part of a split backward 1). A plan that never runs two
 // sharing lanes at once (every plan at chunks 1) runs on the calling
 // thread, with every core (Note [A serial plan on the calling thread] in
-// runner.cpp); in a pipeline that also has a lane on another device, its
-// CPU cells are computed on the pipeline's wide lane, a thread whose pool
-// has every core, while their own lanes wait and take and send their
-// messages. In a plan whose lanes overlap, every cell runs on its own lane,
-// with the lane's count.
+// runner.cpp), unless the pipeline also has a lane on another device. Every
+// other plan runs each cell on its own lane, with the lane's count.
 //
 // Why not the fill and the drain too, which also run alone: after a
 // parallel region GNU OpenMP's threads spin for about 3 ms (300,000 turns,
 // unless OMP_WAIT_POLICY or GOMP_SPINCOUNT say otherwise) before they
 // sleep, so a wide cell leaves its worker spinning on a core while the
-// lanes go on. With the fill and the drain on the wide lane the cnn of
+// lanes go on. With the fill and the drain on a wide thread the cnn of
 // gpipe-train (cells of 1 to 3 ms) at chunks 4 ran 7% slower than with a
 // thread per lane (and 7% faster with GOMP_SPINCOUNT=10000); with only the
 // last cell of each pass, still 6 to 8% slower, as the next pass starts on
 // the lanes at once. (The 64-image conv model, cells of about 20 ms, gained
 // 13% at chunks 4 from the fill and the drain.)
 
-// Why the calling thread or a wide lane rather than each lane growing its
-// own pool when alone:
+// Why the calling thread rather than each lane growing its own pool when
+// alone:
 // GNU OpenMP counts the threads of every pool in the process, idle ones
 // included, and once they outnumber the cores it spins only about 100 times
 // at a barrier before it sleeps in the kernel. Two lanes that had each
 // grown a pool of 2 on 2 cores made every barrier of a conv layer a futex
 // wait: 5,400 context switches in 34 steps against 130, and 10% of the
 // plain model's speed. With one wide thread the pools hold the cores once
-// (lanes of one thread each when there are no more cores than lanes).
+// (lanes of one thread each when there are no more cores than lanes), and
+// the calling thread is the one a user's own parallel ops use already.
 //
 // A lane's count is set through the omp_set_num_threads of the OpenMP
 // runtime LibTorch loaded (looked up at run time: a pip wheel bundles its
@@ -98,9 +96,9 @@ std::vector<std::vector<int64_t>> threads_of_cells(
   }
   // Every core only where the whole plan is serial (no two sharing lanes
   // ever work at once: every plan at chunks 1). In a plan whose lanes
-  // overlap, an alone cell (the fill, the drain) would leave the wide
-  // lane's OpenMP threads spinning beside the lanes' next cells; it runs on
-  // its own lane, with its share of all the lanes.
+  // overlap, an alone cell (the fill, the drain) given every core would
+  // leave its OpenMP threads spinning beside the lanes' next cells; it runs
+  // on its own lane, with its share of all the lanes.
   bool overlapping = false;
   int64_t sharing = 0;
   for (const auto l : c10::irange(lanes)) {
@@ -155,11 +153,20 @@ void set_intra_op_threads(int64_t threads) {
 
 IntraOpThreads::IntraOpThreads(int64_t threads)
     : previous_(at::get_num_threads()) {
-  set_intra_op_threads(threads);
+  const auto set = openmp_set_num_threads();
+  const auto count = static_cast<int>(threads);
+  if (set == nullptr || count == previous_) {
+    return;
+  }
+  set(count);
+  // Not taken: LibTorch runs another OpenMP runtime than the one found.
+  changed_ = at::get_num_threads() == count;
 }
 
 IntraOpThreads::~IntraOpThreads() {
-  set_intra_op_threads(previous_);
+  if (changed_) {
+    openmp_set_num_threads()(previous_);
+  }
 }
 
 }  // namespace gpipe::detail

@@ -1,9 +1,9 @@
 #pragma once
 
 // Threads that follow the plan: each cell's share of the cores when CPU
-// lanes share them (a cell whose share is every core runs on the
-// pipeline's wide lane), and the one call that sets a lane thread's count
-// (Note [Threads that follow the plan] in lane_threads.cpp).
+// lanes share them (a plan whose every cell has every core runs on the
+// calling thread), and the calls that set a thread's count (Note [Threads
+// that follow the plan] in lane_threads.cpp).
 
 #include <cstdint>
 #include <vector>
@@ -28,7 +28,10 @@ std::vector<std::vector<int64_t>> threads_of_cells(
 void set_intra_op_threads(int64_t threads);
 
 /// Sets the calling thread's intra-op thread count for its lifetime, and
-/// puts the previous count back when it ends.
+/// puts the previous count back when it ends. Where the count cannot be
+/// set for this thread alone (an intra-op pool that is not OpenMP's), the
+/// thread keeps its count: at::set_num_threads would resize the process's
+/// pool twice a pass.
 class IntraOpThreads {
  public:
   explicit IntraOpThreads(int64_t threads);
@@ -37,7 +40,8 @@ class IntraOpThreads {
   ~IntraOpThreads();
 
  private:
-  int64_t previous_;
+  int previous_;
+  bool changed_ = false;
 };
 
 }  // namespace gpipe::detail

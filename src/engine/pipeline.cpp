@@ -164,10 +164,6 @@ Pipeline::~Pipeline() = default;
 
 void Pipeline::share_threads(int64_t cores) {
   shared_cores_ = cores;
-  wide_lane_ =
-      cores > 0
-          ? std::make_unique<Lane>(lane_init(torch::Device(torch::kCPU), cores))
-          : nullptr;
 }
 
 std::shared_ptr<const std::vector<std::vector<int64_t>>> Pipeline::threads_of(

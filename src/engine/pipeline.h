@@ -174,20 +174,14 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   const SkipLayout& skip_layout() const {
     return skip_layout_;
   }
-  /// Makes the CPU lanes share `cores` intra-op threads: each cell of a
-  /// plan that never runs two CPU lanes at once takes every core, on the
-  /// pipeline's wide lane (Note [Threads that follow the plan] in
-  /// lane_threads.cpp); the cells of other plans run on their lanes with
-  /// the count those were made with. 0: no sharing. Set before the first
-  /// pass.
+  /// Makes the CPU lanes share `cores` intra-op threads: a plan that never
+  /// runs two CPU lanes at once runs on the calling thread with every core
+  /// (Note [Threads that follow the plan] in lane_threads.cpp); the cells of
+  /// other plans run on their lanes with the count those were made with. 0:
+  /// no sharing. Set before the first pass.
   void share_threads(int64_t cores);
   int64_t shared_cores() const {
     return shared_cores_;
-  }
-  /// The lane of `shared_cores()` threads that runs the cells of serial
-  /// plans; null when the lanes do not share.
-  Lane* wide_lane() {
-    return wide_lane_.get();
   }
   /// Per lane and cell of `plan`: the intra-op threads the cell runs with
   /// (0: as it is); empty when the lanes keep their counts.
@@ -210,10 +204,7 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   SkipLayout skip_layout_;
   std::vector<std::unique_ptr<Stage>> stages_;
   std::vector<bool> local_;  // per partition
-  // Declared after stages_ so that lanes are joined before stages go away;
-  // the wide lane (see share_threads) before the lanes, so that it is
-  // joined after the lanes that post to it.
-  std::unique_ptr<Lane> wide_lane_;
+  // Declared after stages_ so that lanes are joined before stages go away.
   // Null for a lane whose partitions run in another process.
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;

@@ -63,40 +63,6 @@ const char* phase_name(Phase phase) {
   return action_info(phase).context;
 }
 
-// Runs `f` on this thread, or, with `wide` given, on that lane while this
-// thread waits (Note [Threads that follow the plan]); its error is thrown
-// here.
-template <typename F>
-auto compute_on(Lane* wide, F&& f) -> decltype(f()) {
-  if (wide == nullptr) {
-    return f();
-  }
-  using Result = decltype(f());
-  std::promise<Result> done;
-  auto result = done.get_future();
-  at::ThreadLocalState tls;
-  wide->post([&] {
-    std::exception_ptr error;
-    try {
-      at::ThreadLocalStateGuard guard(tls);
-      if constexpr (std::is_void_v<Result>) {
-        f();
-        done.set_value();
-      } else {
-        done.set_value(f());
-      }
-    } catch (...) {
-      error = std::current_exception();
-    }
-    // Handed over once this thread is done with it: the waiting lane adds
-    // its context to the same exception object.
-    if (error) {
-      done.set_exception(std::move(error));
-    }
-  });
-  return result.get();
-}
-
 }  // namespace
 
 Pass::Pass(Pipeline& pipeline, int64_t m, PassOptions options)
@@ -202,7 +168,7 @@ void Pass::run(
       }
     }
   } else {
-    run_lanes(plan, std::move(finals), threads, self);
+    run_lanes(plan, std::move(finals), self);
   }
   if (!error_.has()) {
     const auto why = transport_->failure();
@@ -220,8 +186,8 @@ void Pass::run(
 // Note [A serial plan on the calling thread]
 // A plan that never runs two CPU lanes at once (every plan at chunks 1)
 // gives each cell every core (Note [Threads that follow the plan]). On the
-// lanes, each cell would go to the wide lane while its own lane waits, and
-// the lanes would hand each other every message: about four thread
+// lanes, each cell went to a thread with every core while its own lane
+// waited, and the lanes handed each other every message: about four thread
 // wake-ups a cell, which cost more than a small cell's work on a loaded
 // machine. Such a plan runs on the calling thread instead, as a CUDA
 // pipeline's backward does (Note [Backward on CUDA lanes]), its cells in
@@ -229,10 +195,11 @@ void Pass::run(
 // is sent before it is received), with the thread's intra-op count raised
 // to every core for the pass and put back after. Cells keep their lanes in
 // contexts and traces. A pipeline with a lane on another device keeps its
-// lanes, and its CPU cells go to the wide lane.
+// lanes, each with its own count. Where this thread's count cannot be set
+// for it alone (LibTorch without OpenMP), it keeps its own.
 bool Pass::serial(
     const Plan& plan, const std::vector<std::vector<int64_t>>* threads) const {
-  if (threads == nullptr || pipeline_.wide_lane() == nullptr) {
+  if (threads == nullptr || pipeline_.shared_cores() <= 0) {
     return false;
   }
   for (const auto l : c10::irange(plan.lanes.size())) {
@@ -251,12 +218,12 @@ bool Pass::serial(
 }
 
 void Pass::run_cell_of_row(
-    const Cell& cell, int64_t lane, int64_t final_stage, Lane* wide) {
+    const Cell& cell, int64_t lane, int64_t final_stage) {
   const bool final = final_stage >= 0;
   if (final && before_final_gradients) {
     gradients_final(final_stage, /*before=*/true);
   }
-  run_cell(cell, lane, wide);
+  run_cell(cell, lane);
   if (final) {
     gradients_final(final_stage, /*before=*/false);
   }
@@ -265,7 +232,6 @@ void Pass::run_cell_of_row(
 void Pass::run_lanes(
     const Plan& plan,
     std::vector<std::vector<int64_t>> finals,
-    std::shared_ptr<const std::vector<std::vector<int64_t>>> threads,
     const std::shared_ptr<Pass>& self) {
   // Lanes of partitions in other processes run there.
   std::vector<int64_t> lanes;
@@ -283,21 +249,12 @@ void Pass::run_lanes(
                             countdown,
                             cells = plan.lanes[l],
                             finals = std::move(finals[l]),
-                            threads,
                             tls,
                             l]() mutable {
       {
         at::ThreadLocalStateGuard guard(tls);
         for (const auto k : c10::irange(cells.size())) {
-          // A cell given every core (a serial plan's CPU cells in a
-          // pipeline with a lane on another device) runs on the wide lane.
-          const bool alone = threads != nullptr &&
-                             (*threads)[l][k] >= pass->pipeline_.shared_cores();
-          pass->run_cell_of_row(
-              cells[k],
-              l,
-              finals.empty() ? -1 : finals[k],
-              alone ? pass->pipeline_.wide_lane() : nullptr);
+          pass->run_cell_of_row(cells[k], l, finals.empty() ? -1 : finals[k]);
         }
       }
       // The caller holds the pass until the countdown is done, so it,
@@ -347,14 +304,14 @@ void Pass::gradients_final(int64_t stage, bool before) {
   }
 }
 
-void Pass::run_cell(const Cell& cell, int64_t lane, Lane* wide) {
+void Pass::run_cell(const Cell& cell, int64_t lane) {
   try {
     if (transport_->aborted()) {
       return;  // a cell that depends on a failed one never starts
     }
     switch (cell.phase) {
       case Phase::Forward:
-        forward_cell(cell.micro_batch, cell.partition, lane, wide);
+        forward_cell(cell.micro_batch, cell.partition, lane);
         break;
       case Phase::Backward:
       case Phase::BackwardInput:
@@ -362,16 +319,13 @@ void Pass::run_cell(const Cell& cell, int64_t lane, Lane* wide) {
             cell.micro_batch,
             cell.partition,
             lane,
-            cell.phase == Phase::BackwardInput,
-            wide);
+            cell.phase == Phase::BackwardInput);
         break;
       case Phase::BackwardWeight:
-        compute_on(wide, [&] {
-          pipeline_.stage(cell.partition)
-              .backward_weight(
-                  cells_[cell.micro_batch][cell.partition],
-                  context(cell.micro_batch, cell.partition, lane));
-        });
+        pipeline_.stage(cell.partition)
+            .backward_weight(
+                cells_[cell.micro_batch][cell.partition],
+                context(cell.micro_batch, cell.partition, lane));
         break;
       case Phase::Loss:
         loss_cell(cell.micro_batch, lane);
@@ -422,7 +376,7 @@ void Pass::run_cell(const Cell& cell, int64_t lane, Lane* wide) {
   }
 }
 
-void Pass::forward_cell(int64_t i, int64_t j, int64_t lane, Lane* wide) {
+void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow in;
@@ -431,9 +385,7 @@ void Pass::forward_cell(int64_t i, int64_t j, int64_t lane, Lane* wide) {
     in.skips.push_back(t.recv_skip(Phase::Forward, i, key));
   }
   auto& c = cells_[i][j];
-  auto out = compute_on(wide, [&] {
-    return stage.forward(c, std::move(in), context(i, j, lane));
-  });
+  auto out = stage.forward(c, std::move(in), context(i, j, lane));
   for (const auto k : c10::irange(stage.skips_out().size())) {
     t.send_skip(
         Phase::Forward, i, stage.skips_out()[k], std::move(out.skips[k]));
@@ -455,8 +407,7 @@ void Pass::loss_cell(int64_t i, int64_t lane) {
   c.loss_value = torch::Tensor();
 }
 
-void Pass::backward_cell(
-    int64_t i, int64_t j, int64_t lane, bool input_only, Lane* wide) {
+void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow dy;
@@ -470,10 +421,8 @@ void Pass::backward_cell(
   for (const auto& key : stage.skips_out()) {
     dy.skips.push_back(t.recv_skip(Phase::Backward, i, key));
   }
-  auto dx = compute_on(wide, [&] {
-    return stage.backward(
-        cells_[i][j], std::move(dy), context(i, j, lane), input_only);
-  });
+  auto dx = stage.backward(
+      cells_[i][j], std::move(dy), context(i, j, lane), input_only);
   for (const auto k : c10::irange(stage.skips_in().size())) {
     t.send_skip(
         Phase::Backward, i, stage.skips_in()[k], std::move(dx.skips[k]));

@@ -47,7 +47,9 @@ class Pass {
   }
 
   /// Runs `plan` on the lanes (or on this thread, in plan order, when
-  /// `inline_cells`), and rethrows the first error once every lane is done.
+  /// `inline_cells` or when the plan is serial: Note [A serial plan on the
+  /// calling thread]), and rethrows the first error once every lane is
+  /// done.
   /// `self` keeps the pass alive in the lanes' tasks.
   void run(
       const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self);
@@ -86,14 +88,12 @@ class Pass {
   bool consumed = false;  // a backward freed the cells
 
  private:
-  // `wide`: the lane that computes the cell (the pipeline's wide lane, for
-  // a cell the plan runs alone), or null for this thread. Messages are
-  // taken and sent on this thread either way.
-  void run_cell(const Cell& cell, int64_t lane, Lane* wide = nullptr);
+  // Takes the cell's messages, computes it and sends its results, on this
+  // thread; an error is recorded and aborts the transport.
+  void run_cell(const Cell& cell, int64_t lane);
   // run_cell, with on_gradients_final's calls around it when the cell is
   // the last of `final_stage`'s gradients (-1: it is not).
-  void run_cell_of_row(
-      const Cell& cell, int64_t lane, int64_t final_stage, Lane* wide);
+  void run_cell_of_row(const Cell& cell, int64_t lane, int64_t final_stage);
   // Every compute cell of `plan` gets every shared core (`threads`: the
   // pipeline's threads_of), and every lane is a CPU lane of this process.
   bool serial(
@@ -102,16 +102,14 @@ class Pass {
   void run_lanes(
       const Plan& plan,
       std::vector<std::vector<int64_t>> finals,
-      std::shared_ptr<const std::vector<std::vector<int64_t>>> threads,
       const std::shared_ptr<Pass>& self);
   // Calls before_final_gradients(stage) (`before`) or
   // on_gradients_final(stage) unless the pass has failed; an error it
   // throws becomes the pass's.
   void gradients_final(int64_t stage, bool before);
-  void forward_cell(int64_t i, int64_t j, int64_t lane, Lane* wide);
+  void forward_cell(int64_t i, int64_t j, int64_t lane);
   void loss_cell(int64_t i, int64_t lane);
-  void backward_cell(
-      int64_t i, int64_t j, int64_t lane, bool input_only, Lane* wide);
+  void backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only);
   CellContext context(int64_t i, int64_t j, int64_t lane) const;
 
   Pipeline& pipeline_;
