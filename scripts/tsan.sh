@@ -52,7 +52,8 @@ cmake -S "$root" -B "$build" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" \
   -DGPIPE_USE_TSAN=ON -DGPIPE_USE_ASAN=OFF -DGPIPE_USE_UBSAN=OFF \
-  -DGPIPE_BUILD_TOOLS=ON -DGPIPE_BUILD_BENCHMARKS=OFF
+  -DGPIPE_BUILD_TOOLS=ON -DGPIPE_BUILD_BENCHMARKS=OFF \
+  -DCMAKE_UNITY_BUILD=ON
 dist=${GPIPE_TSAN_DIST:-1}
 targets=(gpipe_tests gpipe_long_run_tests)
 ((dist)) && targets+=(gpipe_dist_worker gpipe-run)
