@@ -9,6 +9,7 @@
 
 #include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -24,21 +25,26 @@
 #include <thread>
 #include <vector>
 
-#if defined(__GLIBC__)
-#include <malloc.h>
-#include <sys/resource.h>
+// A sanitizer's allocator takes malloc's place: mallopt governs nothing.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define GPIPE_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define GPIPE_SANITIZED 1
+#endif
 #endif
 
 namespace {
 
 // The minor page faults a new thread takes the second time it allocates,
 // touches and frees 96 MiB in blocks of 8 MiB (more than one of glibc's
-// heaps), or -1 where that cannot be told or the environment chose its own
-// malloc settings, which gpipe leaves alone (Note [Lanes and glibc's
-// malloc] in src/engine/lane.cpp). With gpipe's settings the second round
-// reuses the first round's pages.
+// heaps), or -1 where that cannot be told (not glibc's malloc, or a
+// sanitizer's) or the environment chose its own malloc settings, which
+// gpipe leaves alone (Note [Lanes and glibc's malloc] in
+// src/engine/lane.cpp). With gpipe's settings the second round reuses the
+// first round's pages.
 long second_round_faults() {
-#if defined(__GLIBC__)
+#if defined(__GLIBC__) && !defined(GPIPE_SANITIZED)
   for (const char* name :
        {"GPIPE_MALLOC",
         "MALLOC_ARENA_MAX",
