@@ -13,30 +13,30 @@
 namespace gpipe::detail {
 
 // Note [Lanes and glibc's malloc]
-// glibc gives each thread that allocates an arena of its own. An arena
-// other than the main one lives in heaps of at most 64 MiB, and by default
-// it unmaps a heap as soon as the heap is free and shrinks the last one,
-// and big blocks come from mmap and go back at free. A lane's activations
-// (megabytes each, a whole partition's worth in flight) therefore went
-// back to the system at the end of every step and came back as fresh pages
-// in the next: a conv model through 2 lanes at chunks 1 took 27,000 minor
-// page faults and 2 to 3 times the plain model's time per step (gpipe-bench
-// --only conv). Three settings make every arena keep what it frees: no
-// mmap for big blocks, no trimming, and a top pad of a whole heap, which
-// is what stops glibc from unmapping a free heap or shrinking the last
-// one (the trim threshold alone does not). The arenas stay one per thread
-// (up to glibc's limit of 8 per core, after which threads share them): a
-// single arena for the whole process (how this began) kept the pages too,
-// but its one lock made every malloc of two lanes wait for the other's,
-// and a pipeline of small cells ran at half the speed. A block over 64 MiB
-// still comes from mmap on a lane (no heap holds it). These are settings
-// of the whole process, read at each free, so they hold for threads
-// started before them too, and for memory freed from then on. The cost:
-// what a thread frees stays in its arena until the process ends, so the
-// process holds each thread's peak (the lanes', and the calling thread's
-// for a serial plan: Note [A serial plan on the calling thread]), not one
-// peak for all. gpipe::dist::init_from_env and the profiler's copies
-// (balance_by_time) call it too.
+// glibc gives each thread that allocates an arena of its own. An arena other
+// than the main one lives in heaps of at most 64 MiB, and by default it unmaps
+// a heap as soon as the heap is free and shrinks the last one, and big blocks
+// come from mmap and go back at free. A lane's activations (megabytes each, a
+// whole partition's worth in flight) therefore went back to the system at the
+// end of every step and came back as fresh pages in the next: a conv model
+// through 2 lanes at chunks 1 took 27,000 minor page faults and 2 to 3 times
+// the plain model's time per step (gpipe-bench --only conv). Three settings
+// make every arena keep what it frees: no mmap for big blocks, no trimming,
+// and a top pad of a whole heap, which is what stops glibc from unmapping a
+// free heap or shrinking the last one (the trim threshold alone does not). The
+// arenas stay one per thread (up to glibc's limit of 8 per core, after which
+// threads share them): a single arena for the whole process (how this began)
+// kept the pages too, but its one lock made every malloc of two lanes wait for
+// the other's, which slowed pipelines of small cells most
+// (docs/benchmark-history.md, "Lanes that wait on nothing"). A block over 64
+// MiB still comes from mmap on a lane (no heap holds it). These are settings
+// of the whole process, read at each free, so they hold for threads started
+// before them too, and for memory freed from then on. The cost: what a thread
+// frees stays in its arena until the process ends, so the process holds each
+// thread's peak (the lanes', and the calling thread's for a serial plan: Note
+// [A serial plan on the calling thread]), not one peak for all.
+// gpipe::dist::init_from_env and the profiler's copies (balance_by_time) call
+// it too.
 // The user's own settings win: with GPIPE_MALLOC=system, MALLOC_ARENA_MAX,
 // MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or
 // GLIBC_TUNABLES in the environment, malloc is left alone (as it is under

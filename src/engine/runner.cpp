@@ -3,12 +3,9 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/util/irange.h>
 
-#include <atomic>
 #include <condition_variable>
-#include <future>
 #include <mutex>
 #include <optional>
-#include <type_traits>
 #include <utility>
 
 #include "engine/lane_threads.h"
