@@ -13,13 +13,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define GPIPE_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define GPIPE_SANITIZED 1
-#endif
-#endif
+#include "sanitized.h"
 
 namespace {
 
@@ -131,7 +125,6 @@ TEST(WorkerTest, ContextTurnsOtherExceptionsIntoC10Errors) {
   }
 }
 
-#if !defined(GPIPE_SANITIZED) && defined(__GLIBC__)
 // The minor page faults per step of 5 training steps of `net` through
 // `options`, after 5 of warm-up (the memory of a step is taken once).
 int64_t faults_per_step(
@@ -157,30 +150,32 @@ int64_t faults_per_step(
   }
   return (faults() - before) / 5;
 }
-#endif
 
-// Skipped in the sanitizer build and off glibc: mallopt does not govern a
-// sanitizer's allocator or another libc's malloc, so there is nothing of
-// gpipe's to check. Skipped too when the user asked gpipe to leave malloc
-// alone: the faults are then glibc's default behaviour, which these tests
-// do not judge.
-#define SKIP_UNLESS_GPIPE_SETS_MALLOC()                                \
-  do {                                                                 \
-    const char* choice = std::getenv("GPIPE_MALLOC");                  \
-    if (choice != nullptr && std::string(choice) == "system") {        \
-      GTEST_SKIP() << "GPIPE_MALLOC=system: lanes leave malloc alone"; \
-    }                                                                  \
-  } while (false)
+// Why gpipe's malloc settings cannot be checked here, or null: in the
+// sanitizer build and off glibc, mallopt does not govern the allocator;
+// with GPIPE_MALLOC=system the user asked gpipe to leave malloc alone, and
+// the faults are glibc's default behaviour, which these tests do not judge.
+const char* malloc_not_gpipes() {
+#if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
+  return "a sanitizer's allocator, or not glibc's malloc";
+#else
+  const char* choice = std::getenv("GPIPE_MALLOC");
+  if (choice != nullptr && std::string(choice) == "system") {
+    return "GPIPE_MALLOC=system: lanes leave malloc alone";
+  }
+  return nullptr;
+#endif
+}
 
 // Note [Lanes and glibc's malloc]: steps through lanes reuse the memory of
 // the steps before them instead of faulting in fresh pages (with
 // GPIPE_MALLOC=system, and the skip below taken out, 5,356 faults per step
 // here; with the lanes' setting, 0 to about 200).
 TEST(WorkerTest, LaneStepsReuseTheirMemory) {
-#if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
-  GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
-#else
-  SKIP_UNLESS_GPIPE_SETS_MALLOC();
+  if (const char* why = malloc_not_gpipes()) {
+    // Skipped where gpipe does not set malloc (see malloc_not_gpipes).
+    GTEST_SKIP() << why;
+  }
   at::set_num_threads(1);
   torch::manual_seed(0);
   torch::nn::Sequential net;
@@ -199,7 +194,6 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
   // A few hundred remain on a busy machine (thread stacks, the heap's
   // last growth), against thousands without the setting.
   EXPECT_LT(per_step, 1000) << "minor page faults per step";
-#endif
 }
 
 // The same when a lane holds more than one of glibc's heaps (64 MiB): 128
@@ -207,10 +201,10 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
 // mmap and trim settings (no top pad), glibc unmapped each free heap after
 // the first: 13,000 faults per step here.
 TEST(WorkerTest, LaneStepsReuseMemoryBeyondOneHeap) {
-#if defined(GPIPE_SANITIZED) || !defined(__GLIBC__)
-  GTEST_SKIP() << "a sanitizer's allocator, or not glibc's malloc";
-#else
-  SKIP_UNLESS_GPIPE_SETS_MALLOC();
+  if (const char* why = malloc_not_gpipes()) {
+    // Skipped where gpipe does not set malloc (see malloc_not_gpipes).
+    GTEST_SKIP() << why;
+  }
   at::set_num_threads(1);
   torch::manual_seed(0);
   torch::nn::Sequential net;
@@ -231,7 +225,6 @@ TEST(WorkerTest, LaneStepsReuseMemoryBeyondOneHeap) {
   // Half of what a missing top pad costs: an arena still grows by a block
   // (2,048 pages) now and then while the steps settle.
   EXPECT_LT(per_step, 6500) << "minor page faults per step";
-#endif
 }
 
 }  // namespace

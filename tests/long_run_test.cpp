@@ -33,14 +33,7 @@
 #endif
 
 #include "common.h"
-
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define GPIPE_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define GPIPE_SANITIZED 1
-#endif
-#endif
+#include "sanitized.h"
 
 namespace gpipe {
 namespace {

@@ -25,14 +25,7 @@
 #include <thread>
 #include <vector>
 
-// A sanitizer's allocator takes malloc's place: mallopt governs nothing.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define GPIPE_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define GPIPE_SANITIZED 1
-#endif
-#endif
+#include "../sanitized.h"
 
 namespace {
 
