@@ -1,5 +1,7 @@
 // The GPipe module: construction checks, module behaviour, errors in flight.
 
+#include <torch/csrc/autograd/function_hook.h>
+
 #include <atomic>
 #include <sstream>
 
@@ -461,6 +463,77 @@ TEST_F(GPipeTest, AutogradGradThroughTheOutputIsRefused) {
     EXPECT_TRUE(
         torch::allclose(params[k].grad(), plain->parameters()[k].grad()))
         << k;
+  }
+}
+
+// Note [Edges to the parameters]: a backward over every leaf gives each
+// parameter's accumulator only the gradients of its cells, with no empty
+// task from the pipeline's node; a gradient from outside the pipeline still
+// reaches .grad, whether its graph was made before or after the forward.
+TEST_F(GPipeTest, ABackwardRunsNoEmptyTaskForTheParameters) {
+  auto net = two_linears();
+  auto plain = copy_of(net);
+  GPipe model(net, GPipeOptions({1, 1}).chunks(2));
+  const auto params = model->parameters();
+  // Counts the tasks of an accumulator that bring no gradient.
+  struct CountEmpty : torch::autograd::FunctionPreHook {
+    explicit CountEmpty(int* count) : count(count) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list& grads) override {
+      for (const auto& g : grads) {
+        *count += g.defined() ? 0 : 1;
+      }
+      return grads;
+    }
+    int* count;
+  };
+  std::vector<int> empty(params.size(), 0);
+  const auto x = torch::randn({4, 3});
+  torch::Tensor previous;  // a step's loss kept alive into the next
+  for (int step = 0; step < 3; ++step) {
+    model->zero_grad();
+    auto loss = model->forward(x).sum();
+    for (const auto k : c10::irange(params.size())) {
+      // Held only while the hook goes in (Note [Edges to the parameters]).
+      torch::autograd::impl::try_get_grad_accumulator(params[k])->add_pre_hook(
+          std::make_unique<CountEmpty>(&empty[k]));
+    }
+    loss.backward();
+    previous = loss;
+  }
+  EXPECT_EQ(empty, std::vector<int>(params.size(), 0));
+
+  // A penalty on two parameters, its graph made after the forward for one
+  // and before it for the other: both gradients count.
+  const auto plain_params = plain->parameters();
+  auto with_penalty = [](const torch::Tensor& y,
+                         const std::vector<torch::Tensor>& p,
+                         const torch::Tensor& before) {
+    return y.pow(2).sum() + before + p[2].pow(2).sum();
+  };
+  model->zero_grad();
+  auto before = params[0].pow(3).sum();
+  with_penalty(model->forward(x), params, before).backward();
+  auto plain_before = plain_params[0].pow(3).sum();
+  with_penalty(plain->forward(x), plain_params, plain_before).backward();
+  for (const auto k : c10::irange(params.size())) {
+    EXPECT_TRUE(torch::allclose(params[k].grad(), plain_params[k].grad())) << k;
+  }
+
+  // A retained backward keeps the edges: grad() over the parameters is
+  // still refused after it, and a second backward still works.
+  auto loss = model->forward(x).sum();
+  loss.backward({}, /*retain_graph=*/true);
+  auto msg = message_of([&] {
+    torch::autograd::grad({loss}, params, {}, /*retain_graph=*/true);
+  });
+  EXPECT_TRUE(contains(msg, "torch::autograd::grad")) << msg;
+  model->zero_grad();
+  loss.backward();
+  plain->zero_grad();
+  plain->forward(x).sum().backward();
+  for (const auto k : c10::irange(params.size())) {
+    EXPECT_TRUE(torch::allclose(params[k].grad(), plain_params[k].grad())) << k;
   }
 }
 

@@ -47,6 +47,13 @@ class PipelineBackward : public torch::autograd::Node {
     pass_.reset();
   }
 
+  /// Note [Edges to the parameters]: what each parameter edge's
+  /// accumulator was held by once the forward was done, or -1 where a
+  /// graph held it before the forward began.
+  void set_parameter_uses(std::vector<long> uses) {
+    parameter_uses_ = std::move(uses);
+  }
+
   torch::autograd::variable_list apply(
       torch::autograd::variable_list&& grads) override {
     const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
@@ -92,6 +99,9 @@ class PipelineBackward : public torch::autograd::Node {
       pass.transport().send(Phase::Backward, i, n, std::move(dys[i]));
     }
     pass.retain = torch::autograd::get_current_graph_task_keep_graph();
+    if (!pass.retain) {
+      cut_parameter_edges();
+    }
     try {
       pipeline_->backward(pass_);
     } catch (...) {
@@ -118,6 +128,18 @@ class PipelineBackward : public torch::autograd::Node {
   }
 
  private:
+  // Note [Edges to the parameters].
+  void cut_parameter_edges() {
+    auto& edges = next_edges();
+    for (const auto k : c10::irange(parameter_uses_.size())) {
+      auto& edge = edges[inputs_.size() + k];
+      if (parameter_uses_[k] >= 0 && edge.function &&
+          edge.function.use_count() == parameter_uses_[k]) {
+        edge = torch::autograd::Edge();
+      }
+    }
+  }
+
   std::shared_ptr<Pipeline> pipeline_;
   std::shared_ptr<Pass> pass_;
   std::vector<Output> outputs_;
@@ -128,7 +150,30 @@ class PipelineBackward : public torch::autograd::Node {
   };
   std::vector<InputInfo> inputs_;
   std::vector<int64_t> input_rows_;
+  std::vector<long> parameter_uses_;
 };
+
+// Note [Edges to the parameters]
+// The node has an edge to each trainable parameter's gradient accumulator,
+// though the gradients reach .grad through the cells' own graphs and the
+// node gives those edges none: so that torch::autograd::grad and
+// backward(inputs=...) over parameters find the node on their path and run
+// it, and it refuses them. Without the edges they would stop before it,
+// with LibTorch's "appears to not have been used in the graph" or, under
+// allow_unused, a silently undefined gradient.
+//
+// A backward over every leaf then runs an empty task for each of those
+// accumulators, which on small layers costs as much as the pass's own
+// work. So such a backward, once it reaches the node without retain_graph
+// (the edges have served), cuts the edges whose accumulator nothing but
+// this pass's graphs holds: the accumulator then waits on nothing that will
+// ever come, and is not run. An accumulator that something else holds may
+// be waiting on a gradient from outside the pipeline in this backward (the
+// parameter in a penalty term, or tied to a layer outside): its edge stays,
+// so that the empty gradient given to it counts as this node's. Which ones
+// nothing else holds, from the accumulator's owners: none when the pass
+// began (Stage::refresh), and as many when the node runs as when the
+// forward was done.
 
 bool is_differentiable(const torch::Tensor& t) {
   return t.defined() && (t.is_floating_point() || t.is_complex());
@@ -209,18 +254,16 @@ Packet connect_outputs(
   if (next_slot == 0) {
     return gathered;
   }
-  // Edges to the parameters too, though their gradients reach .grad through
-  // the cells' own graphs (this node gives them none): so that
-  // torch::autograd::grad and backward(inputs=...) over parameters find
-  // this node on their path and run it, and it refuses them. Without the
-  // edges they would stop before it, with LibTorch's "appears to not have
-  // been used in the graph" or, under allow_unused, a silently undefined
-  // gradient.
+  // Edges to the parameters too: Note [Edges to the parameters].
   auto edges = torch::autograd::collect_next_edges(original_inputs);
+  std::vector<bool> unheld;
   for (const auto j : c10::irange(pipeline->size())) {
-    for (const auto& p : pipeline->stage(j).trainable_parameters()) {
+    const auto& stage = pipeline->stage(j);
+    for (const auto& p : stage.trainable_parameters()) {
       edges.push_back(torch::autograd::impl::gradient_edge(p));
     }
+    const auto& fresh = stage.accumulators_unheld();
+    unheld.insert(unheld.end(), fresh.begin(), fresh.end());
   }
   auto node = std::shared_ptr<PipelineBackward>(
       new PipelineBackward(
@@ -231,6 +274,14 @@ Packet connect_outputs(
           std::move(input_rows)),
       torch::autograd::deleteNode);
   node->set_next_edges(std::move(edges));
+  std::vector<long> uses(unheld.size(), -1);
+  for (const auto k : c10::irange(uses.size())) {
+    const auto& edge = node->next_edge(original_inputs.size() + k);
+    if (unheld[k] && edge.function) {
+      uses[k] = edge.function.use_count();
+    }
+  }
+  node->set_parameter_uses(std::move(uses));
   for (const auto k : c10::irange(width)) {
     if (needs_grad[k] && is_differentiable(gathered.tensors[k])) {
       torch::autograd::set_history(gathered.tensors[k], node);

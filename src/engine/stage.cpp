@@ -20,6 +20,16 @@ namespace {
 
 thread_local int cell_depth = 0;
 
+// A module's own parameters, read where the module keeps them: public
+// Module::parameters() copies them into a new dictionary with every name
+// built again, once per pass and partition (Stage::refresh).
+struct OwnParameters : torch::nn::Module {
+  static const torch::OrderedDict<std::string, torch::Tensor>& of(
+      const torch::nn::Module& module) {
+    return module.*(&OwnParameters::parameters_);
+  }
+};
+
 // While alive: this thread is inside a cell, on the stage's device.
 class CellScope {
  public:
@@ -157,9 +167,17 @@ Stage::Stage(
 
 void Stage::refresh() {
   trainable_parameters_.clear();
-  for (const auto& p : module_->parameters()) {
-    if (p.requires_grad()) {
-      trainable_parameters_.push_back(p);
+  accumulators_unheld_.clear();
+  // In Module::parameters()'s order: each module's own, the module before
+  // its children.
+  for (const auto& m : module_->modules()) {
+    for (const auto& item : OwnParameters::of(*m)) {
+      const auto& p = item.value();
+      if (p.defined() && p.requires_grad()) {
+        trainable_parameters_.push_back(p);
+        accumulators_unheld_.push_back(
+            torch::autograd::impl::try_get_grad_accumulator(p) == nullptr);
+      }
     }
   }
 }

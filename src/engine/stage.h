@@ -121,6 +121,11 @@ class Stage {
   const std::vector<torch::Tensor>& trainable_parameters() const {
     return trainable_parameters_;
   }
+  /// Per trainable parameter: whether no autograd graph held its gradient
+  /// accumulator at the last refresh() (Note [Edges to the parameters]).
+  const std::vector<bool>& accumulators_unheld() const {
+    return accumulators_unheld_;
+  }
 
   /// The forward of one cell. Returns its outputs, detached, each
   /// requiring grad where the plain model's would. With a loss, the
@@ -178,6 +183,7 @@ class Stage {
   std::set<SkipKey> skips_out_set_;
   std::vector<DeferredBatchNormImpl*> deferred_batch_norms_;
   std::vector<torch::Tensor> trainable_parameters_;  // by refresh()
+  std::vector<bool> accumulators_unheld_;            // by refresh()
 };
 
 /// True on a thread inside a cell (a layer's forward or backward, or the
