@@ -47,9 +47,9 @@ class PipelineBackward : public torch::autograd::Node {
     pass_.reset();
   }
 
-  /// Note [Edges to the parameters]: what each parameter edge's
-  /// accumulator was held by once the forward was done, or -1 where a
-  /// graph held it before the forward began.
+  /// Note [Edges to the parameters]: how many owners each parameter edge's
+  /// accumulator had once the forward was done, or -1 where a graph held
+  /// it before the forward began.
   void set_parameter_uses(std::vector<long> uses) {
     parameter_uses_ = std::move(uses);
   }
