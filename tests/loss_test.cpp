@@ -3,10 +3,15 @@
 // output gets the plain model's gradients. (That it runs once per
 // micro-batch, never recomputed: random_test.cpp.)
 
+#include <ATen/record_function.h>
+#include <c10/util/ScopeExit.h>
+#include <c10/util/irange.h>
 #include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <cstring>
 #include <map>
 
 #include "common.h"
@@ -138,8 +143,6 @@ TEST_F(LossTest, WhatTheLossReadsGetsItsGradient) {
   // A loss with a learnable temperature, outside the Sequential: its
   // gradient is the plain model's, once per step.
   auto net = small_net();
-  std::vector<torch::nn::Sequential> copies{
-      testing::copy_of(net), testing::copy_of(net)};
   auto temperature =
       torch::full({}, 1.5, torch::kFloat64).set_requires_grad(true);
   auto scaled = [&](torch::Tensor y, torch::Tensor t) {
@@ -150,14 +153,73 @@ TEST_F(LossTest, WhatTheLossReadsGetsItsGradient) {
   scaled(net->forward(x), t).backward();
   const auto expected = temperature.grad().clone();
   temperature.mutable_grad().reset();
-  for (auto mode : {Checkpoint::Always, Checkpoint::Never}) {
-    auto copy = copies[mode == Checkpoint::Always ? 0 : 1];
-    GPipe model(copy, GPipeOptions({3, 2}).chunks(4).checkpoint(mode));
-    model->train_step(x, t, scaled, Schedule::OneFOneB);
-    expect_same_gradients(*net, *copy);
-    ASSERT_TRUE(temperature.grad().defined());
-    EXPECT_TRUE(torch::allclose(temperature.grad(), expected, 1e-10, 1e-13));
-    temperature.mutable_grad().reset();
+  // (Zero-bubble splits the last stage's backward, the loss's included.)
+  for (auto schedule : {Schedule::OneFOneB, Schedule::ZeroBubble}) {
+    for (auto mode : {Checkpoint::Always, Checkpoint::Never}) {
+      SCOPED_TRACE(to_string(schedule) + ", " + to_string(mode));
+      auto copy = testing::copy_of(net);
+      GPipe model(copy, GPipeOptions({3, 2}).chunks(4).checkpoint(mode));
+      model->train_step(x, t, scaled, schedule);
+      expect_same_gradients(*net, *copy);
+      ASSERT_TRUE(temperature.grad().defined());
+      EXPECT_TRUE(torch::allclose(temperature.grad(), expected, 1e-10, 1e-13));
+      temperature.mutable_grad().reset();
+    }
+  }
+}
+
+// Counts the AccumulateGrad nodes that autograd runs, on any thread.
+std::atomic<int64_t> accumulations{0};
+
+std::unique_ptr<at::ObserverContext> count_accumulation(
+    const at::RecordFunction& fn) {
+  if (std::strstr(fn.name(), "AccumulateGrad") != nullptr) {
+    ++accumulations;
+  }
+  return nullptr;
+}
+
+TEST_F(LossTest, TheLossJoinsTheLastStagesBackward) {
+  // Where the last stage kept its graph, the loss function gets the output
+  // with it, as the plain model's does, and the backward runs the plain
+  // model's nodes: no leaf for the output between the loss and the stage
+  // (Note [The loss and the last stage's backward]).
+  auto net = small_net();
+  auto x = torch::randn({8, 5}, torch::kFloat64);
+  auto t = torch::randint(0, 4, {8});
+  const auto handle =
+      at::addGlobalCallback(at::RecordFunctionCallback(count_accumulation)
+                                .needsInputs(false)
+                                .scopes({at::RecordScope::BACKWARD_FUNCTION}));
+  auto remove = c10::make_scope_exit([&] { at::removeCallback(handle); });
+  // (checkpoint except_last keeps the graph of the last micro-batch only.)
+  for (const auto& [chunks, mode] :
+       {std::pair{4, Checkpoint::Never},
+        std::pair{1, Checkpoint::ExceptLast}}) {
+    SCOPED_TRACE(std::to_string(chunks) + ", " + to_string(mode));
+    auto plain = testing::copy_of(net);
+    accumulations = 0;
+    const auto xs = x.chunk(chunks);
+    const auto ts = t.chunk(chunks);
+    for (const auto i : c10::irange(xs.size())) {
+      const auto share = static_cast<double>(xs[i].size(0)) / 8.0;
+      (cross_entropy(plain->forward(xs[i]), ts[i]) * share).backward();
+    }
+    const int64_t expected = accumulations;
+    ASSERT_GT(expected, 0);
+
+    auto copy = testing::copy_of(net);
+    GPipe model(copy, GPipeOptions({5}).chunks(chunks).checkpoint(mode));
+    int64_t with_graph = 0;
+    auto loss = [&](torch::Tensor y, torch::Tensor target) {
+      with_graph += y.grad_fn() != nullptr ? 1 : 0;
+      return cross_entropy(y, target);
+    };
+    accumulations = 0;
+    model->train_step(x, t, loss, Schedule::OneFOneB);
+    EXPECT_EQ(accumulations, expected);
+    EXPECT_EQ(with_graph, chunks);
+    expect_same_gradients(*plain, *copy);
   }
 }
 

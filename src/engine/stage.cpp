@@ -337,6 +337,19 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   return out;
 }
 
+// Note [The loss and the last stage's backward]
+// The plain model's backward of a training step starts at the loss and runs
+// through the last layers in one autograd engine run. The last stage does
+// the same when its cell kept its graph: the loss is computed on the output
+// itself and kept, and the cell's backward starts from it (with the skips'
+// gradients, if any), so the loss function sees the output as the plain
+// model's sees it. A checkpointed cell has no graph to join until its
+// backward recomputes the output, and its loss must not run twice (it may
+// draw random numbers or have side effects): its loss is computed on a leaf
+// for the output and back-propagated at once, and the cell's backward
+// starts from the leaf's gradient. The loss's own parameters, if any, get
+// their gradients in the cell's backward in the first case and in the loss
+// cell in the second.
 void Stage::loss(CellState& c, const CellContext& ctx) {
   TORCH_INTERNAL_ASSERT(ctx.loss_fn != nullptr && c.output.tensors.size() == 1);
   CellScope scope(device_);
@@ -346,17 +359,19 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
   if (!c.has_graph || c.checkpointed) {
     c.output = Packet{};
   }
-  // The loss's own graph from a leaf for the output: its backward now gives
-  // all the stage's backward needs, so the loss is never recomputed.
   const bool grad = c.has_graph && ctx.grad &&
                     (c.checkpointed || y.requires_grad()) &&
                     is_differentiable(y);
-  auto leaf = y.detach();
-  if (grad) {
-    leaf.requires_grad_(true);
+  const bool joined = grad && !c.checkpointed;
+  auto input = y;
+  if (!joined) {
+    input = y.detach();
+    if (grad) {
+      input.requires_grad_(true);
+    }
   }
   torch::Tensor loss;
-  auto body = [&] { loss = loss_of(leaf, ctx); };
+  auto body = [&] { loss = loss_of(input, ctx); };
   auto rerun = [&] {
     RecomputingGuard recomputing;
     body();
@@ -367,8 +382,12 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
   }
   c.loss_value = loss.detach();
   if (grad && loss.requires_grad()) {
-    torch::autograd::backward({loss});  // (and into what else it reads)
-    c.loss_grad = leaf.grad();
+    if (joined) {
+      c.loss_root = std::move(loss);
+    } else {
+      torch::autograd::backward({loss});  // (and into what else it reads)
+      c.loss_grad = input.grad();
+    }
   }
   record(ctx, TraceKind::Loss, started, Clock::now());
 }
@@ -381,7 +400,7 @@ Flow Stage::backward(
   dx.boundary.atomic = c.input.atomic;
   dx.boundary.tensors.resize(c.input.tensors.size());
   dx.skips.resize(skips_in_.size());
-  bool any_grad = false;
+  bool any_grad = c.loss_root.defined();
   for (const auto* grads : {&dy.boundary.tensors, &dy.skips}) {
     for (const auto& g : *grads) {
       any_grad = any_grad || g.defined();
@@ -435,6 +454,9 @@ Flow Stage::backward(
     if (k < dy.boundary.tensors.size()) {
       add_root(y.tensors[k], dy.boundary.tensors[k]);
     }
+  }
+  if (c.loss_root.defined()) {
+    add_root(c.loss_root, torch::ones_like(c.loss_root));
   }
   // The gradients of skips to later stages came back from the cells that
   // popped them.

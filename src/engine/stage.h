@@ -48,8 +48,11 @@ struct CellState {
   Packet output;
   std::vector<torch::Tensor> skip_outputs;  // with graph, unless checkpointed
   torch::Tensor loss_value;                 // detached
-  /// The gradient of the output that the loss gave (last stage of a
-  /// training step): where its backward starts.
+  /// Where the last stage's backward of a training step starts: the loss
+  /// itself, with its graph through the output's (a cell with graph that
+  /// is not checkpointed), or else the gradient of the output that the
+  /// loss gave (Note [The loss and the last stage's backward]).
+  torch::Tensor loss_root;
   torch::Tensor loss_grad;
   /// After the input part of a split backward: what its weight part does.
   std::shared_ptr<WeightWork> weight;
@@ -133,8 +136,7 @@ class Stage {
   Flow forward(CellState& c, Flow in, const CellContext& ctx);
 
   /// The loss of a forward kept for it: sets `c.loss_value` and, when a
-  /// backward will follow, `c.loss_grad` (the gradient of the output; the
-  /// loss's own parameters, if any, get theirs now). Runs once per
+  /// backward will follow, `c.loss_root` or `c.loss_grad`. Runs once per
   /// micro-batch, also when the stage is checkpointed, seeded with
   /// `ctx.loss_seed`.
   void loss(CellState& c, const CellContext& ctx);
