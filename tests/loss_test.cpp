@@ -221,6 +221,21 @@ TEST_F(LossTest, TheLossJoinsTheLastStagesBackward) {
     EXPECT_EQ(with_graph, chunks);
     expect_same_gradients(*plain, *copy);
   }
+  // A checkpointed cell's output comes as a leaf: its graph is only
+  // rebuilt in the backward.
+  GPipe model(
+      testing::copy_of(net),
+      GPipeOptions({5}).chunks(2).checkpoint(Checkpoint::Always));
+  int64_t leaves = 0;
+  model->train_step(
+      x,
+      t,
+      [&](torch::Tensor y, torch::Tensor target) {
+        leaves += y.is_leaf() && y.requires_grad() ? 1 : 0;
+        return cross_entropy(y, target);
+      },
+      Schedule::OneFOneB);
+  EXPECT_EQ(leaves, 2);
 }
 
 TEST_F(LossTest, PlansWithLossesAreChecked) {
