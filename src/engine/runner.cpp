@@ -408,12 +408,9 @@ void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow dy;
+  // (The last stage's backward of a training step starts from its loss.)
   if (loss_fn == nullptr || j < n_ - 1) {
     dy.boundary = t.recv(Phase::Backward, i, j + 1);
-  } else {
-    auto& c = cells_[i][j];
-    dy.boundary = Packet{{std::move(c.loss_grad)}, true};
-    c.loss_grad = torch::Tensor();
   }
   for (const auto& key : stage.skips_out()) {
     dy.skips.push_back(t.recv_skip(Phase::Backward, i, key));

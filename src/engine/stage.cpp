@@ -6,6 +6,8 @@
 #include <gpipe/checkpoint.h>
 #include <gpipe/trace.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <chrono>
@@ -339,17 +341,49 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
 
 // Note [The loss and the last stage's backward]
 // The plain model's backward of a training step starts at the loss and runs
-// through the last layers in one autograd engine run. The last stage does
-// the same when its cell kept its graph: the loss is computed on the output
-// itself and kept, and the cell's backward starts from it (with the skips'
+// through the last layers in one autograd engine run. The last stage's
+// backward does the same: the loss is computed on the output and kept with
+// its graph, and the cell's backward starts from it (with the skips'
 // gradients, if any), so the loss function sees the output as the plain
-// model's sees it. A checkpointed cell has no graph to join until its
-// backward recomputes the output, and its loss must not run twice (it may
-// draw random numbers or have side effects): its loss is computed on a leaf
-// for the output and back-propagated at once, and the cell's backward
-// starts from the leaf's gradient. The loss's own parameters, if any, get
-// their gradients in the cell's backward in the first case and in the loss
-// cell in the second.
+// model's sees it. A cell that kept its graph gives the loss its output
+// itself. A checkpointed cell has no graph to join until its backward
+// recomputes the output, and its loss must not run twice (it may draw
+// random numbers or have side effects): the loss gets a stand-in for the
+// output whose graph ends at a junction node, and the backward, once it has
+// recomputed the output, connects the junction to the output's graph before
+// it starts from the loss. The loss's own parameters, if any, get their
+// gradients in that backward.
+namespace {
+
+// Passes the loss's gradient of the stand-in on to the recomputed output.
+// Its edge comes after the loss's nodes have made it their child, which
+// Node::add_next_edge refuses, so that a node's topological number (the
+// longest path to a leaf, which autograd uses to prune what cannot reach
+// the requested outputs) never changes under a parent. The junction's
+// number is set once, above any graph's, so that it holds whatever the
+// edge leads to, and the edge is added without changing it.
+struct OutputJunction final : torch::autograd::Node {
+  OutputJunction() {
+    topological_nr_ = uint64_t{1} << 62;
+  }
+  void connect(const torch::Tensor& output) {
+    auto edge = torch::autograd::impl::gradient_edge(output);
+    TORCH_INTERNAL_ASSERT(
+        next_edges().empty() &&
+        (!edge.function || edge.function->topological_nr() < topological_nr_));
+    next_edges().push_back(std::move(edge));
+  }
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override {
+    return std::move(grads);
+  }
+  std::string name() const override {
+    return "gpipe::OutputJunction";
+  }
+};
+
+}  // namespace
+
 void Stage::loss(CellState& c, const CellContext& ctx) {
   TORCH_INTERNAL_ASSERT(ctx.loss_fn != nullptr && c.output.tensors.size() == 1);
   CellScope scope(device_);
@@ -362,13 +396,15 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
   const bool grad = c.has_graph && ctx.grad &&
                     (c.checkpointed || y.requires_grad()) &&
                     is_differentiable(y);
-  const bool joined = grad && !c.checkpointed;
   auto input = y;
-  if (!joined) {
+  std::shared_ptr<torch::autograd::Node> junction;
+  if (!grad) {
     input = y.detach();
-    if (grad) {
-      input.requires_grad_(true);
-    }
+  } else if (c.checkpointed) {
+    input = y.detach();
+    junction = std::make_shared<OutputJunction>();
+    const auto k = junction->add_input_metadata(input);
+    torch::autograd::impl::set_gradient_edge(input, {junction, k});
   }
   torch::Tensor loss;
   auto body = [&] { loss = loss_of(input, ctx); };
@@ -382,12 +418,8 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
   }
   c.loss_value = loss.detach();
   if (grad && loss.requires_grad()) {
-    if (joined) {
-      c.loss_root = std::move(loss);
-    } else {
-      torch::autograd::backward({loss});  // (and into what else it reads)
-      c.loss_grad = input.grad();
-    }
+    c.loss_root = std::move(loss);
+    c.loss_junction = std::move(junction);
   }
   record(ctx, TraceKind::Loss, started, Clock::now());
 }
@@ -433,6 +465,10 @@ Flow Stage::backward(
     replay_seeded(device_, c.seed, c.random, [&] {
       run(c.input, incoming, y, skip_outputs);
     });
+    if (c.loss_junction) {
+      static_cast<OutputJunction&>(*c.loss_junction).connect(y.tensors.at(0));
+      c.loss_junction.reset();
+    }
     if (ctx.trace) {
       backward_started = Clock::now();
       record(ctx, TraceKind::Recompute, started, backward_started);

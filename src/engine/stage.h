@@ -25,6 +25,10 @@ class DeferredBatchNormImpl;
 class Trace;
 }  // namespace gpipe
 
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
 namespace gpipe::detail {
 
 struct WeightWork;
@@ -48,12 +52,13 @@ struct CellState {
   Packet output;
   std::vector<torch::Tensor> skip_outputs;  // with graph, unless checkpointed
   torch::Tensor loss_value;                 // detached
-  /// Where the last stage's backward of a training step starts: the loss
-  /// itself, with its graph through the output's (a cell with graph that
-  /// is not checkpointed), or else the gradient of the output that the
-  /// loss gave (Note [The loss and the last stage's backward]).
+  /// The loss with its graph (last stage of a training step, when a
+  /// backward follows): where the cell's backward starts (Note [The loss
+  /// and the last stage's backward]).
   torch::Tensor loss_root;
-  torch::Tensor loss_grad;
+  /// A checkpointed cell's: where the loss's graph ends until the backward
+  /// has recomputed the output.
+  std::shared_ptr<torch::autograd::Node> loss_junction;
   /// After the input part of a split backward: what its weight part does.
   std::shared_ptr<WeightWork> weight;
   bool has_graph = false;  // backward has something to do
@@ -136,7 +141,7 @@ class Stage {
   Flow forward(CellState& c, Flow in, const CellContext& ctx);
 
   /// The loss of a forward kept for it: sets `c.loss_value` and, when a
-  /// backward will follow, `c.loss_root` or `c.loss_grad`. Runs once per
+  /// backward will follow, `c.loss_root`. Runs once per
   /// micro-batch, also when the stage is checkpointed, seeded with
   /// `ctx.loss_seed`.
   void loss(CellState& c, const CellContext& ctx);
