@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include "engine/cell.h"
 #include "engine/pipeline.h"
 #include "engine/runner.h"
 #include "engine/stage.h"
@@ -174,10 +175,6 @@ class PipelineBackward : public torch::autograd::Node {
 // nothing else holds, from the accumulator's owners: none when the pass
 // began (Stage::refresh), and as many when the node runs as when the
 // forward was done.
-
-bool is_differentiable(const torch::Tensor& t) {
-  return t.defined() && (t.is_floating_point() || t.is_complex());
-}
 
 }  // namespace
 

@@ -1,26 +1,21 @@
 #include "engine/stage.h"
 
-#include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
 #include <gpipe/batchnorm.h>
 #include <gpipe/checkpoint.h>
 #include <gpipe/trace.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
-#include <chrono>
 #include <optional>
 
+#include "engine/cell.h"
 #include "engine/split_backward.h"
 #include "text.h"
 
 namespace gpipe::detail {
 
 namespace {
-
-thread_local int cell_depth = 0;
 
 // A module's own parameters, read where the module keeps them: public
 // Module::parameters() copies them into a new dictionary with every name
@@ -32,118 +27,7 @@ struct OwnParameters : torch::nn::Module {
   }
 };
 
-// While alive: this thread is inside a cell, on the stage's device.
-class CellScope {
- public:
-  explicit CellScope(torch::Device device) {
-    ++cell_depth;
-    if (!device.is_cpu()) {
-      device_guard_.reset_device(device);
-    }
-  }
-  ~CellScope() {
-    --cell_depth;
-  }
-  CellScope(const CellScope&) = delete;
-  CellScope& operator=(const CellScope&) = delete;
-
- private:
-  c10::OptionalDeviceGuard device_guard_;
-};
-
-bool is_differentiable(const torch::Tensor& t) {
-  return t.defined() && (t.is_floating_point() || t.is_complex());
-}
-
-// `t` detached and on `device`: a leaf of the graph of the cell that takes
-// it, requiring grad when the tensor it stands for does and a graph is built.
-torch::Tensor leaf_of(const torch::Tensor& t, torch::Device device, bool grad) {
-  if (!t.defined()) {
-    return t;
-  }
-  auto leaf = t.device() == device ? t.detach() : t.to(device).detach();
-  if (grad && t.requires_grad() && is_differentiable(leaf)) {
-    leaf.requires_grad_(true);
-  }
-  return leaf;
-}
-
-// What a cell sends on: `t` detached, requiring grad when `grad` (the
-// receiver makes its leaf require grad from it).
-torch::Tensor sendable(const torch::Tensor& t, bool grad) {
-  if (!t.defined()) {
-    return t;
-  }
-  auto out = t.detach();
-  if (grad && is_differentiable(out)) {
-    out.requires_grad_(true);
-  }
-  return out;
-}
-
-// Puts a partition's buffers back to the values they had when saved, on
-// restore() or on destruction (a failing backward).
-class BufferRestore {
- public:
-  BufferRestore() = default;
-  BufferRestore(const BufferRestore&) = delete;
-  BufferRestore& operator=(const BufferRestore&) = delete;
-  ~BufferRestore() {
-    try {
-      restore();
-    } catch (...) {
-      // Already failing; the first error is the one reported.
-    }
-  }
-
-  void save(std::vector<torch::Tensor> buffers) {
-    buffers_ = std::move(buffers);
-    saved_.clear();
-    for (const auto& b : buffers_) {
-      saved_.push_back(b.clone());
-    }
-  }
-
-  void restore() {
-    // Through variable_data(), which has its own version counter: a version
-    // bump would fail the backward of a cell that saved these buffers and
-    // has not run its backward yet (BatchNorm saves its running statistics;
-    // 1F1B interleaves such cells with this one).
-    torch::NoGradGuard no_grad;
-    for (const auto k : c10::irange(buffers_.size())) {
-      buffers_[k].variable_data().copy_(saved_[k]);
-    }
-    buffers_.clear();
-    saved_.clear();
-  }
-
- private:
-  std::vector<torch::Tensor> buffers_;
-  std::vector<torch::Tensor> saved_;
-};
-
-using Clock = std::chrono::steady_clock;
-
-// Now, when tracing; a stage pays only this test otherwise.
-Clock::time_point stamp(const CellContext& ctx) {
-  return ctx.trace ? Clock::now() : Clock::time_point();
-}
-
-void record(
-    const CellContext& ctx,
-    TraceKind kind,
-    Clock::time_point start,
-    Clock::time_point end) {
-  if (ctx.trace) {
-    ctx.trace->record(ctx.lane, ctx.micro_batch, kind, start, end);
-  }
-}
-
 }  // namespace
-
-bool inside_cell() {
-  return cell_depth > 0;
-}
 
 Stage::Stage(
     int64_t index,
@@ -206,17 +90,6 @@ Packet Stage::call(const Packet& input) {
   return packet_of(std::move(value), "partition", index_);
 }
 
-torch::Tensor Stage::loss_of(
-    const torch::Tensor& y, const CellContext& ctx) const {
-  auto loss = (*ctx.loss_fn)(y, ctx.target);
-  TORCH_CHECK_VALUE(
-      loss.defined() && loss.numel() == 1,
-      "train_step expects loss_fn to return a scalar, but it returned a "
-      "tensor of shape ",
-      loss.defined() ? loss.sizes() : c10::IntArrayRef{});
-  return loss.reshape({}) * ctx.loss_scale;
-}
-
 void Stage::run(
     const Packet& x,
     const std::map<SkipKey, torch::Tensor>& incoming,
@@ -261,7 +134,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   in = Flow{};
   auto computing = started;
   if (ctx.trace && copied) {
-    computing = Clock::now();
+    computing = CellClock::now();
     record(ctx, TraceKind::Copy, started, computing);
   }
 
@@ -335,93 +208,8 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   if (ctx.loss_fn != nullptr && !(graph && !c.checkpointed)) {
     c.output = std::move(y);  // for the loss only: without graph
   }
-  record(ctx, TraceKind::Forward, computing, Clock::now());
+  record(ctx, TraceKind::Forward, computing, CellClock::now());
   return out;
-}
-
-// Note [The loss and the last stage's backward]
-// The plain model's backward of a training step starts at the loss and runs
-// through the last layers in one autograd engine run. The last stage's
-// backward does the same: the loss is computed on the output and kept with
-// its graph, and the cell's backward starts from it (with the skips'
-// gradients, if any), so the loss function sees the output as the plain
-// model's sees it. A cell that kept its graph gives the loss its output
-// itself. A checkpointed cell has no graph to join until its backward
-// recomputes the output, and its loss must not run twice (it may draw
-// random numbers or have side effects): the loss gets a stand-in for the
-// output whose graph ends at a junction node, and the backward, once it has
-// recomputed the output, connects the junction to the output's graph before
-// it starts from the loss. The loss's own parameters, if any, get their
-// gradients in that backward.
-namespace {
-
-// Passes the loss's gradient of the stand-in on to the recomputed output.
-// Its edge comes after the loss's nodes have made it their child, which
-// Node::add_next_edge refuses, so that a node's topological number (the
-// longest path to a leaf, which autograd uses to prune what cannot reach
-// the requested outputs) never changes under a parent. The junction's
-// number is set once, above any graph's, so that it holds whatever the
-// edge leads to, and the edge is added without changing it.
-struct OutputJunction final : torch::autograd::Node {
-  OutputJunction() {
-    topological_nr_ = uint64_t{1} << 62;
-  }
-  void connect(const torch::Tensor& output) {
-    auto edge = torch::autograd::impl::gradient_edge(output);
-    TORCH_INTERNAL_ASSERT(
-        next_edges().empty() &&
-        (!edge.function || edge.function->topological_nr() < topological_nr_));
-    next_edges().push_back(std::move(edge));
-  }
-  torch::autograd::variable_list apply(
-      torch::autograd::variable_list&& grads) override {
-    return std::move(grads);
-  }
-  std::string name() const override {
-    return "gpipe::OutputJunction";
-  }
-};
-
-}  // namespace
-
-void Stage::loss(CellState& c, const CellContext& ctx) {
-  TORCH_INTERNAL_ASSERT(ctx.loss_fn != nullptr && c.output.tensors.size() == 1);
-  CellScope scope(device_);
-  const auto started = stamp(ctx);
-  const auto y = c.output.tensors[0];
-  // A checkpointed output was kept for the loss only (backward recomputes).
-  if (!c.has_graph || c.checkpointed) {
-    c.output = Packet{};
-  }
-  const bool grad = c.has_graph && ctx.grad &&
-                    (c.checkpointed || y.requires_grad()) &&
-                    is_differentiable(y);
-  auto input = y;
-  std::shared_ptr<torch::autograd::Node> junction;
-  if (!grad) {
-    input = y.detach();
-  } else if (c.checkpointed) {
-    input = y.detach();
-    junction = std::make_shared<OutputJunction>();
-    const auto k = junction->add_input_metadata(input);
-    torch::autograd::impl::set_gradient_edge(input, {junction, k});
-  }
-  torch::Tensor loss;
-  auto body = [&] { loss = loss_of(input, ctx); };
-  auto rerun = [&] {
-    RecomputingGuard recomputing;
-    body();
-  };
-  {
-    torch::AutoGradMode grad_mode(ctx.grad);
-    run_seeded(loss_random_, device_, ctx.training, ctx.loss_seed, body, rerun);
-  }
-  c.loss_value = loss.detach();
-  if (grad && loss.requires_grad()) {
-    c.loss_root = std::move(loss);
-    c.loss_junction = std::move(junction);
-  }
-  record(ctx, TraceKind::Loss, started, Clock::now());
 }
 
 Flow Stage::backward(
@@ -465,12 +253,9 @@ Flow Stage::backward(
     replay_seeded(device_, c.seed, c.random, [&] {
       run(c.input, incoming, y, skip_outputs);
     });
-    if (c.loss_junction) {
-      static_cast<OutputJunction&>(*c.loss_junction).connect(y.tensors.at(0));
-      c.loss_junction.reset();
-    }
+    connect_loss(c, y);
     if (ctx.trace) {
-      backward_started = Clock::now();
+      backward_started = CellClock::now();
       record(ctx, TraceKind::Recompute, started, backward_started);
     }
   } else {
@@ -529,7 +314,7 @@ Flow Stage::backward(
     auto weight = std::move(c.weight);
     c = CellState{};
     c.weight = std::move(weight);
-    record(ctx, TraceKind::Backward, backward_started, Clock::now());
+    record(ctx, TraceKind::Backward, backward_started, CellClock::now());
     return dx;
   }
   if (!roots.empty()) {
@@ -554,7 +339,7 @@ Flow Stage::backward(
   if (!ctx.retain) {
     c = CellState{};
   }
-  record(ctx, TraceKind::Backward, backward_started, Clock::now());
+  record(ctx, TraceKind::Backward, backward_started, CellClock::now());
   return dx;
 }
 
@@ -567,7 +352,7 @@ void Stage::backward_weight(CellState& c, const CellContext& ctx) {
     detail::backward_weight(*weight, /*retain=*/false);
     weight.reset();
   }
-  record(ctx, TraceKind::Weight, started, Clock::now());
+  record(ctx, TraceKind::Weight, started, CellClock::now());
 }
 
 void Stage::commit_batch_norms() {

@@ -171,6 +171,9 @@ class Stage {
 
  private:
   torch::Tensor loss_of(const torch::Tensor& y, const CellContext& ctx) const;
+  // A checkpointed cell's loss, once its backward has recomputed the output
+  // `y`: joins the loss's graph to y's (stage_loss.cpp).
+  static void connect_loss(CellState& c, const Packet& y);
   // Runs the partition on `x` with skips from `incoming`; fills `y` and
   // `outgoing` (by skips_out).
   void run(

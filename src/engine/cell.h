@@ -1,0 +1,79 @@
+#pragma once
+
+// What each cell of a stage runs under and hands on (engine-internal): the
+// scope that puts a thread inside a cell on the stage's device, the leaves a
+// cell makes of what it takes and the tensors it sends, the buffers a
+// recomputation puts back, and the trace's timestamps.
+
+#include <c10/core/DeviceGuard.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <vector>
+
+#include "engine/stage.h"
+
+namespace gpipe {
+enum class TraceKind;
+}  // namespace gpipe
+
+namespace gpipe::detail {
+
+/// While alive: this thread is inside a cell (inside_cell()), on the
+/// stage's device.
+class CellScope {
+ public:
+  explicit CellScope(torch::Device device);
+  ~CellScope();
+  CellScope(const CellScope&) = delete;
+  CellScope& operator=(const CellScope&) = delete;
+
+ private:
+  c10::OptionalDeviceGuard device_guard_;
+};
+
+inline bool is_differentiable(const torch::Tensor& t) {
+  return t.defined() && (t.is_floating_point() || t.is_complex());
+}
+
+/// `t` detached and on `device`: a leaf of the graph of the cell that takes
+/// it, requiring grad when the tensor it stands for does and a graph is
+/// built.
+torch::Tensor leaf_of(const torch::Tensor& t, torch::Device device, bool grad);
+
+/// What a cell sends on: `t` detached, requiring grad when `grad` (the
+/// receiver makes its leaf require grad from it).
+torch::Tensor sendable(const torch::Tensor& t, bool grad);
+
+/// Puts a partition's buffers back to the values they had when saved, on
+/// restore() or on destruction (a failing backward).
+class BufferRestore {
+ public:
+  BufferRestore() = default;
+  BufferRestore(const BufferRestore&) = delete;
+  BufferRestore& operator=(const BufferRestore&) = delete;
+  ~BufferRestore();
+
+  void save(std::vector<torch::Tensor> buffers);
+  void restore();
+
+ private:
+  std::vector<torch::Tensor> buffers_;
+  std::vector<torch::Tensor> saved_;
+};
+
+using CellClock = std::chrono::steady_clock;
+
+/// Now, when tracing; a stage pays only this test otherwise.
+inline CellClock::time_point stamp(const CellContext& ctx) {
+  return ctx.trace ? CellClock::now() : CellClock::time_point();
+}
+
+/// Records [start, end) as the cell's `kind`, when tracing.
+void record(
+    const CellContext& ctx,
+    TraceKind kind,
+    CellClock::time_point start,
+    CellClock::time_point end);
+
+}  // namespace gpipe::detail

@@ -1,0 +1,118 @@
+// The loss cell of a training step's last stage, and how its graph joins
+// the stage's backward.
+
+#include <gpipe/checkpoint.h>
+#include <gpipe/trace.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <string>
+
+#include "engine/cell.h"
+#include "engine/stage.h"
+
+namespace gpipe::detail {
+
+torch::Tensor Stage::loss_of(
+    const torch::Tensor& y, const CellContext& ctx) const {
+  auto loss = (*ctx.loss_fn)(y, ctx.target);
+  TORCH_CHECK_VALUE(
+      loss.defined() && loss.numel() == 1,
+      "train_step expects loss_fn to return a scalar, but it returned a "
+      "tensor of shape ",
+      loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  return loss.reshape({}) * ctx.loss_scale;
+}
+
+// Note [The loss and the last stage's backward]
+// The plain model's backward of a training step starts at the loss and runs
+// through the last layers in one autograd engine run. The last stage's
+// backward does the same: the loss is computed on the output and kept with
+// its graph, and the cell's backward starts from it (with the skips'
+// gradients, if any), so the loss function sees the output as the plain
+// model's sees it. A cell that kept its graph gives the loss its output
+// itself. A checkpointed cell has no graph to join until its backward
+// recomputes the output, and its loss must not run twice (it may draw
+// random numbers or have side effects): the loss gets a stand-in for the
+// output whose graph ends at a junction node, and the backward, once it has
+// recomputed the output, connects the junction to the output's graph before
+// it starts from the loss. The loss's own parameters, if any, get their
+// gradients in that backward.
+namespace {
+
+// Passes the loss's gradient of the stand-in on to the recomputed output.
+// Its edge comes after the loss's nodes have made it their child, which
+// Node::add_next_edge refuses, so that a node's topological number (the
+// longest path to a leaf, which autograd uses to prune what cannot reach
+// the requested outputs) never changes under a parent. The junction's
+// number is set once, above any graph's, so that it holds whatever the
+// edge leads to, and the edge is added without changing it.
+struct OutputJunction final : torch::autograd::Node {
+  OutputJunction() {
+    topological_nr_ = uint64_t{1} << 62;
+  }
+  void connect(const torch::Tensor& output) {
+    auto edge = torch::autograd::impl::gradient_edge(output);
+    TORCH_INTERNAL_ASSERT(
+        next_edges().empty() &&
+        (!edge.function || edge.function->topological_nr() < topological_nr_));
+    next_edges().push_back(std::move(edge));
+  }
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override {
+    return std::move(grads);
+  }
+  std::string name() const override {
+    return "gpipe::OutputJunction";
+  }
+};
+
+}  // namespace
+
+void Stage::loss(CellState& c, const CellContext& ctx) {
+  TORCH_INTERNAL_ASSERT(ctx.loss_fn != nullptr && c.output.tensors.size() == 1);
+  CellScope scope(device_);
+  const auto started = stamp(ctx);
+  const auto y = c.output.tensors[0];
+  // A checkpointed output was kept for the loss only (backward recomputes).
+  if (!c.has_graph || c.checkpointed) {
+    c.output = Packet{};
+  }
+  const bool grad = c.has_graph && ctx.grad &&
+                    (c.checkpointed || y.requires_grad()) &&
+                    is_differentiable(y);
+  auto input = grad && !c.checkpointed ? y : y.detach();
+  std::shared_ptr<torch::autograd::Node> junction;
+  if (grad && c.checkpointed) {
+    junction = std::make_shared<OutputJunction>();
+    const auto k = junction->add_input_metadata(input);
+    torch::autograd::impl::set_gradient_edge(input, {junction, k});
+  }
+  torch::Tensor loss;
+  auto body = [&] { loss = loss_of(input, ctx); };
+  auto rerun = [&] {
+    RecomputingGuard recomputing;
+    body();
+  };
+  {
+    torch::AutoGradMode grad_mode(ctx.grad);
+    run_seeded(loss_random_, device_, ctx.training, ctx.loss_seed, body, rerun);
+  }
+  c.loss_value = loss.detach();
+  if (grad && loss.requires_grad()) {
+    c.loss_root = std::move(loss);
+    c.loss_junction = std::move(junction);
+  }
+  record(ctx, TraceKind::Loss, started, CellClock::now());
+}
+
+void Stage::connect_loss(CellState& c, const Packet& y) {
+  if (c.loss_junction) {
+    static_cast<OutputJunction&>(*c.loss_junction).connect(y.tensors.at(0));
+    c.loss_junction.reset();
+  }
+}
+
+}  // namespace gpipe::detail
