@@ -166,11 +166,12 @@ struct SleepOverThreadsImpl : torch::nn::Cloneable<SleepOverThreadsImpl> {
 };
 TORCH_MODULE(SleepOverThreads);
 
-// With threads_per_lane 0 the planner chooses the threads: a plan whose
-// lanes never work at once (chunks 1) is weighed with every core per cell,
-// as GPipe runs it by default, and with the lanes' own count fixed; plans
-// whose lanes overlap only as they run.
-TEST_F(AutotuneTest, ChoosesThreadsPerLaneWhereThePlanIsSerial) {
+// With threads_per_lane 0 the planner chooses the threads: each plan is
+// weighed as GPipe runs it by default (a plan whose lanes never work at
+// once, chunks 1, with every core per cell; one whose lanes overlap with
+// every core for its long cells that run alone) and with the lanes' own
+// count fixed.
+TEST_F(AutotuneTest, WeighsSharedThreadsAsTheEngineRunsThem) {
   const int64_t cores = detail::available_cores();
   if (cores < 2) {
     // Skipped on a one-core machine and under scripts/tsan.sh
@@ -209,15 +210,12 @@ TEST_F(AutotuneTest, ChoosesThreadsPerLaneWhereThePlanIsSerial) {
   }
   ASSERT_FALSE(seen.empty());
   for (const auto& [key, by_threads] : seen) {
-    if (key.find(" 1 [") != std::string::npos) {
-      // Both ways; these layers gain from every core (a forward at `own`
-      // threads sleeps 12 ms / own, at every core 12 ms / cores).
-      ASSERT_EQ(by_threads.size(), 2u) << key;
-      EXPECT_LT(by_threads.at(0), by_threads.at(own)) << key;
-    } else {
-      ASSERT_EQ(by_threads.size(), 1u) << key;
-      EXPECT_EQ(by_threads.begin()->first, 0) << key;
-    }
+    // Both ways; these layers gain from every core (a forward at `own`
+    // threads sleeps 12 ms / own, at every core 12 ms / cores): at chunks 1
+    // every cell, at chunks 4 the fill and the drain, whose cells are long
+    // enough to run wide (Note [Wide cells on the calling thread]).
+    ASSERT_EQ(by_threads.size(), 2u) << key;
+    EXPECT_LT(by_threads.at(0), by_threads.at(own)) << key;
   }
   EXPECT_EQ(tuned.options().threads_per_lane(), tuned.threads_per_lane);
   EXPECT_NE(tuned.report().find("threads"), std::string::npos);
@@ -233,6 +231,30 @@ TEST_F(AutotuneTest, ChoosesThreadsPerLaneWhereThePlanIsSerial) {
   }
   EXPECT_EQ(fixed.threads_per_lane, 1);
   EXPECT_EQ(fixed.options().threads_per_lane(), 1);
+
+  // Cells far shorter than kWideCellSeconds stay on their lanes where the
+  // lanes overlap: at chunks 4 both ways predict the same step.
+  torch::nn::Sequential quick;
+  for (int k = 0; k < 4; ++k) {
+    quick->push_back(torch::nn::Linear(16, 16));
+  }
+  const auto short_cells =
+      autotune(quick, x, y, loss_of, AutotuneOptions(options).chunks({4}));
+  std::map<std::string, std::map<int64_t, double>> quick_seen;
+  for (const auto& c : short_cells.candidates) {
+    std::ostringstream key;
+    key << to_string(c.schedule) << " [";
+    for (const auto b : c.balance) {
+      key << b << ",";
+    }
+    key << "]";
+    quick_seen[key.str()][c.threads_per_lane] = c.predicted_step_seconds;
+  }
+  ASSERT_FALSE(quick_seen.empty());
+  for (const auto& [key, by_threads] : quick_seen) {
+    ASSERT_EQ(by_threads.size(), 2u) << key;
+    EXPECT_DOUBLE_EQ(by_threads.at(0), by_threads.at(own)) << key;
+  }
 }
 
 // On CPU lanes a cell that draws from the default generator by name holds

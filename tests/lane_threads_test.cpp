@@ -54,24 +54,36 @@ TEST(LaneThreadsTest, EveryCellTakesEveryCoreAtChunksOne) {
   }
 }
 
-TEST(LaneThreadsTest, APlanWhoseLanesOverlapKeepsEachCellOnItsLane) {
-  // Fill-drain at chunks 4: the fill and the drain run alone, but the lanes
-  // overlap in between, so every cell keeps its lane's share.
+TEST(LaneThreadsTest, APlanWhoseLanesOverlapSharesTheCoresBetween) {
+  // Fill-drain at chunks 4: the fill and the drain run alone and may take
+  // every core (Note [Wide cells on the calling thread]); the lanes
+  // overlap in between, so those cells get half.
   const auto plan = training_plan(Schedule::FillDrain, 4, 2);
   const auto threads = threads_of_cells(plan, {true, true}, 4);
   for (size_t l = 0; l < 2; ++l) {
     for (const auto& [cell, count] : compute_threads(plan, threads, l)) {
-      EXPECT_EQ(count, 2) << "lane " << l << ", micro-batch " << cell.first;
+      const auto [i, phase] = cell;
+      // Lane 0 alone: its first forward and last backward; lane 1: its
+      // last forward and first backward.
+      const bool alone = l == 0 ? (i == 0) : (i == 3);
+      EXPECT_EQ(count, alone ? 4 : 2) << "lane " << l << ", micro-batch " << i;
     }
   }
   // Zero bubble at chunks 1: the last lane's W runs while lane 0 makes its
-  // input's gradient, so its cells overlap too.
+  // input's gradient, so those two get half; the forwards and the last
+  // lane's B run alone.
   const auto zb = training_plan(Schedule::ZeroBubble, 1, 2);
   const auto zb_threads = threads_of_cells(zb, {true, true}, 4);
+  std::map<std::pair<int64_t, Phase>, int64_t> expected[2] = {
+      {{{0, Phase::Forward}, 4},
+       {{0, Phase::BackwardInput}, 2},
+       {{0, Phase::BackwardWeight}, 4}},
+      {{{0, Phase::Forward}, 4},
+       {{0, Phase::BackwardInput}, 4},
+       {{0, Phase::BackwardWeight}, 2}}};
   for (size_t l = 0; l < 2; ++l) {
-    for (const auto& [cell, count] : compute_threads(zb, zb_threads, l)) {
-      EXPECT_EQ(count, 2) << "zero bubble, lane " << l;
-    }
+    EXPECT_EQ(compute_threads(zb, zb_threads, l), expected[l])
+        << "zero bubble, lane " << l;
   }
 }
 

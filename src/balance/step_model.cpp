@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <map>
 
+#include "engine/lane_threads.h"
 #include "schedule/simulate.h"
 
 namespace gpipe::detail {
@@ -64,19 +65,8 @@ Evaluated evaluate(
     const std::vector<std::vector<int64_t>>& cell_threads,
     const std::function<const StageCosts&(int64_t)>& at) {
   const auto m = plan.micro_batches;
-  std::map<int64_t, const StageCosts*> other;  // cells at another count
-  for (const auto l : c10::irange(cell_threads.size())) {
-    for (const auto k : c10::irange(cell_threads[l].size())) {
-      if (cell_threads[l][k] > 0) {
-        other[key_of(plan.lanes[l][k], plan.stages)] = &at(cell_threads[l][k]);
-      }
-    }
-  }
-  ActionCosts ac;
-  ac.cost = [&](const Cell& c) {
+  const auto cell_cost = [&](const StageCosts& s, const Cell& c) {
     const auto j = static_cast<size_t>(c.partition);
-    const auto found = other.find(key_of(c, plan.stages));
-    const auto& s = found == other.end() ? s_own : *found->second;
     const double recompute =
         checkpointed(mode, c.micro_batch, m) ? s.forward[j] : 0.0;
     switch (c.phase) {
@@ -93,6 +83,37 @@ Evaluated evaluate(
       default:
         return 0.0;
     }
+  };
+  // As the engine runs them: every cell at its count where every cell has
+  // every core (a serial plan), else only the alone cells that take
+  // kWideCellSeconds or more at the lanes' own count (Note [Wide cells on
+  // the calling thread] in src/engine/runner.cpp).
+  int64_t most = 0;
+  bool serial = true;
+  for (const auto& row : cell_threads) {
+    for (const auto t : row) {
+      most = std::max(most, t);
+    }
+  }
+  for (const auto& row : cell_threads) {
+    for (const auto t : row) {
+      serial = serial && (t == 0 || t == most);
+    }
+  }
+  std::map<int64_t, const StageCosts*> other;  // cells at another count
+  for (const auto l : c10::irange(cell_threads.size())) {
+    for (const auto k : c10::irange(cell_threads[l].size())) {
+      const auto& c = plan.lanes[l][k];
+      if (cell_threads[l][k] > 0 &&
+          (serial || cell_cost(s_own, c) >= kWideCellSeconds)) {
+        other[key_of(c, plan.stages)] = &at(cell_threads[l][k]);
+      }
+    }
+  }
+  ActionCosts ac;
+  ac.cost = [&](const Cell& c) {
+    const auto found = other.find(key_of(c, plan.stages));
+    return cell_cost(found == other.end() ? s_own : *found->second, c);
   };
   // How each cell holds the lease on the default generators (Note [Random
   // streams of concurrent cells] in src/random.h): forwards, losses and

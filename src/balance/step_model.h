@@ -54,8 +54,9 @@ struct Evaluated {
 
 /// `plan` simulated with the stages' costs `s_own` (at the lanes' own
 /// thread count; where `cell_threads`, the plan's threads_of_cells, gives
-/// a cell a count, at `at(count)`'s), `overhead` per cell, the loss's time
-/// from `costs`, and on CPU lanes (`cpu`) the lease on the generators.
+/// a cell a count and the engine would run it with that count, at
+/// `at(count)`'s), `overhead` per cell, the loss's time from `costs`, and on
+/// CPU lanes (`cpu`) the lease on the generators.
 Evaluated evaluate(
     const Plan& plan,
     const StageCosts& s_own,

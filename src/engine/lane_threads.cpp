@@ -27,18 +27,15 @@ namespace gpipe::detail {
 // sharing lanes at once (every plan at chunks 1) runs on the calling
 // thread, with every core (Note [A serial plan on the calling thread] in
 // runner.cpp), unless the pipeline also has a lane on another device. Every
-// other plan runs each cell on its own lane, with the lane's count.
-//
-// Why not the fill and the drain too, which also run alone: after a
-// parallel region GNU OpenMP's threads spin for about 3 ms (300,000 turns,
-// unless OMP_WAIT_POLICY or GOMP_SPINCOUNT say otherwise) before they
-// sleep, so a wide cell leaves its worker spinning on a core while the
-// lanes go on. With the fill and the drain on a wide thread the cnn of
-// gpipe-train (cells of 1 to 3 ms) at chunks 4 ran 7% slower than with a
-// thread per lane (and 7% faster with GOMP_SPINCOUNT=10000); with only the
-// last cell of each pass, still 6 to 8% slower, as the next pass starts on
-// the lanes at once. (The 64-image conv model, cells of about 20 ms, gained
-// 13% at chunks 4 from the fill and the drain.)
+// other plan runs each cell on its own lane, with the lane's count, except
+// the long cells it runs alone (the fill and the drain), which go to the
+// calling thread with every core (Note [Wide cells on the calling thread]
+// in runner.cpp): short ones stay on their lanes, because after a parallel
+// region GNU OpenMP's workers spin (300,000 turns, unless OMP_WAIT_POLICY or
+// GOMP_SPINCOUNT say otherwise) before they sleep, on a core the lanes want
+// back. The cnn of gpipe-train (cells of 1 to 3 ms) at chunks 4 ran 7%
+// slower with its fill and drain on every core, the 64-image conv model
+// (cells of 12 to 26 ms) faster.
 
 // Why the calling thread rather than each lane growing its own pool when
 // alone:
@@ -92,28 +89,6 @@ std::vector<std::vector<int64_t>> threads_of_cells(
         beside += overlaps ? 1 : 0;
       }
       threads[l][k] = std::max<int64_t>(1, cores / beside);
-    }
-  }
-  // Every core only where the whole plan is serial (no two sharing lanes
-  // ever work at once: every plan at chunks 1). In a plan whose lanes
-  // overlap, an alone cell (the fill, the drain) given every core would
-  // leave its OpenMP threads spinning beside the lanes' next cells; it runs
-  // on its own lane, with its share of all the lanes.
-  bool overlapping = false;
-  int64_t sharing = 0;
-  for (const auto l : c10::irange(lanes)) {
-    sharing += l < shares_cores.size() && shares_cores[l] ? 1 : 0;
-    for (const auto t : threads[l]) {
-      overlapping = overlapping || (t > 0 && t < cores);
-    }
-  }
-  if (overlapping) {
-    const auto own =
-        std::max<int64_t>(1, cores / std::max<int64_t>(1, sharing));
-    for (auto& row : threads) {
-      for (auto& t : row) {
-        t = t == cores ? own : t;
-      }
     }
   }
   return threads;

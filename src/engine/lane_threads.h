@@ -14,13 +14,23 @@ struct Plan;
 
 namespace gpipe::detail {
 
-/// Per lane and cell of `plan`: the intra-op threads the cell runs with when
-/// the lanes marked in `shares_cores` share `cores` threads: `cores` over
-/// the number of those lanes whose cells run beside it in `plan`'s
+/// Per lane and cell of `plan`: the intra-op threads the cell may run with
+/// when the lanes marked in `shares_cores` share `cores` threads: `cores`
+/// over the number of those lanes whose cells run beside it in `plan`'s
 /// simulated timeline, at least 1; 0 for a cell that takes no time (a loss,
-/// a message) or runs on a lane outside `shares_cores`.
+/// a message) or runs on a lane outside `shares_cores`. A plan whose every
+/// cell gets `cores` runs on the calling thread; in another, a cell that
+/// gets `cores` runs alone, on the calling thread if it is long (see
+/// kWideCellSeconds), else on its lane, with the lane's own count.
 std::vector<std::vector<int64_t>> threads_of_cells(
     const Plan& plan, const std::vector<bool>& shares_cores, int64_t cores);
+
+/// In a plan whose CPU lanes overlap, a cell the plan runs alone (its
+/// threads_of_cells count is every core) runs with every core on the
+/// calling thread when its stage's last cell of that kind took at least this
+/// long on its lane (Note [Wide cells on the calling thread] in runner.cpp);
+/// else on its lane, with the lane's count.
+constexpr double kWideCellSeconds = 0.010;
 
 /// Sets the calling thread's intra-op thread count to `threads` (a no-op
 /// when it is that already) and no other thread's, without resizing

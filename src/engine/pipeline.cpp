@@ -52,6 +52,10 @@ Pipeline::Pipeline(
       })) {
     cell_generators_available();
   }
+  lane_cell_ns_ = std::make_unique<std::atomic<int64_t>[]>(4 * n);
+  for (const auto k : c10::irange(4 * n)) {
+    lane_cell_ns_[k].store(0, std::memory_order_relaxed);
+  }
   // Only this process's partitions become Stages: the others run in other
   // processes (gpipe::dist), and are known here by their skips' routes.
   for (const auto j : c10::irange(n)) {
@@ -161,6 +165,44 @@ std::shared_ptr<const Plan> Pipeline::training_plan(
 }
 
 Pipeline::~Pipeline() = default;
+
+namespace {
+
+// A compute phase's slot among a partition's four; -1 for the others.
+int64_t compute_slot(Phase phase) {
+  switch (phase) {
+    case Phase::Forward:
+      return 0;
+    case Phase::Backward:
+      return 1;
+    case Phase::BackwardInput:
+      return 2;
+    case Phase::BackwardWeight:
+      return 3;
+    default:
+      return -1;
+  }
+}
+
+}  // namespace
+
+double Pipeline::lane_cell_seconds(int64_t j, Phase phase) const {
+  const auto slot = compute_slot(phase);
+  if (slot < 0) {
+    return 0.0;
+  }
+  return static_cast<double>(
+             lane_cell_ns_[j * 4 + slot].load(std::memory_order_relaxed)) *
+         1e-9;
+}
+
+void Pipeline::set_lane_cell_seconds(int64_t j, Phase phase, double seconds) {
+  const auto slot = compute_slot(phase);
+  if (slot >= 0) {
+    lane_cell_ns_[j * 4 + slot].store(
+        static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
+  }
+}
 
 void Pipeline::share_threads(int64_t cores) {
   shared_cores_ = cores;

@@ -11,6 +11,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -188,6 +189,13 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   std::shared_ptr<const std::vector<std::vector<int64_t>>> threads_of(
       const Plan& plan);
 
+  /// How long partition j's last cell in `phase` (a forward or a backward
+  /// or either half of one) took on its own lane, at the lane's count, in
+  /// seconds; 0 before one has run (Note [Wide cells on the calling thread]
+  /// in runner.cpp). Any thread may read it; only j's lane sets it.
+  double lane_cell_seconds(int64_t j, Phase phase) const;
+  void set_lane_cell_seconds(int64_t j, Phase phase, double seconds);
+
   /// Where passes record their cells; null for none. Set between passes.
   void set_trace(std::shared_ptr<Trace> trace) {
     std::lock_guard<std::mutex> lock(trace_mutex_);
@@ -219,6 +227,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   mutable std::mutex trace_mutex_;
   std::shared_ptr<Trace> trace_;  // guarded by trace_mutex_
   int64_t shared_cores_ = 0;
+  // lane_cell_seconds in ns, [j * 4 + the phase's index].
+  std::unique_ptr<std::atomic<int64_t>[]> lane_cell_ns_;
   // The threads of the last plans run (a forward's and a backward's
   // alternate), newest first.
   std::mutex threads_mutex_;

@@ -3,7 +3,10 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/util/irange.h>
 
+#include <chrono>
 #include <condition_variable>
+#include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -35,7 +38,9 @@ PassOptions pass_options(bool training, const GPipeOptions& options) {
 
 namespace {
 
-// Counts lanes that have not finished their row.
+// Counts lanes that have not finished their row, and runs on the calling
+// thread, while it waits for them, the cells the lanes hand it (Note [Wide
+// cells on the calling thread]).
 class Countdown {
  public:
   explicit Countdown(int64_t count) : count_(count) {}
@@ -45,15 +50,38 @@ class Countdown {
       cv_.notify_all();
     }
   }
+  // From a lane: runs `task` on the waiting caller, and returns once it has.
+  void run_on_caller(const std::function<void()>& task) {
+    bool finished = false;
+    std::unique_lock<std::mutex> lock(mutex_);
+    tasks_.push_back({&task, &finished});
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return finished; });
+  }
+  // Until every lane is done: runs the tasks they hand over.
   void wait() {
     std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [this] { return count_ == 0; });
+    while (true) {
+      cv_.wait(lock, [this] { return count_ == 0 || !tasks_.empty(); });
+      if (tasks_.empty()) {
+        return;
+      }
+      const auto [task, finished] = tasks_.front();
+      tasks_.pop_front();
+      lock.unlock();
+      (*task)();  // tasks do not throw (run_cell records errors)
+      lock.lock();
+      *finished = true;
+      cv_.notify_all();
+    }
   }
 
  private:
   std::mutex mutex_;
   std::condition_variable cv_;
   int64_t count_;
+  // guarded by mutex_
+  std::deque<std::pair<const std::function<void()>*, bool*>> tasks_;
 };
 
 const char* phase_name(Phase phase) {
@@ -165,7 +193,7 @@ void Pass::run(
       }
     }
   } else {
-    run_lanes(plan, std::move(finals), self);
+    run_lanes(plan, std::move(finals), threads.get(), self);
   }
   if (!error_.has()) {
     const auto why = transport_->failure();
@@ -214,6 +242,26 @@ bool Pass::serial(
   return true;
 }
 
+// Note [Wide cells on the calling thread]
+// In a plan whose lanes overlap, each CPU lane computes with its own share
+// of the cores, and a cell the plan runs alone (the fill and the drain of
+// fill-drain and 1F1B, a V's turn) leaves the other lanes' cores idle: on
+// 2 lanes at chunks 4, a quarter of the step. Such a cell, when its
+// stage's last cell of the same kind took at least kWideCellSeconds on its
+// lane, goes to the calling thread, which waits for the lanes anyway, and
+// runs there with every core while its lane waits for it; the lane goes on
+// with the next cell of its row after. The calling thread's OpenMP pool is
+// the one that holds every core already (Note [Threads that follow the
+// plan] in lane_threads.cpp: a lane that grew a pool of its own would make
+// GNU OpenMP's barriers sleep in the kernel). Why only long cells: after a
+// parallel region GNU OpenMP's workers spin for a while before they sleep,
+// on a core the lanes want back, and handing a cell over wakes two
+// threads; a short cell loses more to both than every core wins it (the
+// cnn of gpipe-train, cells of a few ms), a long one wins
+// (docs/benchmark-history.md, "Wide cells on the calling thread"). A cell
+// that ran wide keeps its stage's last lane time: the decision reads what
+// a cell costs on its lane.
+
 void Pass::run_cell_of_row(
     const Cell& cell, int64_t lane, int64_t final_stage) {
   const bool final = final_stage >= 0;
@@ -229,6 +277,7 @@ void Pass::run_cell_of_row(
 void Pass::run_lanes(
     const Plan& plan,
     std::vector<std::vector<int64_t>> finals,
+    const std::vector<std::vector<int64_t>>* threads,
     const std::shared_ptr<Pass>& self) {
   // Lanes of partitions in other processes run there.
   std::vector<int64_t> lanes;
@@ -240,18 +289,55 @@ void Pass::run_lanes(
   }
   auto countdown = std::make_shared<Countdown>(lanes.size());
   const at::ThreadLocalState tls;
+  // Cells the plan runs alone, long enough to gain from every core, go to
+  // the calling thread (Note [Wide cells on the calling thread]), where
+  // every lane is a CPU lane of this process that shares the cores.
+  const auto cores = pipeline_.shared_cores();
+  bool widen = threads != nullptr && cores > 1;
+  for (const auto& row : plan.lanes) {
+    widen = widen && (row.empty() ||
+                      (pipeline_.is_local(row.front().partition) &&
+                       pipeline_.devices()[row.front().partition].is_cpu()));
+  }
   for (const auto l : lanes) {
+    const auto& row = plan.lanes[l];
+    std::vector<bool> wide(row.size(), false);
+    for (const auto k : c10::irange(widen ? row.size() : 0)) {
+      wide[k] = (*threads)[l][k] == cores &&
+                pipeline_.lane_cell_seconds(row[k].partition, row[k].phase) >=
+                    kWideCellSeconds;
+    }
     // One task per lane and run: the lane's row in plan order.
     pipeline_.lane(l).post([pass = self,
                             countdown,
-                            cells = plan.lanes[l],
+                            cells = row,
                             finals = std::move(finals[l]),
+                            wide = std::move(wide),
+                            cores,
                             tls,
                             l]() mutable {
       {
         at::ThreadLocalStateGuard guard(tls);
         for (const auto k : c10::irange(cells.size())) {
-          pass->run_cell_of_row(cells[k], l, finals.empty() ? -1 : finals[k]);
+          const auto& cell = cells[k];
+          const auto final = finals.empty() ? -1 : finals[k];
+          if (wide[k]) {
+            countdown->run_on_caller([&] {
+              IntraOpThreads every_core(cores);
+              pass->run_cell_of_row(cell, l, final);
+            });
+            continue;
+          }
+          const auto start = std::chrono::steady_clock::now();
+          pass->run_cell_of_row(cell, l, final);
+          if (action_info(cell.phase).step) {
+            pass->pipeline_.set_lane_cell_seconds(
+                cell.partition,
+                cell.phase,
+                std::chrono::duration<double>(
+                    std::chrono::steady_clock::now() - start)
+                    .count());
+          }
         }
       }
       // The caller holds the pass until the countdown is done, so it,

@@ -102,6 +102,7 @@ class Pass {
   void run_lanes(
       const Plan& plan,
       std::vector<std::vector<int64_t>> finals,
+      const std::vector<std::vector<int64_t>>* threads,
       const std::shared_ptr<Pass>& self);
   // Calls before_final_gradients(stage) (`before`) or
   // on_gradients_final(stage) unless the pass has failed; an error it
