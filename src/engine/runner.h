@@ -98,7 +98,10 @@ class Pass {
   // pipeline's threads_of), and every lane is a CPU lane of this process.
   bool serial(
       const Plan& plan, const std::vector<std::vector<int64_t>>* threads) const;
-  // Each lane's row as one task on that lane.
+  // Each lane's row as one task on that lane; the long cells the plan runs
+  // alone (`threads`: the pipeline's threads_of, null where the lanes keep
+  // their counts) on this thread with every core (Note [Wide cells on the
+  // calling thread]).
   void run_lanes(
       const Plan& plan,
       std::vector<std::vector<int64_t>> finals,
