@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -50,13 +51,27 @@ class Countdown {
       cv_.notify_all();
     }
   }
-  // From a lane: runs `task` on the waiting caller, and returns once it has.
+  // From a lane: runs `task` on the waiting caller, and returns once it has
+  // (rethrowing here what it threw there).
   void run_on_caller(const std::function<void()>& task) {
+    std::exception_ptr error;
+    const std::function<void()> caught = [&] {
+      try {
+        task();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    };
     bool finished = false;
-    std::unique_lock<std::mutex> lock(mutex_);
-    tasks_.push_back({&task, &finished});
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return finished; });
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      tasks_.push_back({&caught, &finished});
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return finished; });
+    }
+    if (error) {
+      std::rethrow_exception(error);
+    }
   }
   // Until every lane is done: runs the tasks they hand over.
   void wait() {
@@ -69,7 +84,7 @@ class Countdown {
       const auto [task, finished] = tasks_.front();
       tasks_.pop_front();
       lock.unlock();
-      (*task)();  // tasks do not throw (run_cell records errors)
+      (*task)();  // caught: run_on_caller rethrows on the lane
       lock.lock();
       *finished = true;
       cv_.notify_all();
@@ -83,6 +98,48 @@ class Countdown {
   // guarded by mutex_
   std::deque<std::pair<const std::function<void()>*, bool*>> tasks_;
 };
+
+// True on a lane's thread while it runs a cell of its row with its own
+// count: what the cell computes then is its stage's lane time (Note [Wide
+// cells on the calling thread]).
+thread_local bool on_own_lane = false;
+
+// Measures a cell's compute, without its waits for messages, and keeps it
+// as its stage's lane time when the cell runs on its own lane.
+class LaneTime {
+ public:
+  LaneTime(Pipeline& pipeline, int64_t j, Phase phase)
+      : pipeline_(pipeline),
+        j_(j),
+        phase_(phase),
+        start_(std::chrono::steady_clock::now()) {}
+  // Called once the compute has ended without error.
+  void keep() {
+    if (on_own_lane) {
+      pipeline_.set_lane_cell_seconds(
+          j_,
+          phase_,
+          std::chrono::duration<double>(
+              std::chrono::steady_clock::now() - start_)
+              .count());
+    }
+  }
+
+ private:
+  Pipeline& pipeline_;
+  int64_t j_;
+  Phase phase_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Runs `f` here, or where `compute_on` says.
+void compute(const ComputeOn* compute_on, const std::function<void()>& f) {
+  if (compute_on != nullptr) {
+    (*compute_on)(f);
+  } else {
+    f();
+  }
+}
 
 const char* phase_name(Phase phase) {
   return action_info(phase).context;
@@ -248,27 +305,34 @@ bool Pass::serial(
 // fill-drain and 1F1B, a V's turn) leaves the other lanes' cores idle: on
 // 2 lanes at chunks 4, a quarter of the step. Such a cell, when its
 // stage's last cell of the same kind took at least kWideCellSeconds on its
-// lane, goes to the calling thread, which waits for the lanes anyway, and
-// runs there with every core while its lane waits for it; the lane goes on
-// with the next cell of its row after. The calling thread's OpenMP pool is
-// the one that holds every core already (Note [Threads that follow the
-// plan] in lane_threads.cpp: a lane that grew a pool of its own would make
-// GNU OpenMP's barriers sleep in the kernel). Why only long cells: after a
-// parallel region GNU OpenMP's workers spin for a while before they sleep,
-// on a core the lanes want back, and handing a cell over wakes two
+// lane, is computed on the calling thread, which waits for the lanes
+// anyway, with every core, while its lane waits for it. The lane takes the
+// cell's messages first and sends its results after: two alone cells on
+// two lanes, one waiting for the other's output (zero-bubble's first
+// forwards), would otherwise meet on the caller in either order, and the
+// caller would wait in a receive for a cell queued behind it. The calling
+// thread's OpenMP pool is the one that holds every core already (Note [Threads
+// that follow the plan] in lane_threads.cpp: a lane that grew a pool of its own
+// would make GNU OpenMP's barriers sleep in the kernel). Why only long cells:
+// after a parallel region GNU OpenMP's workers spin for a while before they
+// sleep, on a core the lanes want back, and handing a cell over wakes two
 // threads; a short cell loses more to both than every core wins it (the
 // cnn of gpipe-train, cells of a few ms), a long one wins
-// (docs/benchmark-history.md, "Wide cells on the calling thread"). A cell
-// that ran wide keeps its stage's last lane time: the decision reads what
-// a cell costs on its lane.
+// (docs/benchmark-history.md, "Wide cells on the calling thread"). A
+// stage's lane time is what its last cell of that kind computed on its
+// lane, without the waits for its inputs; cells run wide or in a serial
+// plan leave it as it was.
 
 void Pass::run_cell_of_row(
-    const Cell& cell, int64_t lane, int64_t final_stage) {
+    const Cell& cell,
+    int64_t lane,
+    int64_t final_stage,
+    const ComputeOn* compute_on) {
   const bool final = final_stage >= 0;
   if (final && before_final_gradients) {
     gradients_final(final_stage, /*before=*/true);
   }
-  run_cell(cell, lane);
+  run_cell(cell, lane, compute_on);
   if (final) {
     gradients_final(final_stage, /*before=*/false);
   }
@@ -322,22 +386,21 @@ void Pass::run_lanes(
           const auto& cell = cells[k];
           const auto final = finals.empty() ? -1 : finals[k];
           if (wide[k]) {
-            countdown->run_on_caller([&] {
-              IntraOpThreads every_core(cores);
-              pass->run_cell_of_row(cell, l, final);
-            });
+            // The lane takes the cell's messages, so that the caller never
+            // waits for another lane's cell (which might be waiting for the
+            // caller itself); the caller computes.
+            const ComputeOn on_caller = [&](const std::function<void()>& f) {
+              countdown->run_on_caller([&] {
+                IntraOpThreads every_core(cores);
+                f();
+              });
+            };
+            pass->run_cell_of_row(cell, l, final, &on_caller);
             continue;
           }
-          const auto start = std::chrono::steady_clock::now();
+          on_own_lane = true;
           pass->run_cell_of_row(cell, l, final);
-          if (action_info(cell.phase).step) {
-            pass->pipeline_.set_lane_cell_seconds(
-                cell.partition,
-                cell.phase,
-                std::chrono::duration<double>(
-                    std::chrono::steady_clock::now() - start)
-                    .count());
-          }
+          on_own_lane = false;
         }
       }
       // The caller holds the pass until the countdown is done, so it,
@@ -387,14 +450,15 @@ void Pass::gradients_final(int64_t stage, bool before) {
   }
 }
 
-void Pass::run_cell(const Cell& cell, int64_t lane) {
+void Pass::run_cell(
+    const Cell& cell, int64_t lane, const ComputeOn* compute_on) {
   try {
     if (transport_->aborted()) {
       return;  // a cell that depends on a failed one never starts
     }
     switch (cell.phase) {
       case Phase::Forward:
-        forward_cell(cell.micro_batch, cell.partition, lane);
+        forward_cell(cell.micro_batch, cell.partition, lane, compute_on);
         break;
       case Phase::Backward:
       case Phase::BackwardInput:
@@ -402,13 +466,18 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
             cell.micro_batch,
             cell.partition,
             lane,
-            cell.phase == Phase::BackwardInput);
+            cell.phase == Phase::BackwardInput,
+            compute_on);
         break;
       case Phase::BackwardWeight:
-        pipeline_.stage(cell.partition)
-            .backward_weight(
-                cells_[cell.micro_batch][cell.partition],
-                context(cell.micro_batch, cell.partition, lane));
+        compute(compute_on, [&] {
+          LaneTime time(pipeline_, cell.partition, Phase::BackwardWeight);
+          pipeline_.stage(cell.partition)
+              .backward_weight(
+                  cells_[cell.micro_batch][cell.partition],
+                  context(cell.micro_batch, cell.partition, lane));
+          time.keep();
+        });
         break;
       case Phase::Loss:
         loss_cell(cell.micro_batch, lane);
@@ -459,7 +528,8 @@ void Pass::run_cell(const Cell& cell, int64_t lane) {
   }
 }
 
-void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
+void Pass::forward_cell(
+    int64_t i, int64_t j, int64_t lane, const ComputeOn* compute_on) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow in;
@@ -468,7 +538,12 @@ void Pass::forward_cell(int64_t i, int64_t j, int64_t lane) {
     in.skips.push_back(t.recv_skip(Phase::Forward, i, key));
   }
   auto& c = cells_[i][j];
-  auto out = stage.forward(c, std::move(in), context(i, j, lane));
+  Flow out;
+  compute(compute_on, [&] {
+    LaneTime time(pipeline_, j, Phase::Forward);
+    out = stage.forward(c, std::move(in), context(i, j, lane));
+    time.keep();
+  });
   for (const auto k : c10::irange(stage.skips_out().size())) {
     t.send_skip(
         Phase::Forward, i, stage.skips_out()[k], std::move(out.skips[k]));
@@ -490,7 +565,12 @@ void Pass::loss_cell(int64_t i, int64_t lane) {
   c.loss_value = torch::Tensor();
 }
 
-void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
+void Pass::backward_cell(
+    int64_t i,
+    int64_t j,
+    int64_t lane,
+    bool input_only,
+    const ComputeOn* compute_on) {
   Stage& stage = pipeline_.stage(j);
   auto& t = *transport_;
   Flow dy;
@@ -501,8 +581,14 @@ void Pass::backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only) {
   for (const auto& key : stage.skips_out()) {
     dy.skips.push_back(t.recv_skip(Phase::Backward, i, key));
   }
-  auto dx = stage.backward(
-      cells_[i][j], std::move(dy), context(i, j, lane), input_only);
+  Flow dx;
+  compute(compute_on, [&] {
+    LaneTime time(
+        pipeline_, j, input_only ? Phase::BackwardInput : Phase::Backward);
+    dx = stage.backward(
+        cells_[i][j], std::move(dy), context(i, j, lane), input_only);
+    time.keep();
+  });
   for (const auto k : c10::irange(stage.skips_in().size())) {
     t.send_skip(
         Phase::Backward, i, stage.skips_in()[k], std::move(dx.skips[k]));

@@ -22,6 +22,11 @@ namespace gpipe::detail {
 
 class Pipeline;
 
+/// Runs a cell's compute (its messages taken, not yet sent) on another
+/// thread, and returns once it has, rethrowing its error (Note [Wide cells
+/// on the calling thread]).
+using ComputeOn = std::function<void(const std::function<void()>&)>;
+
 /// How one pass runs.
 struct PassOptions {
   bool training = true;
@@ -88,12 +93,18 @@ class Pass {
   bool consumed = false;  // a backward freed the cells
 
  private:
-  // Takes the cell's messages, computes it and sends its results, on this
-  // thread; an error is recorded and aborts the transport.
-  void run_cell(const Cell& cell, int64_t lane);
+  // Takes the cell's messages, computes it (here, or where `compute_on`
+  // says) and sends its results, on this thread; an error is recorded and
+  // aborts the transport.
+  void run_cell(
+      const Cell& cell, int64_t lane, const ComputeOn* compute_on = nullptr);
   // run_cell, with on_gradients_final's calls around it when the cell is
   // the last of `final_stage`'s gradients (-1: it is not).
-  void run_cell_of_row(const Cell& cell, int64_t lane, int64_t final_stage);
+  void run_cell_of_row(
+      const Cell& cell,
+      int64_t lane,
+      int64_t final_stage,
+      const ComputeOn* compute_on = nullptr);
   // Every compute cell of `plan` gets every shared core (`threads`: the
   // pipeline's threads_of), and every lane is a CPU lane of this process.
   bool serial(
@@ -111,9 +122,15 @@ class Pass {
   // on_gradients_final(stage) unless the pass has failed; an error it
   // throws becomes the pass's.
   void gradients_final(int64_t stage, bool before);
-  void forward_cell(int64_t i, int64_t j, int64_t lane);
+  void forward_cell(
+      int64_t i, int64_t j, int64_t lane, const ComputeOn* compute_on);
   void loss_cell(int64_t i, int64_t lane);
-  void backward_cell(int64_t i, int64_t j, int64_t lane, bool input_only);
+  void backward_cell(
+      int64_t i,
+      int64_t j,
+      int64_t lane,
+      bool input_only,
+      const ComputeOn* compute_on);
   CellContext context(int64_t i, int64_t j, int64_t lane) const;
 
   Pipeline& pipeline_;
