@@ -33,9 +33,8 @@ namespace gpipe::detail {
 // in runner.cpp): short ones stay on their lanes, because after a parallel
 // region GNU OpenMP's workers spin (300,000 turns, unless OMP_WAIT_POLICY or
 // GOMP_SPINCOUNT say otherwise) before they sleep, on a core the lanes want
-// back. The cnn of gpipe-train (cells of 1 to 3 ms) at chunks 4 ran 7%
-// slower with its fill and drain on every core, the 64-image conv model
-// (cells of 12 to 26 ms) faster.
+// back: a model of cells of a few ms loses more to that than every core
+// wins it, one of tens of ms gains (docs/benchmark-history.md).
 
 // Why the calling thread rather than each lane growing its own pool when
 // alone:

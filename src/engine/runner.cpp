@@ -302,26 +302,25 @@ bool Pass::serial(
 // Note [Wide cells on the calling thread]
 // In a plan whose lanes overlap, each CPU lane computes with its own share
 // of the cores, and a cell the plan runs alone (the fill and the drain of
-// fill-drain and 1F1B, a V's turn) leaves the other lanes' cores idle: on
-// 2 lanes at chunks 4, a quarter of the step. Such a cell, when its
-// stage's last cell of the same kind took at least kWideCellSeconds on its
-// lane, is computed on the calling thread, which waits for the lanes
-// anyway, with every core, while its lane waits for it. The lane takes the
-// cell's messages first and sends its results after: two alone cells on
-// two lanes, one waiting for the other's output (zero-bubble's first
-// forwards), would otherwise meet on the caller in either order, and the
-// caller would wait in a receive for a cell queued behind it. The calling
-// thread's OpenMP pool is the one that holds every core already (Note [Threads
-// that follow the plan] in lane_threads.cpp: a lane that grew a pool of its own
-// would make GNU OpenMP's barriers sleep in the kernel). Why only long cells:
-// after a parallel region GNU OpenMP's workers spin for a while before they
-// sleep, on a core the lanes want back, and handing a cell over wakes two
-// threads; a short cell loses more to both than every core wins it (the
-// cnn of gpipe-train, cells of a few ms), a long one wins
-// (docs/benchmark-history.md, "Wide cells on the calling thread"). A
-// stage's lane time is what its last cell of that kind computed on its
-// lane, without the waits for its inputs; cells run wide or in a serial
-// plan leave it as it was.
+// fill-drain and 1F1B, a V's turn) leaves the other lanes' cores idle: on 2
+// lanes at chunks 4, a quarter of the step. Such a cell, when its stage's
+// last cell of the same kind took at least kWideCellSeconds on its lane, is
+// computed on the calling thread, which waits for the lanes anyway, with
+// every core, while its lane waits for it. The lane takes the cell's
+// messages first and sends its results after: two alone cells on two lanes,
+// one waiting for the other's output (zero-bubble's first forwards), would
+// otherwise meet on the caller in either order, and the caller would wait in
+// a receive for a cell queued behind it. The calling thread's OpenMP pool is
+// the one that holds every core already (Note [Threads that follow the plan]
+// in lane_threads.cpp: a lane that grew a pool of its own would make GNU
+// OpenMP's barriers sleep in the kernel). Why only long cells: after a
+// parallel region GNU OpenMP's workers spin for a while before they sleep,
+// on a core the lanes want back, and handing a cell over wakes two threads;
+// a short cell loses more to both than every core wins it, a long one wins
+// (docs/benchmark-history.md, "Wide cells on the calling thread"). A stage's
+// lane time is what its last cell of that kind computed on its lane, without
+// the waits for its inputs; cells run wide or in a serial plan leave it as
+// it was.
 
 void Pass::run_cell_of_row(
     const Cell& cell,
