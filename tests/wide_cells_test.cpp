@@ -110,6 +110,40 @@ TEST(WideCellsTest, ALongCellThePlanRunsAloneTakesEveryCoreOnTheCaller) {
   }
 }
 
+TEST(WideCellsTest, ACellThatGotShortGoesBackToItsLane) {
+  if (!enough_cores()) {
+    // Skipped on a one-core machine and under scripts/tsan.sh
+    // (OMP_NUM_THREADS=1): there are no cores to share.
+    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+  }
+  // Zero bubble at chunks 1: each stage's forward runs alone, so once its
+  // cells are long every one of them runs wide, and only the wide runs
+  // can tell that they got short.
+  Seen a(true);
+  Seen b(true);
+  GPipe model(
+      torch::nn::Sequential(a, torch::nn::Linear(2, 2), b),
+      GPipeOptions({2, 1}).chunks(1));
+  const auto x = torch::ones({2, 2});
+  const auto y = torch::ones({2, 2});
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::mse_loss(out, target);
+  };
+  const auto caller = std::this_thread::get_id();
+  for (int step = 0; step < 2; ++step) {
+    model->train_step(x, y, loss_fn, Schedule::ZeroBubble);
+  }
+  ASSERT_FALSE(a->calls.empty());
+  EXPECT_EQ(a->calls.back().thread, caller);
+  a->slow = false;
+  b->slow = false;
+  for (int step = 0; step < 2; ++step) {
+    model->train_step(x, y, loss_fn, Schedule::ZeroBubble);
+  }
+  EXPECT_NE(a->calls.back().thread, caller);
+  EXPECT_NE(b->calls.back().thread, caller);
+}
+
 TEST(WideCellsTest, AnErrorInALongCellIsTheCellsAndTheModelGoesOn) {
   if (!enough_cores()) {
     // Skipped on a one-core machine and under scripts/tsan.sh

@@ -1,8 +1,10 @@
 #include "engine/runner.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -103,6 +105,25 @@ class Countdown {
 // count: what the cell computes then is its stage's lane time (Note [Wide
 // cells on the calling thread]).
 thread_local bool on_own_lane = false;
+// On the calling thread while it computes a wide cell: every core over the
+// lane's own count. The cell's time times this stands for its lane time (as
+// if the cores had sped it up fully: a cell that takes long stays wide, one
+// that got short goes back to its lane).
+thread_local double wide_over_own = 0.0;
+
+// Sets wide_over_own on the calling thread for a wide cell's compute.
+class WideCell {
+ public:
+  WideCell(int64_t cores, int64_t own) {
+    wide_over_own = static_cast<double>(cores) /
+                    static_cast<double>(std::max<int64_t>(1, own));
+  }
+  ~WideCell() {
+    wide_over_own = 0.0;
+  }
+  WideCell(const WideCell&) = delete;
+  WideCell& operator=(const WideCell&) = delete;
+};
 
 // Measures a cell's compute, without its waits for messages, and keeps it
 // as its stage's lane time when the cell runs on its own lane.
@@ -115,13 +136,14 @@ class LaneTime {
         start_(std::chrono::steady_clock::now()) {}
   // Called once the compute has ended without error.
   void keep() {
-    if (on_own_lane) {
+    const double scale = on_own_lane ? 1.0 : wide_over_own;
+    if (scale > 0) {
       pipeline_.set_lane_cell_seconds(
           j_,
           phase_,
-          std::chrono::duration<double>(
-              std::chrono::steady_clock::now() - start_)
-              .count());
+          scale * std::chrono::duration<double>(
+                      std::chrono::steady_clock::now() - start_)
+                      .count());
     }
   }
 
@@ -319,8 +341,10 @@ bool Pass::serial(
 // a short cell loses more to both than every core wins it, a long one wins
 // (docs/benchmark-history.md, "Wide cells on the calling thread"). A stage's
 // lane time is what its last cell of that kind computed on its lane, without
-// the waits for its inputs; cells run wide or in a serial plan leave it as
-// it was.
+// the waits for its inputs; a cell run wide counts its time times every
+// core over the lane's count (so that a stage whose every cell of a kind
+// runs wide, zero-bubble's forwards at chunks 1, still follows its cells'
+// cost); cells of a serial plan leave it as it was.
 
 void Pass::run_cell_of_row(
     const Cell& cell,
@@ -388,9 +412,11 @@ void Pass::run_lanes(
             // The lane takes the cell's messages, so that the caller never
             // waits for another lane's cell (which might be waiting for the
             // caller itself); the caller computes.
+            const auto own = at::get_num_threads();
             const ComputeOn on_caller = [&](const std::function<void()>& f) {
               countdown->run_on_caller([&] {
                 IntraOpThreads every_core(cores);
+                const WideCell wide_cell(cores, own);
                 f();
               });
             };
