@@ -1,5 +1,5 @@
 // Long cells that a plan runs alone take every core on the calling thread
-// (Note [Wide cells on the calling thread] in src/engine/runner.cpp): which
+// (Note [Wide cells on the calling thread] in src/engine/wide_cells.cpp): which
 // cells go there, that they compute what the lanes compute, and that an
 // error in one is the cell's.
 
@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "common.h"
 #include "device.h"
 #include "engine/lane_threads.h"
 
@@ -50,16 +51,18 @@ struct SeenImpl : torch::nn::Module {
 };
 TORCH_MODULE(Seen);
 
-bool enough_cores() {
-  return detail::available_cores() >= 2;
-}
-
-TEST(WideCellsTest, ALongCellThePlanRunsAloneTakesEveryCoreOnTheCaller) {
-  if (!enough_cores()) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+class WideCellsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (detail::available_cores() < 2) {
+      // Skipped on a one-core machine and under scripts/tsan.sh
+      // (OMP_NUM_THREADS=1): there are no cores to share.
+      GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+    }
   }
+};
+
+TEST_F(WideCellsTest, ALongCellThePlanRunsAloneTakesEveryCoreOnTheCaller) {
   const int64_t cores = detail::available_cores();
   const int64_t half = std::max<int64_t>(1, cores / 2);
   const auto caller = std::this_thread::get_id();
@@ -110,12 +113,7 @@ TEST(WideCellsTest, ALongCellThePlanRunsAloneTakesEveryCoreOnTheCaller) {
   }
 }
 
-TEST(WideCellsTest, ACellThatGotShortGoesBackToItsLane) {
-  if (!enough_cores()) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
-  }
+TEST_F(WideCellsTest, ACellThatGotShortGoesBackToItsLane) {
   // Zero bubble at chunks 1: each stage's forward runs alone, so once its
   // cells are long every one of them runs wide, and only the wide runs
   // can tell that they got short.
@@ -144,12 +142,7 @@ TEST(WideCellsTest, ACellThatGotShortGoesBackToItsLane) {
   EXPECT_NE(b->calls.back().thread, caller);
 }
 
-TEST(WideCellsTest, AnErrorInALongCellIsTheCellsAndTheModelGoesOn) {
-  if (!enough_cores()) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
-  }
+TEST_F(WideCellsTest, AnErrorInALongCellIsTheCellsAndTheModelGoesOn) {
   Seen a(true);
   GPipe model(
       torch::nn::Sequential(a, torch::nn::Linear(2, 2), Seen(true)),
@@ -174,12 +167,7 @@ TEST(WideCellsTest, AnErrorInALongCellIsTheCellsAndTheModelGoesOn) {
   out.sum().backward();
 }
 
-TEST(WideCellsTest, WideCellsTrainAsLanesDo) {
-  if (!enough_cores()) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
-  }
+TEST_F(WideCellsTest, WideCellsTrainAsLanesDo) {
   // Float64 layers between slow ones, so that the fill and the drain go to
   // the calling thread (the backward's too: every micro-batch is
   // recomputed); three steps, as the first only measures.
@@ -240,11 +228,7 @@ TEST(WideCellsTest, WideCellsTrainAsLanesDo) {
       } else {
         EXPECT_EQ(on_caller, 0) << to_string(schedule) << " " << c.chunks;
       }
-      std::vector<torch::Tensor> g;
-      for (const auto& p : model->parameters()) {
-        g.push_back(p.grad().clone());
-      }
-      grads.push_back(g);
+      grads.push_back(testing::grads_of(*model));
     }
     for (size_t k = 0; k < grads[0].size(); ++k) {
       EXPECT_TRUE(torch::allclose(grads[0][k], grads[1][k], 0, 1e-10))

@@ -87,7 +87,7 @@ Evaluated evaluate(
   // As the engine runs them: every cell at its count where every cell has
   // every core (a serial plan), else only the alone cells that take
   // kWideCellSeconds or more at the lanes' own count (Note [Wide cells on
-  // the calling thread] in src/engine/runner.cpp).
+  // the calling thread] in src/engine/wide_cells.cpp).
   int64_t most = 0;
   bool serial = true;
   for (const auto& row : cell_threads) {

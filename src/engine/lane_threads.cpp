@@ -30,7 +30,7 @@ namespace gpipe::detail {
 // other plan runs each cell on its own lane, with the lane's count, except
 // the long cells it runs alone (the fill and the drain), which go to the
 // calling thread with every core (Note [Wide cells on the calling thread]
-// in runner.cpp): short ones stay on their lanes, because after a parallel
+// in wide_cells.cpp): short ones stay on their lanes, because after a parallel
 // region GNU OpenMP's workers spin (300,000 turns, unless OMP_WAIT_POLICY or
 // GOMP_SPINCOUNT say otherwise) before they sleep, on a core the lanes want
 // back: a model of cells of a few ms loses more to that than every core

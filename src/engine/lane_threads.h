@@ -28,8 +28,8 @@ std::vector<std::vector<int64_t>> threads_of_cells(
 /// In a plan whose CPU lanes overlap, a cell the plan runs alone (its
 /// threads_of_cells count is every core) runs with every core on the
 /// calling thread when its stage's last cell of that kind took at least this
-/// long on its lane (Note [Wide cells on the calling thread] in runner.cpp);
-/// else on its lane, with the lane's count.
+/// long on its lane (Note [Wide cells on the calling thread] in
+/// wide_cells.cpp); else on its lane, with the lane's count.
 constexpr double kWideCellSeconds = 0.010;
 
 /// Sets the calling thread's intra-op thread count to `threads` (a no-op

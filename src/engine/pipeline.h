@@ -192,7 +192,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   /// How long partition j's last cell in `phase` (a forward or a backward
   /// or either half of one) took on its own lane, at the lane's count, in
   /// seconds; 0 before one has run (Note [Wide cells on the calling thread]
-  /// in runner.cpp). Any thread may read it; only j's lane sets it.
+  /// in wide_cells.cpp). Any thread may read it; the thread computing a cell
+  /// of j sets it.
   double lane_cell_seconds(int64_t j, Phase phase) const;
   void set_lane_cell_seconds(int64_t j, Phase phase, double seconds);
 

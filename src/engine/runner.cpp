@@ -5,17 +5,13 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <exception>
 #include <functional>
-#include <mutex>
 #include <optional>
 #include <utility>
 
 #include "engine/lane_threads.h"
 #include "engine/pipeline.h"
+#include "engine/wide_cells.h"
 #include "schedule/actions.h"
 
 namespace gpipe::detail {
@@ -40,119 +36,6 @@ PassOptions pass_options(bool training, const GPipeOptions& options) {
 }
 
 namespace {
-
-// Counts lanes that have not finished their row, and runs on the calling
-// thread, while it waits for them, the cells the lanes hand it (Note [Wide
-// cells on the calling thread]).
-class Countdown {
- public:
-  explicit Countdown(int64_t count) : count_(count) {}
-  void done() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (--count_ == 0) {
-      cv_.notify_all();
-    }
-  }
-  // From a lane: runs `task` on the waiting caller, and returns once it has
-  // (rethrowing here what it threw there).
-  void run_on_caller(const std::function<void()>& task) {
-    std::exception_ptr error;
-    const std::function<void()> caught = [&] {
-      try {
-        task();
-      } catch (...) {
-        error = std::current_exception();
-      }
-    };
-    bool finished = false;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      tasks_.push_back({&caught, &finished});
-      cv_.notify_all();
-      cv_.wait(lock, [&] { return finished; });
-    }
-    if (error) {
-      std::rethrow_exception(error);
-    }
-  }
-  // Until every lane is done: runs the tasks they hand over.
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      cv_.wait(lock, [this] { return count_ == 0 || !tasks_.empty(); });
-      if (tasks_.empty()) {
-        return;
-      }
-      const auto [task, finished] = tasks_.front();
-      tasks_.pop_front();
-      lock.unlock();
-      (*task)();  // caught: run_on_caller rethrows on the lane
-      lock.lock();
-      *finished = true;
-      cv_.notify_all();
-    }
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  int64_t count_;
-  // guarded by mutex_
-  std::deque<std::pair<const std::function<void()>*, bool*>> tasks_;
-};
-
-// True on a lane's thread while it runs a cell of its row with its own
-// count: what the cell computes then is its stage's lane time (Note [Wide
-// cells on the calling thread]).
-thread_local bool on_own_lane = false;
-// On the calling thread while it computes a wide cell: every core over the
-// lane's own count. The cell's time times this stands for its lane time (as
-// if the cores had sped it up fully: a cell that takes long stays wide, one
-// that got short goes back to its lane).
-thread_local double wide_over_own = 0.0;
-
-// Sets wide_over_own on the calling thread for a wide cell's compute.
-class WideCell {
- public:
-  WideCell(int64_t cores, int64_t own) {
-    wide_over_own = static_cast<double>(cores) /
-                    static_cast<double>(std::max<int64_t>(1, own));
-  }
-  ~WideCell() {
-    wide_over_own = 0.0;
-  }
-  WideCell(const WideCell&) = delete;
-  WideCell& operator=(const WideCell&) = delete;
-};
-
-// Measures a cell's compute, without its waits for messages, and keeps it
-// as its stage's lane time when the cell runs on its own lane.
-class LaneTime {
- public:
-  LaneTime(Pipeline& pipeline, int64_t j, Phase phase)
-      : pipeline_(pipeline),
-        j_(j),
-        phase_(phase),
-        start_(std::chrono::steady_clock::now()) {}
-  // Called once the compute has ended without error.
-  void keep() {
-    const double scale = on_own_lane ? 1.0 : wide_over_own;
-    if (scale > 0) {
-      pipeline_.set_lane_cell_seconds(
-          j_,
-          phase_,
-          scale * std::chrono::duration<double>(
-                      std::chrono::steady_clock::now() - start_)
-                      .count());
-    }
-  }
-
- private:
-  Pipeline& pipeline_;
-  int64_t j_;
-  Phase phase_;
-  std::chrono::steady_clock::time_point start_;
-};
 
 // Runs `f` here, or where `compute_on` says.
 void compute(const ComputeOn* compute_on, const std::function<void()>& f) {
@@ -321,31 +204,6 @@ bool Pass::serial(
   return true;
 }
 
-// Note [Wide cells on the calling thread]
-// In a plan whose lanes overlap, each CPU lane computes with its own share
-// of the cores, and a cell the plan runs alone (the fill and the drain of
-// fill-drain and 1F1B, a V's turn) leaves the other lanes' cores idle: on 2
-// lanes at chunks 4, a quarter of the step. Such a cell, when its stage's
-// last cell of the same kind took at least kWideCellSeconds on its lane, is
-// computed on the calling thread, which waits for the lanes anyway, with
-// every core, while its lane waits for it. The lane takes the cell's
-// messages first and sends its results after: two alone cells on two lanes,
-// one waiting for the other's output (zero-bubble's first forwards), would
-// otherwise meet on the caller in either order, and the caller would wait in
-// a receive for a cell queued behind it. The calling thread's OpenMP pool is
-// the one that holds every core already (Note [Threads that follow the plan]
-// in lane_threads.cpp: a lane that grew a pool of its own would make GNU
-// OpenMP's barriers sleep in the kernel). Why only long cells: after a
-// parallel region GNU OpenMP's workers spin for a while before they sleep,
-// on a core the lanes want back, and handing a cell over wakes two threads;
-// a short cell loses more to both than every core wins it, a long one wins
-// (docs/benchmark-history.md, "Wide cells on the calling thread"). A stage's
-// lane time is what its last cell of that kind computed on its lane, without
-// the waits for its inputs; a cell run wide counts its time times every
-// core over the lane's count (so that a stage whose every cell of a kind
-// runs wide, zero-bubble's forwards at chunks 1, still follows its cells'
-// cost); cells of a serial plan leave it as it was.
-
 void Pass::run_cell_of_row(
     const Cell& cell,
     int64_t lane,
@@ -416,16 +274,16 @@ void Pass::run_lanes(
             const ComputeOn on_caller = [&](const std::function<void()>& f) {
               countdown->run_on_caller([&] {
                 IntraOpThreads every_core(cores);
-                const WideCell wide_cell(cores, own);
+                const LaneTimeScale wide_cell(
+                    static_cast<double>(cores) / std::max(1, own));
                 f();
               });
             };
             pass->run_cell_of_row(cell, l, final, &on_caller);
             continue;
           }
-          on_own_lane = true;
+          const LaneTimeScale own_lane(1.0);
           pass->run_cell_of_row(cell, l, final);
-          on_own_lane = false;
         }
       }
       // The caller holds the pass until the countdown is done, so it,
