@@ -97,6 +97,10 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
         detail::available_cores() > threads_per_lane_) {
       threads_follow_plan_ = true;
       pipeline_->share_threads(detail::available_cores());
+    } else if (lanes == 1 && devices[0].is_cpu()) {
+      // One CPU lane runs every cell alone, on the calling thread with the
+      // lane's count (Note [A serial plan on the calling thread]).
+      pipeline_->share_threads(threads_per_lane_);
     }
   }
 }

@@ -246,6 +246,45 @@ TEST(LaneThreadsTest, ASerialPlanRunsOnTheCallingThread) {
   }
 }
 
+TEST(LaneThreadsTest, OneCpuLaneRunsOnTheCallingThreadWithItsCount) {
+  // A pipeline of one CPU lane runs each cell alone, at any chunks and
+  // under any schedule: on the calling thread, forward, loss and backward,
+  // with the lane's count, and the caller has its own count back after.
+  const auto before = at::get_num_threads();
+  for (const int64_t threads : {int64_t{1}, int64_t{0}}) {
+    ThreadOf a;
+    ThreadsSeen counts;
+    GPipe model(
+        torch::nn::Sequential(a, torch::nn::Linear(2, 2), counts),
+        GPipeOptions({2, 1})
+            .chunks(4)
+            .stages_per_lane(2)
+            .checkpoint(Checkpoint::Always)
+            .threads_per_lane(threads));
+    const auto lane_count = model->threads_per_lane();
+    detail::set_intra_op_threads(1);
+    model->forward(torch::ones({4, 2})).sum().backward();
+    model->train_step(
+        torch::ones({4, 2}),
+        torch::zeros({4, 2}),
+        [&](torch::Tensor out, torch::Tensor y) {
+          a->seen.push_back(std::this_thread::get_id());
+          return torch::mse_loss(out, y);
+        },
+        Schedule::OneFOneB);
+    EXPECT_EQ(at::get_num_threads(), 1) << threads;
+    // Forwards and recomputations of both passes, and the losses.
+    ASSERT_EQ(a->seen.size(), 2u * 8 + 4) << threads;
+    for (const auto& id : a->seen) {
+      EXPECT_EQ(id, std::this_thread::get_id()) << threads;
+    }
+    for (const auto n : counts->seen) {
+      EXPECT_EQ(n, lane_count) << threads;
+    }
+  }
+  detail::set_intra_op_threads(before);
+}
+
 TEST(LaneThreadsTest, ASerialPlanGivesTheCallerItsCountBack) {
   if (detail::available_cores() < 2) {
     // Skipped on a one-core machine and under scripts/tsan.sh

@@ -411,8 +411,10 @@ elif [[ $mode == run ]]; then
 
   # --resume: a run stopped after epoch 1, or in the middle of epoch 2, and
   # resumed ends exactly as one that never stopped (weights, optimizer,
-  # random state, place in the data).
-  common=(--data-dir "$data" --limit 512 --test-limit 1000 --json)
+  # random state, place in the data). With a fixed thread count: by default
+  # a cell that ran long (on a loaded machine) runs with every core next
+  # time, and rounds otherwise.
+  common=(--data-dir "$data" --limit 512 --test-limit 1000 --json --threads-per-lane 1)
   r=("${common[@]}" --balance 6,7 --schedule 1f1b)
   run "${r[@]}" --epochs 2 --save "$tmp/straight"
   ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$tmp/out" | tr '\n' ' '; }
