@@ -188,6 +188,17 @@ GeneratorSnapshot::GeneratorSnapshot(torch::Device device)
 
 GeneratorSnapshot::~GeneratorSnapshot() = default;
 
+void GeneratorSnapshot::restore_cpu() const {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
+  auto engine = impl->engine();
+  engine.set_data(cpu_->engine);
+  impl->set_engine(engine);
+  impl->set_next_float_normal_sample(cpu_->next_float);
+  impl->set_next_double_normal_sample(cpu_->next_double);
+}
+
 bool GeneratorSnapshot::operator==(const GeneratorSnapshot& other) const {
   const auto& a = cpu_->engine;
   const auto& b = other.cpu_->engine;
@@ -333,7 +344,6 @@ void set_cpu_generator_state(const torch::Tensor& state) {
 }
 
 StepSeed::StepSeed(const std::vector<torch::Device>& devices, bool draw) {
-  devices_.push_back(torch::kCPU);
   for (const auto& d : devices) {
     if (d.type() != torch::kCPU &&
         std::find(devices_.begin(), devices_.end(), d) == devices_.end()) {
@@ -350,14 +360,15 @@ StepSeed::StepSeed(const std::vector<torch::Device>& devices, bool draw) {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     seed_ = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
-    // The saved state already counts this draw: restoring it leaves the
-    // user's stream advanced by the step seed alone.
-    states_[0] = gen.get_state();
   }
+  // Taken after the draw: restoring it leaves the user's stream advanced
+  // by the step seed alone.
+  cpu_ = std::make_unique<GeneratorSnapshot>(torch::Device(torch::kCPU));
 }
 
 StepSeed::~StepSeed() {
   Exclusive hold;
+  cpu_->restore_cpu();
   for (size_t k = 0; k < devices_.size(); ++k) {
     auto gen = generator_of(devices_[k]);
     std::lock_guard<std::mutex> lock(gen.mutex());

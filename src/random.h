@@ -102,6 +102,9 @@ class GeneratorSnapshot {
   bool operator!=(const GeneratorSnapshot& other) const {
     return !(*this == other);
   }
+  /// Puts the default CPU generator back where it was taken, without a
+  /// state tensor.
+  void restore_cpu() const;
 
  private:
   struct Cpu;
@@ -188,7 +191,9 @@ void set_cpu_generator_state(const torch::Tensor& state);
 
 /// Under the exclusive lease: saves the default generators of the CPU and
 /// of `devices` and, when `draw`, draws a step seed from the CPU one; on
-/// destruction puts the saved states back (see the Note above).
+/// destruction puts the saved states back (see the Note above). The CPU
+/// generator's is kept as a GeneratorSnapshot, a copy of its engine, where
+/// a state tensor would be made and parsed back at every pass.
 class StepSeed {
  public:
   StepSeed(const std::vector<torch::Device>& devices, bool draw);
@@ -200,8 +205,9 @@ class StepSeed {
   }
 
  private:
-  std::vector<torch::Device> devices_;
-  std::vector<torch::Tensor> states_;
+  std::unique_ptr<GeneratorSnapshot> cpu_;
+  std::vector<torch::Device> devices_;  // the others, each once
+  std::vector<torch::Tensor> states_;   // of devices_
   uint64_t seed_ = 0;
 };
 
