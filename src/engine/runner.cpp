@@ -186,10 +186,10 @@ void Pass::run(
 // for it alone (LibTorch without OpenMP), it keeps its own.
 // A pipeline of one CPU lane runs every cell alone, whatever its plan, so
 // it runs on the calling thread too, with its lane's count: on the lane,
-// the caller only waited, and each cell paid for the handover, for
-// thread-local lookups from another thread and for frees into the lane's
-// own malloc arena (docs/benchmark-history.md, "One lane on the calling
-// thread").
+// the caller only waited, each pass paid for the handover, and each cell
+// for thread-local lookups from another thread and for frees into the
+// lane's own malloc arena (docs/benchmark-history.md, "One lane on the
+// calling thread").
 bool Pass::serial(
     const Plan& plan, const std::vector<std::vector<int64_t>>* threads) const {
   if (threads == nullptr || pipeline_.shared_cores() <= 0) {
