@@ -268,7 +268,10 @@ TEST(LaneThreadsTest, OneCpuLaneRunsOnTheCallingThreadWithItsCount) {
         torch::ones({4, 2}),
         torch::zeros({4, 2}),
         [&](torch::Tensor out, torch::Tensor y) {
-          a->seen.push_back(std::this_thread::get_id());
+          {
+            std::lock_guard<std::mutex> lock(a->mutex);
+            a->seen.push_back(std::this_thread::get_id());
+          }
           return torch::mse_loss(out, y);
         },
         Schedule::OneFOneB);
