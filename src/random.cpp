@@ -363,7 +363,7 @@ StepSeed::StepSeed(const std::vector<torch::Device>& devices, bool draw) {
   }
   // Taken after the draw: restoring it leaves the user's stream advanced
   // by the step seed alone.
-  cpu_ = std::make_unique<GeneratorSnapshot>(torch::Device(torch::kCPU));
+  cpu_.emplace(torch::Device(torch::kCPU));
 }
 
 StepSeed::~StepSeed() {

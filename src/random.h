@@ -66,6 +66,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace gpipe::detail {
@@ -205,7 +206,7 @@ class StepSeed {
   }
 
  private:
-  std::unique_ptr<GeneratorSnapshot> cpu_;
+  std::optional<GeneratorSnapshot> cpu_;
   std::vector<torch::Device> devices_;  // the others, each once
   std::vector<torch::Tensor> states_;   // of devices_
   uint64_t seed_ = 0;

@@ -92,14 +92,21 @@ LaneTimeScale::~LaneTimeScale() {
   lane_time_scale = previous_;
 }
 
+LaneTime::LaneTime(Pipeline& pipeline, int64_t j, Phase phase)
+    : pipeline_(pipeline), j_(j), phase_(phase), scale_(lane_time_scale) {
+  if (scale_ > 0) {
+    start_ = std::chrono::steady_clock::now();
+  }
+}
+
 void LaneTime::keep() {
-  if (lane_time_scale > 0) {
+  if (scale_ > 0) {
     pipeline_.set_lane_cell_seconds(
         j_,
         phase_,
-        lane_time_scale * std::chrono::duration<double>(
-                              std::chrono::steady_clock::now() - start_)
-                              .count());
+        scale_ * std::chrono::duration<double>(
+                     std::chrono::steady_clock::now() - start_)
+                     .count());
   }
 }
 

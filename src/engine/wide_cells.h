@@ -55,14 +55,11 @@ class LaneTimeScale {
 };
 
 /// Measures a cell's compute, without its waits for messages, and keeps it
-/// as partition j's lane time in `phase` where a LaneTimeScale says so.
+/// as partition j's lane time in `phase` where a LaneTimeScale says so
+/// (elsewhere it reads no clock).
 class LaneTime {
  public:
-  LaneTime(Pipeline& pipeline, int64_t j, Phase phase)
-      : pipeline_(pipeline),
-        j_(j),
-        phase_(phase),
-        start_(std::chrono::steady_clock::now()) {}
+  LaneTime(Pipeline& pipeline, int64_t j, Phase phase);
   /// Called once the compute has ended without error.
   void keep();
 
@@ -70,6 +67,7 @@ class LaneTime {
   Pipeline& pipeline_;
   int64_t j_;
   Phase phase_;
+  double scale_;  // the LaneTimeScale at the start
   std::chrono::steady_clock::time_point start_;
 };
 
