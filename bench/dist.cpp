@@ -1,9 +1,9 @@
 // gpipe-bench's distributed section, run as `gpipe-run -n 2 -- gpipe-bench
 // --only dist`: a training step of PipelineStage on 2 ranks against the
-// single-process 2-lane GPipe on the same model and batch (timed in
-// alternation, one intra-op thread per lane or rank), the cost of one
-// gpipe message against a bare c10d send/recv of the same tensor, and a
-// timeline of one distributed step.
+// single-process GPipe with a lane per rank on the same model and batch (timed
+// in alternation, one intra-op thread per lane or rank), the cost of one gpipe
+// message against a bare c10d send/recv of the same tensor, and a timeline of
+// one distributed step.
 
 #include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
@@ -111,7 +111,7 @@ nlohmann::json dist_section(
   at::set_num_threads(1);
 
   // Throughput: the same balanced model, batch and chunks, in one process
-  // (rank 0 alone, 2 lanes) and across the ranks.
+  // (rank 0 alone, a lane per rank) and across the ranks.
   const int64_t chunks = 8;
   std::vector<int64_t> balance(n, 2 * blocks / n);
   balance.back() += 2 * blocks - (2 * blocks / n) * n;
@@ -306,20 +306,33 @@ nlohmann::json dist_section(
       std::vector<double> ts;
       std::vector<double> td;
       std::vector<double> hops;
+      // CPU seconds over the timed steps: rank 0's process for the single
+      // process, this rank's for the distributed steps (summed over the
+      // ranks below).
+      double single_cpu = 0;
+      double dist_cpu = 0;
       auto trace = std::make_shared<gpipe::Trace>();
       for (int k = 0; k < iters + 1; ++k) {
         world.barrier();
+        double cpu = process_cpu_seconds();
         auto start = Clock::now();
         s_step();
         const double a = seconds_since(start);
+        if (k >= 1) {
+          single_cpu += process_cpu_seconds() - cpu;
+        }
         world.barrier();
         if (k == 1) {
           trace->clear();
           s_stage->set_trace(trace);
         }
+        cpu = process_cpu_seconds();
         start = Clock::now();
         d_step();
         const double c = seconds_since(start);
+        if (k >= 1) {
+          dist_cpu += process_cpu_seconds() - cpu;
+        }
         if (k == 1) {
           if (v == 1) {
             // Every rank takes part; rank 0 gets every rank's events.
@@ -343,6 +356,9 @@ nlohmann::json dist_section(
           ++messages;
         }
       }
+      auto cpu_sum = torch::tensor({dist_cpu}, torch::kFloat64);
+      world.all_reduce(cpu_sum);
+      const double timed = static_cast<double>(ts.size());
       const double single = median(ts);
       const double dist = median(td);
       rows.push_back(
@@ -353,6 +369,10 @@ nlohmann::json dist_section(
            {"distributed_seconds", dist},
            {"ratio", single / dist},
            {"target_ratio", 0.9},
+           // CPU time a step takes (every thread of every process) over
+           // its wall time: below the cores' count, they stood idle.
+           {"single_process_cpu_seconds", single_cpu / timed},
+           {"distributed_cpu_seconds", cpu_sum.item<double>() / timed},
            {"rank0_wait_seconds", waits},
            {"rank0_waits", messages},
            // Interleaved (two stages a rank) is left out: its trace does
@@ -369,11 +389,13 @@ nlohmann::json dist_section(
           static_cast<long long>(n),
           static_cast<long long>(n));
       std::printf(
-          "%-14s %12s %12s %8s %12s %8s %8s %10s %10s\n",
+          "%-14s %12s %12s %8s %10s %10s %12s %8s %8s %10s %10s\n",
           "schedule",
           "single_s",
           "dist_s",
           "ratio",
+          "single_cpu",
+          "dist_cpu",
           "r0_wait_s",
           "waits",
           "hops",
@@ -381,11 +403,14 @@ nlohmann::json dist_section(
           "hop_p90_us");
       for (const auto& r : rows) {
         std::printf(
-            "%-14s %12.4f %12.4f %8.3f %12.4f %8lld %8lld %10.0f %10.0f\n",
+            "%-14s %12.4f %12.4f %8.3f %10.4f %10.4f %12.4f %8lld %8lld "
+            "%10.0f %10.0f\n",
             r["schedule"].get<std::string>().c_str(),
             r["single_process_seconds"].get<double>(),
             r["distributed_seconds"].get<double>(),
             r["ratio"].get<double>(),
+            r["single_process_cpu_seconds"].get<double>(),
+            r["distributed_cpu_seconds"].get<double>(),
             r["rank0_wait_seconds"].get<double>(),
             static_cast<long long>(r["rank0_waits"].get<int64_t>()),
             static_cast<long long>(r["hops_waited"].get<int64_t>()),
@@ -421,8 +446,10 @@ nlohmann::json dist_section(
         static_cast<long long>(batch),
         static_cast<long long>(chunks));
     std::printf("%-34s %12s\n", "", "seconds/step");
-    std::printf("%-34s %12.4f\n", "GPipe, one process, 2 lanes", single_s);
-    std::printf("%-34s %12.4f\n", "PipelineStage, 2 processes", dist_s);
+    const auto lanes = "GPipe, one process, " + std::to_string(n) + " lanes";
+    const auto processes = "PipelineStage, " + std::to_string(n) + " processes";
+    std::printf("%-34s %12.4f\n", lanes.c_str(), single_s);
+    std::printf("%-34s %12.4f\n", processes.c_str(), dist_s);
     std::printf(
         "%-34s %12.4f   (receives posted at the cell)\n",
         "  the same, plan without transfers",

@@ -16,6 +16,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__unix__)
+#include <sys/resource.h>
+#endif
+
 namespace gpipe::bench {
 
 /// Median seconds of `iterations` calls of `step`, after `warmup` calls.
@@ -76,6 +80,20 @@ inline double median(std::vector<double> values) {
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
       .count();
+}
+
+/// The CPU time this process has used so far (every thread, user and
+/// system), in seconds; 0 where the platform does not say.
+inline double process_cpu_seconds() {
+#if defined(__unix__)
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) *
+             1e-6;
+#else
+  return 0;
+#endif
 }
 
 /// The mean squared error, the loss of the benchmarks' regression models.

@@ -70,7 +70,7 @@ echo "== benchmarks.sh: dist on 4 ranks" >&2
 start=$SECONDS
 (cd "$work" && "$launcher" -n 4 -- "$bench" --only dist \
   --json "$raw/dist-4-ranks.json" --markdown "$work/dist-4-ranks.md" \
-  --dist-trace "$work/dist-4-ranks-trace") | tee "$raw/dist-4-ranks.txt" >&2
+  --dist-trace "$img/dist-4-ranks-trace") | tee "$raw/dist-4-ranks.txt" >&2
 seconds[dist-4-ranks]=$((SECONDS - start))
 echo "== benchmarks.sh: mesh" >&2
 start=$SECONDS
@@ -384,6 +384,10 @@ on the speed model, one gpipe message against a bare c10d send/recv of the
 same tensor, and the timeline of one step (one row per rank; receive and
 send waits drawn; [img/dist-trace.json](img/dist-trace.json) is the same
 step as a Chrome trace, for Perfetto or chrome://tracing).
+\`schedules_m32\`: every schedule at 32 micro-batches across the ranks
+against the same plan on a lane per rank in one process, with the CPU time
+a step takes in all (every thread of every process; the cores' count times
+the step's wall time when they never stood idle).
 
 EOF
   table dist
@@ -398,16 +402,19 @@ EOF
   table dist-4-ranks
   cat <<EOF
 
+![Distributed timeline on 4 ranks](img/dist-4-ranks-trace.svg)
+
 ## Replicas of a pipeline (\`gpipe-run -n 4 -- gpipe-bench --only mesh\`, ${seconds[mesh]} s)
 
 Four processes on loopback, two replicas of a 2-stage pipeline
 (\`Mesh(world, 2)\`), one intra-op thread each. \`all_reduce\`: the
 gradient all-reduce of N bytes (16 tensors) through gpipe's buckets (kept
 between steps, the gradients in them, averaged in place) against a bare
-c10d all-reduce of one tensor of N bytes on the same data group, both data
-groups at once, median in alternation. \`overlap\`: 1F1B steps of an MLP on
-the 2 x 2 mesh, traced; of the all-reduce time (from a stage's last B to
-its buckets' end), the part during which a lane of the replica computed.
+c10d all-reduce of one tensor of N bytes on the first stages' data group
+(the other group waits), median in alternation. \`overlap\`: 1F1B steps of
+an MLP on the 2 x 2 mesh, traced; of the all-reduce time (from a stage's
+first bucket's start, during its last B, to its last bucket's end), the
+part during which a lane of the replica computed.
 
 EOF
   table mesh
