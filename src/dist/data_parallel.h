@@ -24,7 +24,10 @@
 // has not started when that backward ends starts then. The all-reduces run on
 // c10d's threads while the lanes go on; the step waits for them before it
 // returns. Every replica runs the same plan, so the ranks of a data World start
-// their buckets in the same order, as a collective needs. A parameter
+// their buckets in the same order, as a collective needs. Each bucket is one
+// all-reduce even when several are ready at once: which ones are depends on
+// the timing and on the parameters a replica's data used, and joining them
+// would give the replicas collectives of other sizes. A parameter
 // without a gradient (a layer the step did not use) takes part with zeros,
 // so that the replicas agree on every bucket's layout; afterwards it has a
 // zero gradient, as under DDP.

@@ -416,6 +416,105 @@ TEST(MeshTest, CastingBetweenStepsIsFollowed) {
   }
 }
 
+// One of two Linear(6, 10) for a whole micro-batch: `a` where its first
+// column is positive, else `b`.
+struct BranchImpl : torch::nn::Cloneable<BranchImpl> {
+  BranchImpl() {
+    reset();
+  }
+  void reset() override {
+    a = register_module("a", torch::nn::Linear(6, 10));
+    b = register_module("b", torch::nn::Linear(6, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x.select(1, 0).min().item<double>() > 0 ? a(x) : b(x);
+  }
+  torch::nn::Linear a{nullptr};
+  torch::nn::Linear b{nullptr};
+};
+TORCH_MODULE(Branch);
+
+// Each replica's data takes another branch of the first layer, so that on
+// each replica one branch's parameters get no gradient in a step, and their
+// buckets start only when the stage's backward ends, at another time on each
+// replica: the all-reduce still pairs the same buckets, the unused side takes
+// part with zeros, and two steps equal one pipeline on the whole batch (where
+// each branch has the micro-batches of one replica), under each schedule.
+TEST(MeshTest, ReplicasWhoseDataUseOtherLayersAgree) {
+  auto build_branchy = [] {
+    torch::manual_seed(0);
+    torch::nn::Sequential net;
+    net->push_back(Branch());
+    net->push_back(torch::nn::Tanh());
+    net->push_back(torch::nn::Linear(10, 10));
+    net->push_back(torch::nn::Tanh());
+    net->push_back(torch::nn::Linear(10, 3));
+    net->to(torch::kDouble);
+    return net;
+  };
+  torch::manual_seed(3);
+  auto x = torch::randn({16, 6}, torch::kDouble);
+  // Replica 0's rows (the first 8) take `a`, replica 1's `b`.
+  x.narrow(0, 0, 8).select(1, 0).abs_().add_(0.1);
+  x.narrow(0, 8, 8).select(1, 0).abs_().add_(0.1).neg_();
+  const auto y = torch::randint(0, 3, {16}, torch::kLong);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  for (auto schedule :
+       {Schedule::FillDrain, Schedule::OneFOneB, Schedule::ZeroBubble}) {
+    SCOPED_TRACE(to_string(schedule));
+    // Micro-batches of 4 rows in both.
+    GPipe ref(
+        build_branchy(), GPipeOptions({2, 3}).chunks(4).threads_per_lane(1));
+    torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+    for (int step = 0; step < 2; ++step) {
+      ref->train_step(x, y, loss_fn, schedule);
+      ref_opt.step();
+      ref_opt.zero_grad();
+    }
+    const auto ref_params = ref->named_parameters();
+    std::vector<torch::nn::Sequential> nets;
+    for (int r = 0; r < 4; ++r) {
+      nets.push_back(build_branchy());
+    }
+    std::mutex mutex;
+    std::vector<std::string> failures;
+    run_ranks(4, [&](World world) {
+      Mesh mesh(world, 2);
+      dist::PipelineStage stage(
+          nets[world.rank()],
+          GPipeOptions({2, 3}).chunks(2).threads_per_lane(1),
+          mesh);
+      stage->set_gradient_bucket_bytes(256);  // a few buckets per stage
+      torch::optim::SGD opt(stage->parameters(), 0.1);
+      const auto d = mesh.data_rank();
+      for (int step = 0; step < 2; ++step) {
+        stage->train_step(
+            mesh.pipeline_rank() == 0 ? x.narrow(0, 8 * d, 8) : torch::Tensor(),
+            mesh.pipeline_rank() == 1 ? y.narrow(0, 8 * d, 8) : torch::Tensor(),
+            loss_fn,
+            schedule);
+        opt.step();
+        opt.zero_grad();
+      }
+      std::vector<std::string> mine;
+      for (const auto& p : stage->named_parameters()) {
+        if (!torch::allclose(p.value(), ref_params[p.key()], 1e-10, 1e-12)) {
+          mine.push_back(
+              "rank " + std::to_string(world.rank()) + ": parameter " +
+              p.key() + " differs");
+        }
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      failures.insert(failures.end(), mine.begin(), mine.end());
+    });
+    for (const auto& f : failures) {
+      ADD_FAILURE() << f;
+    }
+  }
+}
+
 // Every rank's error names `text`, and all of them came well within the
 // ranks' 30 s timeout of `start`.
 void expect_every_rank_to_fail_fast(
