@@ -414,7 +414,9 @@ c10d all-reduce of one tensor of N bytes on the first stages' data group
 (the other group waits), median in alternation. \`overlap\`: 1F1B steps of
 an MLP on the 2 x 2 mesh, traced; of the all-reduce time (from a stage's
 first bucket's start, during its last B, to its last bucket's end), the
-part during which a lane of the replica computed.
+part during which a lane of the replica computed, with 64 rows a replica
+(a stage's all-reduce takes longer than a micro-batch's backward, the
+compute left to hide it) and with 256.
 
 EOF
   table mesh

@@ -221,10 +221,14 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
   // Each gradient lives in its slot of the bucket (as DDP's
   // gradient_as_bucket_view): backward accumulated into it in place, and
   // only a gradient made anew (the first step, or after it was set to
-  // none) is copied in.
+  // none) is written in, divided on the way. Every gradient is divided by
+  // the number of replicas before the sum (Note [Gradient buckets]).
+  const auto replicas = static_cast<double>(data_.size());
+  std::vector<bool> in_place(bucket.parameters.size(), false);
+  bool all_in_place = true;
   for (const auto k : c10::irange(bucket.parameters.size())) {
     auto& p = bucket.parameters[k];
-    const auto& slot = bucket.slots[k];
+    auto& slot = bucket.slots[k];
     const auto& grad = p.grad();
     if (!grad.defined()) {
       slot.zero_();
@@ -232,8 +236,21 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
     } else if (
         grad.data_ptr() != slot.data_ptr() ||
         grad.strides() != slot.strides()) {
-      slot.copy_(grad);
+      at::div_out(slot, grad, replicas);
       p.mutable_grad() = slot;
+    } else {
+      in_place[k] = true;
+      continue;
+    }
+    all_in_place = false;
+  }
+  if (all_in_place) {
+    bucket.flat.div_(replicas);
+  } else {
+    for (const auto k : c10::irange(bucket.parameters.size())) {
+      if (in_place[k]) {
+        bucket.slots[k].div_(replicas);
+      }
     }
   }
   bucket.staged = on_group_device(connection.groups, bucket.flat);
@@ -264,7 +281,6 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
     return;
   }
   torch::NoGradGuard no_grad;
-  const auto replicas = static_cast<double>(data_.size());
   const auto started = next_;
   next_ = 0;
   armed_ = false;
@@ -281,8 +297,6 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
       bucket.flat.copy_(bucket.staged);
     }
     bucket.staged = torch::Tensor();
-    // The gradients share the bucket's memory: averaged in place.
-    bucket.flat.div_(replicas);
   }
   if (trace != nullptr) {
     // (The callbacks have run once the waits returned.)

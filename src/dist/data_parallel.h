@@ -10,13 +10,17 @@
 // first (the order in which backward makes them final), the first bucket
 // of all at most 1 MiB (so that the all-reduce starts early in the last
 // backward), one dtype and device per bucket; each bucket is one
-// all-reduce of its sum, then divided by the number of replicas in place.
-// Each `.grad` shares the memory of its slot in a bucket (as DDP's
-// gradient_as_bucket_view, but not as an autograd view, which the
-// optimizer's zero_grad could not detach), so that backward accumulates
-// straight into the bucket and nothing is copied in or out; a gradient
-// made anew (the first step, or after it was set to none) is copied into
-// its slot once and replaced by the slot. The buckets are kept
+// all-reduce of its sum. Each `.grad` shares the memory of its slot in a
+// bucket (as DDP's gradient_as_bucket_view, but not as an autograd view,
+// which the optimizer's zero_grad could not detach), so that backward
+// accumulates straight into the bucket and nothing is copied in or out; a
+// gradient made anew (the first step, or after it was set to none, as
+// LibTorch 2's zero_grad does by default) is written into its slot once and
+// replaced by the slot. A bucket's gradients are divided by the number of
+// replicas as it starts, so that the sum is their average: a gradient made
+// anew is divided on its way into its slot, in the one pass that copies it,
+// where dividing after the all-reduce would cost a second. Every replica
+// divides before its sum, whatever its gradients were. The buckets are kept
 // while the same parameters train (made again when one is frozen or thawed).
 // During a stage's last backward of the step (its last B or W), each bucket
 // starts as soon as every gradient in it has been accumulated (a post hook on
@@ -78,7 +82,7 @@ class GradientBuckets {
   void arm();
   /// The stage's gradients are final: starts every bucket not started yet.
   void start();
-  /// Waits for the buckets started and averages the gradients in place.
+  /// Waits for the buckets started (the gradients are then averaged).
   /// Throws a c10::Error naming the bucket if an all-reduce fails. With a
   /// trace, records the all-reduce on `lane`: from its first bucket's start
   /// to its last bucket's end.

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -348,6 +349,73 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
         mine.push_back(
             "rank " + std::to_string(world.rank()) + ": " + p.key() +
             " differs");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    failures.insert(failures.end(), mine.begin(), mine.end());
+  });
+  for (const auto& f : failures) {
+    ADD_FAILURE() << f;
+  }
+}
+
+// Gradients accumulated over three steps without zeroing, one of them set
+// to none before the third while the others keep their sums (a bucket with
+// a gradient made anew beside gradients accumulated in place), then set to
+// none all at once (as LibTorch 2's zero_grad does) for a fourth: after
+// each step every gradient is the average over the replicas of what it
+// holds, as one pipeline on the whole batch has it.
+TEST(MeshTest, GradientsAccumulatedOverStepsOrSetToNoneAreAveraged) {
+  const auto options = GPipeOptions({3, 4}).chunks(2).threads_per_lane(1);
+  torch::manual_seed(3);
+  const auto x = torch::randn({8, 6}, torch::kDouble);
+  const auto y = torch::randint(0, 3, {8}, torch::kLong);
+  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  auto prepare = [](torch::nn::Module& m, int step) {
+    for (auto& p : m.named_parameters()) {
+      if ((step == 2 && p.key() == "partitions.0.0.weight") || step == 3) {
+        p.value().mutable_grad() = torch::Tensor();
+      }
+    }
+  };
+  GPipe ref(build(0), options);
+  std::vector<std::map<std::string, torch::Tensor>> ref_grads;
+  for (int step = 0; step < 4; ++step) {
+    prepare(*ref, step);
+    ref->train_step(x, y, loss_fn, Schedule::OneFOneB);
+    ref_grads.emplace_back();
+    for (const auto& p : ref->named_parameters()) {
+      ref_grads.back()[p.key()] = p.value().grad().clone();
+    }
+  }
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 4; ++r) {
+    nets.push_back(build(0));
+  }
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  run_ranks(4, [&](World world) {
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    const auto d = mesh.data_rank();
+    std::vector<std::string> mine;
+    for (int step = 0; step < 4; ++step) {
+      prepare(*stage, step);
+      stage->train_step(
+          mesh.pipeline_rank() == 0 ? x.narrow(0, 4 * d, 4) : torch::Tensor(),
+          mesh.pipeline_rank() == 1 ? y.narrow(0, 4 * d, 4) : torch::Tensor(),
+          loss_fn,
+          Schedule::OneFOneB);
+      for (const auto& p : stage->named_parameters()) {
+        if (!torch::allclose(
+                p.value().grad(), ref_grads[step][p.key()], 1e-10, 1e-12)) {
+          mine.push_back(
+              "rank " + std::to_string(world.rank()) + " step " +
+              std::to_string(step) + ": the gradient of " + p.key() +
+              " differs");
+        }
       }
     }
     std::lock_guard<std::mutex> lock(mutex);
