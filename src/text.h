@@ -2,12 +2,46 @@
 
 // Small pieces of the library's messages.
 
+#include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace gpipe::detail {
+
+// Note [Errors without LibTorch's backtrace]
+// A c10::Error made by TORCH_CHECK carries LibTorch's backtrace ("Exception
+// raised from ...", then "frame #0: ..."), which its what() prints after
+// the message: a program that prints what(), or dies of the error, shows
+// dozens of frames of gpipe's and LibTorch's insides for an error about
+// the user's job (a rank that never came, a rank that died). The errors of
+// joining a job and of a failed connection between ranks are thrown
+// without it; what_without_backtrace() reads the same either way.
+
+/// Throws a c10::Error of `message` alone (Note [Errors without LibTorch's
+/// backtrace]).
+[[noreturn]] inline void fail_without_backtrace(std::string message) {
+  throw c10::Error(std::move(message), std::string());
+}
+
+/// Throws `error` again as the same kind of c10::Error (ValueError,
+/// TypeError, IndexError or Error), its message and context kept, without
+/// its backtrace.
+[[noreturn]] inline void rethrow_without_backtrace(const c10::Error& error) {
+  std::string message = error.what_without_backtrace();
+  if (dynamic_cast<const c10::ValueError*>(&error) != nullptr) {
+    throw c10::ValueError(std::move(message), std::string());
+  }
+  if (dynamic_cast<const c10::TypeError*>(&error) != nullptr) {
+    throw c10::TypeError(std::move(message), std::string());
+  }
+  if (dynamic_cast<const c10::IndexError*>(&error) != nullptr) {
+    throw c10::IndexError(std::move(message), std::string());
+  }
+  throw c10::Error(std::move(message), std::string());
+}
 
 /// "1 lane", "3 lanes": `n` and the noun that agrees with it.
 inline std::string count_of(int64_t n, const char* one, const char* many) {

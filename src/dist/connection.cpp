@@ -8,6 +8,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "text.h"
+
 namespace gpipe::dist::detail {
 
 void keep_forever(c10::intrusive_ptr<c10::intrusive_ptr_target> object) {
@@ -153,9 +155,9 @@ std::optional<std::string> Connection::failure() const {
 
 void Connection::throw_failure() const {
   auto f = failure();
-  TORCH_CHECK(
-      false,
-      f ? *f : std::string("the connection failed"),
+  // Note [Errors without LibTorch's backtrace] in src/text.h.
+  gpipe::detail::fail_without_backtrace(
+      (f ? *f : std::string("the connection failed")) +
       " (gpipe::dist: the connection between ranks is closed after a "
       "failure; restart the job)");
 }

@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "dist/connection.h"
+#include "text.h"
 
 namespace gpipe::dist::detail {
 
@@ -54,23 +55,24 @@ void Connection::wait_collective(
   if (!ended()) {
     keep_forever(work);  // Gloo may still write into its tensors
     check();
-    TORCH_CHECK(
-        in_time,
-        "gpipe::dist: the ",
-        what,
-        " did not end within ",
-        timeout.count() / 1000.0,
-        " s (GPIPE_DIST_TIMEOUT) on rank ",
-        rank,
-        " of ",
-        size,
-        ": a rank stopped answering, or runs other collectives");
+    // Note [Errors without LibTorch's backtrace] in src/text.h.
+    if (!in_time) {
+      gpipe::detail::fail_without_backtrace(c10::str(
+          "gpipe::dist: the ",
+          what,
+          " did not end within ",
+          timeout.count() / 1000.0,
+          " s (GPIPE_DIST_TIMEOUT) on rank ",
+          rank,
+          " of ",
+          size,
+          ": a rank stopped answering, or runs other collectives"));
+    }
   }
   try {
     work->wait(timeout);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(
-        false,
+    gpipe::detail::fail_without_backtrace(c10::str(
         "gpipe::dist: the ",
         what,
         " failed on rank ",
@@ -79,7 +81,7 @@ void Connection::wait_collective(
         size,
         " [c10d: ",
         std::string(e.what_without_backtrace()).substr(0, 300),
-        "]");
+        "]"));
   }
 }
 

@@ -23,6 +23,7 @@
 #include "dist/backend.h"
 #include "dist/connection.h"
 #include "engine/lane.h"
+#include "text.h"
 
 namespace gpipe::dist {
 
@@ -158,7 +159,9 @@ World init_from_env() {
   return init_from_env(default_timeout());
 }
 
-World init_from_env(std::chrono::milliseconds timeout) {
+namespace {
+
+World join_from_env(std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(
       timeout.count() > 0,
       "gpipe::dist::init_from_env expects a positive timeout, but got ",
@@ -282,6 +285,17 @@ World init_from_env(std::chrono::milliseconds timeout) {
       local_size,
       timeout,
       std::move(make_group)));
+}
+
+}  // namespace
+
+World init_from_env(std::chrono::milliseconds timeout) {
+  // Note [Errors without LibTorch's backtrace] in src/text.h.
+  try {
+    return join_from_env(timeout);
+  } catch (const c10::Error& e) {
+    gpipe::detail::rethrow_without_backtrace(e);
+  }
 }
 
 World init_from_store(

@@ -13,6 +13,7 @@
 #include "engine/pipeline.h"
 #include "engine/wide_cells.h"
 #include "schedule/actions.h"
+#include "text.h"
 
 namespace gpipe::detail {
 
@@ -161,7 +162,9 @@ void Pass::run(
     const auto why = transport_->failure();
     if (!why.empty()) {
       try {
-        TORCH_CHECK(false, why);
+        // Another rank's failure: Note [Errors without LibTorch's
+        // backtrace] in src/text.h.
+        fail_without_backtrace(why);
       } catch (...) {
         error_.set(std::current_exception());
       }

@@ -98,11 +98,15 @@ parity() {
   fi
 }
 
-# no_backtrace WHAT FILE...: gpipe's errors in FILE (a worker's record,
-# from "rank R error: " to "rank R failed after X s") quote c10d's messages
-# without LibTorch's backtrace ("frame #0: ..."). c10d's own log records
-# are not gpipe's: over NCCL its watchdog logs a failed work, backtrace
-# and all, when a peer goes away.
+# no_backtrace WHAT FILE...: the errors in FILE (a worker's record, from
+# "rank R error: " to "rank R failed after X s", the error's what() as a
+# program would print it) carry no LibTorch backtrace ("frame #0: ..."),
+# theirs or a quoted c10d message's: so it is for joining a job and for
+# failures between ranks (Note [Errors without LibTorch's backtrace] in
+# src/text.h). An error of the program itself (a loss that throws, options
+# that differ between ranks) is a TORCH_CHECK's, backtrace and all, as
+# LibTorch's own are. c10d's own log records are not gpipe's: over NCCL its
+# watchdog logs a failed work, backtrace and all, when a peer goes away.
 no_backtrace() {
   local what=$1 file
   shift
@@ -124,7 +128,6 @@ expect_error() {
   local what=$1 text=$2 n=$3
   local errors
   errors=$(grep -c "error: .*$text" "$tmp/out")
-  no_backtrace "$what" "$tmp/out"
   if [[ $status -eq 0 ]]; then
     fail "$what: gpipe-run exited 0"
   elif [[ $errors -ne $n ]]; then
