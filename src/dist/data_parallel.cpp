@@ -230,6 +230,15 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
     auto& p = bucket.parameters[k];
     auto& slot = bucket.slots[k];
     const auto& grad = p.grad();
+    TORCH_CHECK_TYPE(
+        !grad.defined() || grad.layout() == torch::kStrided,
+        "gpipe::dist: the replicas average dense gradients, but a parameter "
+        "of shape ",
+        p.sizes(),
+        " has a ",
+        grad.layout(),
+        " gradient (an Embedding with sparse(true)?); give the layers of a "
+        "stage with replicas dense gradients");
     if (!grad.defined()) {
       slot.zero_();
       p.mutable_grad() = slot;

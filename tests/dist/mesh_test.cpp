@@ -426,6 +426,71 @@ TEST(MeshTest, GradientsAccumulatedOverStepsOrSetToNoneAreAveraged) {
   }
 }
 
+// A sparse gradient (an Embedding with sparse(true)) cannot share a dense
+// bucket: every replica refuses the step with a c10::TypeError that says
+// so (before, it failed on the gradient's missing storage), and the next
+// step is refused at once rather than left waiting.
+TEST(MeshTest, ASparseGradientIsRefusedClearly) {
+  auto make = [] {
+    torch::manual_seed(0);
+    torch::nn::Sequential net;
+    net->push_back(
+        torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
+    net->push_back(torch::nn::Flatten());
+    net->push_back(torch::nn::Linear(12, 3));
+    return net;
+  };
+  const auto x = torch::randint(0, 10, {8, 3}, torch::kLong);
+  const auto y = torch::randint(0, 3, {8}, torch::kLong);
+  std::vector<torch::nn::Sequential> nets{make(), make()};
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](World world) {
+    Mesh mesh(world, 1);
+    dist::PipelineStage stage(
+        nets[world.rank()],
+        GPipeOptions({3}).chunks(2).threads_per_lane(1),
+        mesh);
+    std::string error = "no error";
+    try {
+      stage->train_step(
+          x.narrow(0, 4 * mesh.data_rank(), 4),
+          y.narrow(0, 4 * mesh.data_rank(), 4),
+          [](torch::Tensor out, torch::Tensor target) {
+            return torch::nn::functional::cross_entropy(out, target);
+          },
+          Schedule::FillDrain);
+    } catch (const c10::TypeError& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = std::string("another type: ") + e.what();
+    }
+    // The same step again is refused the same way, not left waiting.
+    try {
+      stage->train_step(
+          x.narrow(0, 4 * mesh.data_rank(), 4),
+          y.narrow(0, 4 * mesh.data_rank(), 4),
+          [](torch::Tensor out, torch::Tensor target) {
+            return torch::nn::functional::cross_entropy(out, target);
+          },
+          Schedule::FillDrain);
+      error += "; no error the second time";
+    } catch (const c10::Error& e) {
+      error += std::string("; then: ") + e.what_without_backtrace();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    errors[world.rank()] = error;
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(
+        e.find("the replicas average dense gradients, but a parameter of "
+               "shape [10, 4] has a Sparse gradient"),
+        std::string::npos)
+        << e;
+    EXPECT_NE(e.find("; then: "), std::string::npos) << e;
+  }
+}
+
 // Two replicas of a one-stage pipeline, cast to float between steps: the
 // buckets follow the parameters' new dtype.
 TEST(MeshTest, CastingBetweenStepsIsFollowed) {
