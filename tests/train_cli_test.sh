@@ -221,6 +221,8 @@ elif [[ $mode == run ]]; then
   # Skipped (ctest's 77) only without the data: Debian's
   # dataset-fashion-mnist is not installed (scripts/setup.sh installs it).
   if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
+    # Skipped without Debian's dataset-fashion-mnist (scripts/setup.sh
+    # installs it): this check trains on the real data.
     echo "skipped: no Fashion-MNIST in $data"
     exit 77
   fi

@@ -376,6 +376,8 @@ case $mode in
     # Skipped (ctest's 77) only without the data: Debian's
     # dataset-fashion-mnist is not installed (scripts/setup.sh installs it).
     if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
+      # Skipped without Debian's dataset-fashion-mnist (scripts/setup.sh
+      # installs it): this check trains on the real data.
       echo "no Fashion-MNIST under $data: skipped"
       exit 77
     fi
@@ -464,6 +466,8 @@ case $mode in
     # Skipped (ctest's 77) only without the data: Debian's
     # dataset-fashion-mnist is not installed (scripts/setup.sh installs it).
     if [[ ! -f $data/train-images-idx3-ubyte.gz ]]; then
+      # Skipped without Debian's dataset-fashion-mnist (scripts/setup.sh
+      # installs it): this check trains on the real data.
       echo "no Fashion-MNIST under $data: skipped"
       exit 77
     fi

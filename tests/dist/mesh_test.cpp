@@ -142,6 +142,45 @@ std::string name_of(const MeshLayout& l) {
          " on " + to_string(l.placement);
 }
 
+// What the ranks' threads found wrong, reported on the test's thread.
+class RankFailures {
+ public:
+  void add(const std::vector<std::string>& found) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failures_.insert(failures_.end(), found.begin(), found.end());
+  }
+  void report() const {
+    for (const auto& f : failures_) {
+      ADD_FAILURE() << f;
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::string> failures_;
+};
+
+// "<where>: parameter NAME differs" (or "the gradient of NAME", with
+// `grads`) for each parameter of `module` not within 1e-10 of
+// `expected(NAME)`.
+template <typename Expected>
+std::vector<std::string> differing(
+    const torch::nn::Module& module,
+    const Expected& expected,
+    const std::string& where,
+    bool grads = false) {
+  std::vector<std::string> found;
+  for (const auto& p : module.named_parameters()) {
+    const auto& value = grads ? p.value().grad() : p.value();
+    if (!torch::allclose(value, expected(p.key()), 1e-10, 1e-12)) {
+      found.push_back(
+          where + (grads ? ": the gradient of " : ": parameter ") + p.key() +
+          " differs");
+    }
+  }
+  return found;
+}
+
 // Two steps of D replicas of a P-stage pipeline, each replica on its own
 // shard, against one GPipe under fill-drain on the whole batch: losses and
 // parameters agree (float64, 1e-10). The replicas' models start from
@@ -182,8 +221,7 @@ void expect_equal_to_one_pipeline(const MeshLayout& layout) {
   for (int64_t r = 0; r < n; ++r) {
     nets.push_back(build(r / layout.pipeline));  // a seed per replica
   }
-  std::mutex mutex;
-  std::vector<std::string> failures;
+  RankFailures failures;
   run_ranks(n, [&](World world) {
     const auto r = world.rank();
     Mesh mesh(world, layout.pipeline);
@@ -211,19 +249,13 @@ void expect_equal_to_one_pipeline(const MeshLayout& layout) {
             std::to_string(ref_losses[step].item<double>()));
       }
     }
-    for (const auto& p : stage->named_parameters()) {
-      if (!torch::allclose(p.value(), ref_params[p.key()], 1e-10, 1e-12)) {
-        mine.push_back(
-            "rank " + std::to_string(r) + ": parameter " + p.key() +
-            " differs");
-      }
-    }
-    std::lock_guard<std::mutex> lock(mutex);
-    failures.insert(failures.end(), mine.begin(), mine.end());
+    failures.add(mine);
+    failures.add(differing(
+        *stage,
+        [&](const std::string& name) { return ref_params[name]; },
+        "rank " + std::to_string(r)));
   });
-  for (const auto& f : failures) {
-    ADD_FAILURE() << f;
-  }
+  failures.report();
 }
 
 TEST(MeshTest, ReplicasOfAPipelineEqualOnePipelineOnTheWholeBatch) {
@@ -323,8 +355,7 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
   for (int r = 0; r < 4; ++r) {
     nets.push_back(build(0));
   }
-  std::mutex mutex;
-  std::vector<std::string> failures;
+  RankFailures failures;
   run_ranks(4, [&](World world) {
     Mesh mesh(world, 2);
     dist::PipelineStage stage(nets[world.rank()], options, mesh);
@@ -344,19 +375,13 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
         mine.push_back("step " + std::to_string(step) + ": loss differs");
       }
     }
-    for (const auto& p : stage->named_parameters()) {
-      if (!torch::allclose(p.value(), ref_params[p.key()], 1e-10, 1e-12)) {
-        mine.push_back(
-            "rank " + std::to_string(world.rank()) + ": " + p.key() +
-            " differs");
-      }
-    }
-    std::lock_guard<std::mutex> lock(mutex);
-    failures.insert(failures.end(), mine.begin(), mine.end());
+    failures.add(mine);
+    failures.add(differing(
+        *stage,
+        [&](const std::string& name) { return ref_params[name]; },
+        "rank " + std::to_string(world.rank())));
   });
-  for (const auto& f : failures) {
-    ADD_FAILURE() << f;
-  }
+  failures.report();
 }
 
 // Gradients accumulated over three steps without zeroing, one of them set
@@ -394,13 +419,11 @@ TEST(MeshTest, GradientsAccumulatedOverStepsOrSetToNoneAreAveraged) {
   for (int r = 0; r < 4; ++r) {
     nets.push_back(build(0));
   }
-  std::mutex mutex;
-  std::vector<std::string> failures;
+  RankFailures failures;
   run_ranks(4, [&](World world) {
     Mesh mesh(world, 2);
     dist::PipelineStage stage(nets[world.rank()], options, mesh);
     const auto d = mesh.data_rank();
-    std::vector<std::string> mine;
     for (int step = 0; step < 4; ++step) {
       prepare(*stage, step);
       stage->train_step(
@@ -408,22 +431,15 @@ TEST(MeshTest, GradientsAccumulatedOverStepsOrSetToNoneAreAveraged) {
           mesh.pipeline_rank() == 1 ? y.narrow(0, 4 * d, 4) : torch::Tensor(),
           loss_fn,
           Schedule::OneFOneB);
-      for (const auto& p : stage->named_parameters()) {
-        if (!torch::allclose(
-                p.value().grad(), ref_grads[step][p.key()], 1e-10, 1e-12)) {
-          mine.push_back(
-              "rank " + std::to_string(world.rank()) + " step " +
-              std::to_string(step) + ": the gradient of " + p.key() +
-              " differs");
-        }
-      }
+      failures.add(differing(
+          *stage,
+          [&](const std::string& name) { return ref_grads[step][name]; },
+          "rank " + std::to_string(world.rank()) + " step " +
+              std::to_string(step),
+          /*grads=*/true));
     }
-    std::lock_guard<std::mutex> lock(mutex);
-    failures.insert(failures.end(), mine.begin(), mine.end());
   });
-  for (const auto& f : failures) {
-    ADD_FAILURE() << f;
-  }
+  failures.report();
 }
 
 // A sparse gradient (an Embedding with sparse(true)) cannot share a dense
@@ -611,8 +627,7 @@ TEST(MeshTest, ReplicasWhoseDataUseOtherLayersAgree) {
     for (int r = 0; r < 4; ++r) {
       nets.push_back(build_branchy());
     }
-    std::mutex mutex;
-    std::vector<std::string> failures;
+    RankFailures failures;
     run_ranks(4, [&](World world) {
       Mesh mesh(world, 2);
       dist::PipelineStage stage(
@@ -631,20 +646,12 @@ TEST(MeshTest, ReplicasWhoseDataUseOtherLayersAgree) {
         opt.step();
         opt.zero_grad();
       }
-      std::vector<std::string> mine;
-      for (const auto& p : stage->named_parameters()) {
-        if (!torch::allclose(p.value(), ref_params[p.key()], 1e-10, 1e-12)) {
-          mine.push_back(
-              "rank " + std::to_string(world.rank()) + ": parameter " +
-              p.key() + " differs");
-        }
-      }
-      std::lock_guard<std::mutex> lock(mutex);
-      failures.insert(failures.end(), mine.begin(), mine.end());
+      failures.add(differing(
+          *stage,
+          [&](const std::string& name) { return ref_params[name]; },
+          "rank " + std::to_string(world.rank())));
     });
-    for (const auto& f : failures) {
-      ADD_FAILURE() << f;
-    }
+    failures.report();
   }
 }
 
