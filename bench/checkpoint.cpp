@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <string>
 
+#include "checkpoint_io.h"
 #include "harness.h"
 #include "sections.h"
 #include "unet_case.h"
@@ -21,10 +22,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// Walks down by hand: LibTorch 2.x wheels carry broken copies of some of
+// std::filesystem (Note [Removing a directory tree]).
 int64_t bytes_under(const fs::path& dir) {
   int64_t bytes = 0;
-  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
-    if (entry.is_regular_file()) {
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.is_directory()) {
+      bytes += bytes_under(entry.path());
+    } else if (entry.is_regular_file()) {
       bytes += static_cast<int64_t>(entry.file_size());
     }
   }
@@ -51,7 +56,7 @@ nlohmann::json checkpoint_section(int iters) {
 
   const auto root = fs::temp_directory_path() /
                     ("gpipe-bench-checkpoint-" + std::to_string(::getpid()));
-  fs::remove_all(root);
+  detail::remove_tree(root.string());
   const auto archive = (root / "weights.pt").string();
   fs::create_directories(root);
   int64_t step = 0;
@@ -74,7 +79,7 @@ nlohmann::json checkpoint_section(int iters) {
   const auto checkpoint_bytes =
       bytes_under(latest_checkpoint((root / "ckpt").string()));
   const auto archive_bytes = static_cast<int64_t>(fs::file_size(archive));
-  fs::remove_all(root);
+  detail::remove_tree(root.string());
 
   const double mib = checkpoint_bytes / 1048576.0;
   const double archive_mib = archive_bytes / 1048576.0;

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks, on a machine with an NVIDIA GPU and a CUDA LibTorch 2.x (the
 # one of Python's torch by default): builds gpipe against it with gpipe::dist
-# on NCCL, then runs gpipe_dist_worker's parity checks over NCCL (each rank
-# a process, checked against single-process GPipe in float64), with the
-# stages on the CPU and on the GPU, one pipeline and replicas of one, and
-# tests/dist/dist_test.sh's parity and failure modes over NCCL.
+# on NCCL, runs the GoogleTest suites gpipe_tests and gpipe_balance_tests
+# on it (SUITE_ONLY=1: nothing more), then gpipe_dist_worker's parity checks
+# over NCCL (each rank a process, checked against single-process GPipe in
+# float64), with the stages on the CPU and on the GPU, one pipeline and
+# replicas of one, and tests/dist/dist_test.sh's parity and failure modes
+# over NCCL.
 #
 #   scripts/cuda_check.sh [BUILD_DIR]
 #   scripts/cuda_check.sh --deps DIR   # here, on Debian: copy the headers,
@@ -55,14 +57,53 @@ cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DGPIPE_BUILD_TOOLS=OFF "${zlib[@]}" || exit 1
 # The whole log in BUILD_LOG (if given); here, the errors.
 cmake --build "$build" -j "$(nproc)" --target gpipe gpipe_dist_worker \
-  gpipe-run -- "${keep_going[@]}" >"${BUILD_LOG:-$build/build.log}" 2>&1
+  gpipe-run gpipe_tests gpipe_balance_tests -- "${keep_going[@]}" >"${BUILD_LOG:-$build/build.log}" 2>&1
 grep -E -A4 'error|FAILED' "${BUILD_LOG:-$build/build.log}" | head -120
 [[ -x $build/tests/gpipe_dist_worker && -x $build/tools/gpipe-run ]] || exit 1
 
 echo "cuda_check: built in ${SECONDS} s"
+failures=0
+# The suite on this LibTorch. Its tests build pipelines on the default
+# devices and compare them with models on the CPU, so they run with the GPU
+# hidden (the default is then a CPU lane per partition); its *_CUDA tests
+# then run with the GPU, and each must pass, not skip.
+start=$SECONDS
+if [[ -x $build/tests/gpipe_tests && -x $build/tests/gpipe_balance_tests ]]; then
+  suite=$(CUDA_VISIBLE_DEVICES= timeout "${SUITE_TIMEOUT:-300}" ctest \
+    --test-dir "$build" -R '^gpipe_(balance_)?tests\.' -j "$(nproc)" \
+    --output-on-failure 2>&1)
+  if [[ $? -ne 0 ]]; then
+    echo "FAIL: the suite on the CPU ($((SECONDS - start)) s)"
+    grep -E -A30 '^\[  FAILED  \]|Failure$|\*\*\*|Segmentation|Exception' <<<"$suite" |
+      grep -v '^frame #' | head -200 | sed 's/^/    /'
+    grep -A20 'tests passed' <<<"$suite" | sed 's/^/    /'
+    failures=$((failures + 1))
+  else
+    echo "ok: the suite on the CPU: $(grep -m1 -o '[0-9]*% tests passed.*' <<<"$suite") ($((SECONDS - start)) s)"
+  fi
+  start=$SECONDS
+  suite=$(timeout 120 "$build/tests/gpipe_tests" --gtest_filter='*_CUDA' 2>&1)
+  status=$?
+  cuda_ran=$(grep -c '^\[       OK \] .*_CUDA ' <<<"$suite")
+  cuda_all=$(grep -c '^\[ RUN      \] .*_CUDA$' <<<"$suite")
+  if [[ $status -ne 0 || $cuda_all -eq 0 || $cuda_ran -ne $cuda_all ]]; then
+    echo "FAIL: $cuda_ran of $cuda_all CUDA tests passed, exit $status"
+    grep -v '^frame #' <<<"$suite" | head -80 | sed 's/^/    /'
+    failures=$((failures + 1))
+  else
+    echo "ok: $cuda_ran CUDA tests on the GPU ($((SECONDS - start)) s)"
+  fi
+else
+  echo "FAIL: the suite did not build"
+  failures=$((failures + 1))
+fi
+if [[ -n ${SUITE_ONLY:-} ]]; then
+  echo "cuda_check: $failures failed, ${SECONDS} s in all"
+  exit $((failures > 0))
+fi
+
 export GPIPE_DIST_BACKEND=nccl GPIPE_DIST_TIMEOUT=${GPIPE_DIST_TIMEOUT:-30}
 export NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
-failures=0
 check() {  # check N ARGS...: the worker on N ranks; every rank says OK
   local n=$1
   shift

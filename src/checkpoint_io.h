@@ -81,6 +81,11 @@ void add_file(
 std::vector<std::pair<int64_t, std::filesystem::path>> checkpoints_in(
     const std::string& root);
 
+/// Removes `path` and everything under it (a symbolic link is removed, not
+/// followed); a path that does not exist is no error. Returns what failed,
+/// or "" (Note [Removing a directory tree]).
+std::string remove_tree(const std::string& path);
+
 /// Makes a fresh temporary directory in `root` (made when missing) for the
 /// checkpoint of `step`, and returns its path. Leftovers of writes that
 /// never finished go.

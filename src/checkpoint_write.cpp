@@ -2,7 +2,10 @@
 // makes a checkpoint appear whole or not at all. See checkpoint_io.h.
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -48,6 +51,18 @@ std::string errno_text() {
   return std::strerror(errno);
 }
 
+// Where remove_entry reports the first entry it could not remove (nftw's
+// callback takes no argument of the caller's).
+thread_local std::string* removal_error = nullptr;
+
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) {
+  if (::remove(path) != 0 && errno != ENOENT) {
+    *removal_error = c10::str("cannot remove '", path, "': ", errno_text());
+    return 1;
+  }
+  return 0;
+}
+
 void sync_path(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
   TORCH_CHECK(fd >= 0, "cannot open '", path, "' to flush it: ", errno_text());
@@ -58,6 +73,31 @@ void sync_path(const std::string& path) {
 }
 
 }  // namespace
+
+// Note [Removing a directory tree]
+// Not std::filesystem::remove_all: PyTorch's CUDA wheels (2.x; 2.11 seen)
+// link parts of a newer libstdc++ into libtorch and export them, among them
+// std::filesystem's functions (pytorch/pytorch#133437). A program linked
+// with that libtorch binds its own calls to those copies, and the copy of
+// remove_all(path, error_code&) jumps to address 0 on a directory that
+// holds files. nftw walks the tree children first, as remove_all does.
+std::string remove_tree(const std::string& path) {
+  struct stat status {};
+  if (::lstat(path.c_str(), &status) != 0) {
+    return errno == ENOENT
+               ? std::string()
+               : c10::str("cannot remove '", path, "': ", errno_text());
+  }
+  std::string error;
+  removal_error = &error;
+  const int walked =
+      ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+  removal_error = nullptr;
+  if (walked != 0 && error.empty()) {
+    error = c10::str("cannot remove '", path, "': ", errno_text());
+  }
+  return error;
+}
 
 void fail_checkpoint_after(int64_t writes) {
   writes_left = writes;
@@ -165,11 +205,11 @@ std::string begin_checkpoint(const std::string& root, int64_t step) {
   for (const auto& entry : fs::directory_iterator(root, error)) {
     const auto name = entry.path().filename().string();
     if (name.rfind(".tmp-", 0) == 0) {
-      fs::remove_all(entry.path(), error);
+      remove_tree(entry.path().string());
     } else if (name.rfind(".old-", 0) == 0) {
       const auto in_place = fs::path(root) / name.substr(5);
       if (fs::exists(in_place, error)) {
-        fs::remove_all(entry.path(), error);
+        remove_tree(entry.path().string());
       } else {
         fs::rename(entry.path(), in_place, error);
       }
@@ -225,7 +265,7 @@ void commit_checkpoint(
       "': ",
       error.message());
   sync_path(root);
-  fs::remove_all(old, error);
+  remove_tree(old.string());
   // Checkpoints of later steps are of a run that went on from an older one
   // and was given up (this one resumed from before them): they go, or a
   // resume would take them. Of the earlier ones the newest stays.
@@ -239,7 +279,7 @@ void commit_checkpoint(
       kept_one = true;
       continue;
     }
-    fs::remove_all(it->second, error);
+    remove_tree(it->second.string());
   }
 }
 

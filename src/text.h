@@ -18,12 +18,14 @@ namespace gpipe::detail {
 // dozens of frames of gpipe's and LibTorch's insides for an error about
 // the user's job (a rank that never came, a rank that died). The errors of
 // joining a job and of a failed connection between ranks are thrown
-// without it; what_without_backtrace() reads the same either way.
+// without it; what_without_backtrace() reads the same either way. The
+// backtrace argument is `{}`: LibTorch 1.13 takes it as a string, 2.x as a
+// lazily computed value, and an empty one of either prints nothing.
 
 /// Throws a c10::Error of `message` alone (Note [Errors without LibTorch's
 /// backtrace]).
 [[noreturn]] inline void fail_without_backtrace(std::string message) {
-  throw c10::Error(std::move(message), std::string());
+  throw c10::Error(std::move(message), {});
 }
 
 /// Throws `error` again as the same kind of c10::Error (ValueError,
@@ -32,15 +34,15 @@ namespace gpipe::detail {
 [[noreturn]] inline void rethrow_without_backtrace(const c10::Error& error) {
   std::string message = error.what_without_backtrace();
   if (dynamic_cast<const c10::ValueError*>(&error) != nullptr) {
-    throw c10::ValueError(std::move(message), std::string());
+    throw c10::ValueError(std::move(message), {});
   }
   if (dynamic_cast<const c10::TypeError*>(&error) != nullptr) {
-    throw c10::TypeError(std::move(message), std::string());
+    throw c10::TypeError(std::move(message), {});
   }
   if (dynamic_cast<const c10::IndexError*>(&error) != nullptr) {
-    throw c10::IndexError(std::move(message), std::string());
+    throw c10::IndexError(std::move(message), {});
   }
-  throw c10::Error(std::move(message), std::string());
+  throw c10::Error(std::move(message), {});
 }
 
 /// "1 lane", "3 lanes": `n` and the noun that agrees with it.

@@ -28,11 +28,10 @@ struct TempDir {
             ("gpipe-ckpt-" + std::to_string(::getpid()) + "-" +
              std::to_string(counter()++)))
                .string();
-    fs::remove_all(path);
+    detail::remove_tree(path);
   }
   ~TempDir() {
-    std::error_code error;
-    fs::remove_all(path, error);
+    detail::remove_tree(path);
   }
   static int& counter() {
     static int n = 0;
@@ -344,7 +343,7 @@ TEST(CheckpointIoTest, DamagedFilesAreRefusedByName) {
     manifest << "{\"format\": \"gpipe-checkpoint\", ";
   }
   expect_refused(other, load, {"manifest.json", "damaged"});
-  fs::remove_all(ckpt);
+  ASSERT_EQ(detail::remove_tree(ckpt), "");
   expect_refused(other, load, {"no checkpoint", dir.path});
 }
 
@@ -457,6 +456,28 @@ TEST(CheckpointIoTest, OptionsAndGeneratorStatesAreChecked) {
         << e.what();
   }
   EXPECT_EQ(latest_checkpoint(dir.path), dir.path + "/step-00000000");
+}
+
+// Removing old checkpoints goes through detail::remove_tree (Note [Removing
+// a directory tree]): whole trees go, what a link points to stays.
+TEST(CheckpointIoTest, RemoveTreeRemovesTreesButNotWhatLinksPointTo) {
+  TempDir dir;
+  const fs::path root(dir.path);
+  fs::create_directories(root / "tree" / "a" / "b");
+  fs::create_directories(root / "kept");
+  std::ofstream(root / "tree" / "top.bin") << "x";
+  std::ofstream(root / "tree" / "a" / "b" / "deep.bin") << "y";
+  std::ofstream(root / "kept" / "file.bin") << "z";
+  fs::create_directory_symlink(root / "kept", root / "tree" / "a" / "link");
+  std::ofstream(root / "lone.bin") << "w";
+
+  EXPECT_EQ(detail::remove_tree((root / "tree").string()), "");
+  EXPECT_FALSE(fs::exists(root / "tree"));
+  EXPECT_TRUE(fs::exists(root / "kept" / "file.bin"));
+  EXPECT_EQ(detail::remove_tree((root / "lone.bin").string()), "");
+  EXPECT_FALSE(fs::exists(root / "lone.bin"));
+  EXPECT_EQ(detail::remove_tree((root / "never-was").string()), "");
+  EXPECT_EQ(entries_of(dir.path), std::vector<std::string>{"kept"});
 }
 
 }  // namespace

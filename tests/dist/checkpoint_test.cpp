@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_io.h"
 #include "dist/ranks.h"
 
 namespace gpipe {
@@ -229,11 +230,10 @@ struct TempDir {
             ("gpipe-dist-ckpt-" + std::to_string(::getpid()) + "-" +
              std::to_string(counter++)))
                .string();
-    fs::remove_all(path);
+    detail::remove_tree(path);
   }
   ~TempDir() {
-    std::error_code error;
-    fs::remove_all(path, error);
+    detail::remove_tree(path);
   }
   std::string path;
 };
