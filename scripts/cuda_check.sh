@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks, on a machine with an NVIDIA GPU and a CUDA LibTorch 2.x (the
-# one of Python's torch by default): builds gpipe against it with gpipe::dist
-# on NCCL, runs the GoogleTest suites gpipe_tests and gpipe_balance_tests
-# on it (SUITE_ONLY=1: nothing more), then gpipe_dist_worker's parity checks
-# over NCCL (each rank a process, checked against single-process GPipe in
-# float64), with the stages on the CPU and on the GPU, one pipeline and
-# replicas of one, and tests/dist/dist_test.sh's parity and failure modes
-# over NCCL.
+# one of Python's torch by default): builds gpipe, gpipe-train and
+# gpipe-bench against it with gpipe::dist on NCCL, runs the GoogleTest
+# suites gpipe_tests and gpipe_balance_tests on it (SUITE_ONLY=1: nothing
+# more), then gpipe_dist_worker's parity checks over NCCL (each rank a
+# process, checked against single-process GPipe in float64), with the
+# stages on the CPU and on the GPU, one pipeline and replicas of one, and
+# tests/dist/dist_test.sh's parity and failure modes over NCCL.
 #
 #   scripts/cuda_check.sh [BUILD_DIR]
 #   scripts/cuda_check.sh --deps DIR   # here, on Debian: copy the headers,
@@ -53,16 +53,23 @@ if command -v ninja >/dev/null; then
   keep_going=(-k 0)
 fi
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$torch_prefix;${DEPS:-}" -DGPIPE_BUILD_BENCHMARKS=OFF \
-  -DGPIPE_BUILD_TOOLS=OFF "${zlib[@]}" || exit 1
+  -DCMAKE_PREFIX_PATH="$torch_prefix;${DEPS:-}" "${zlib[@]}" || exit 1
 # The whole log in BUILD_LOG (if given); here, the errors.
 cmake --build "$build" -j "$(nproc)" --target gpipe gpipe_dist_worker \
-  gpipe-run gpipe_tests gpipe_balance_tests -- "${keep_going[@]}" >"${BUILD_LOG:-$build/build.log}" 2>&1
+  gpipe-run gpipe_tests gpipe_balance_tests gpipe-train gpipe-bench -- \
+  "${keep_going[@]}" >"${BUILD_LOG:-$build/build.log}" 2>&1
 grep -E -A4 'error|FAILED' "${BUILD_LOG:-$build/build.log}" | head -120
 [[ -x $build/tests/gpipe_dist_worker && -x $build/tools/gpipe-run ]] || exit 1
 
 echo "cuda_check: built in ${SECONDS} s"
 failures=0
+# The tools are built to see that they compile against this LibTorch.
+for program in tools/gpipe-train bench/gpipe-bench; do
+  if [[ ! -x $build/$program ]]; then
+    echo "FAIL: $program did not build"
+    failures=$((failures + 1))
+  fi
+done
 # The suite on this LibTorch. Its tests build pipelines on the default
 # devices and compare them with models on the CPU, so they run with the GPU
 # hidden (the default is then a CPU lane per partition); its *_CUDA tests
