@@ -75,7 +75,7 @@ void sync_path(const std::string& path) {
 }  // namespace
 
 // Note [Removing a directory tree]
-// Not std::filesystem::remove_all: PyTorch's CUDA wheels (2.x; 2.11 seen)
+// Not std::filesystem::remove_all: PyTorch's 2.x wheels (2.11 seen)
 // link parts of a newer libstdc++ into libtorch and export them, among them
 // std::filesystem's functions (pytorch/pytorch#133437). A program linked
 // with that libtorch binds its own calls to those copies, and the copy of
