@@ -174,9 +174,8 @@ TORCH_MODULE(SleepOverThreads);
 TEST_F(AutotuneTest, WeighsSharedThreadsAsTheEngineRunsThem) {
   const int64_t cores = detail::available_cores();
   if (cores < 2) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+    GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
+        << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   const int64_t own = std::max<int64_t>(1, cores / 2);
   torch::nn::Sequential net;

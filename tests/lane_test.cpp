@@ -173,8 +173,7 @@ const char* malloc_not_gpipes() {
 // here; with the lanes' setting, 0 to about 200).
 TEST(WorkerTest, LaneStepsReuseTheirMemory) {
   if (const char* why = malloc_not_gpipes()) {
-    // Skipped where gpipe does not set malloc (see malloc_not_gpipes).
-    GTEST_SKIP() << why;
+    GTEST_SKIP() << why;  // gpipe does not set malloc (malloc_not_gpipes)
   }
   at::set_num_threads(1);
   torch::manual_seed(0);
@@ -202,8 +201,7 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
 // the first: 13,000 faults per step here.
 TEST(WorkerTest, LaneStepsReuseMemoryBeyondOneHeap) {
   if (const char* why = malloc_not_gpipes()) {
-    // Skipped where gpipe does not set malloc (see malloc_not_gpipes).
-    GTEST_SKIP() << why;
+    GTEST_SKIP() << why;  // gpipe does not set malloc (malloc_not_gpipes)
   }
   at::set_num_threads(1);
   torch::manual_seed(0);

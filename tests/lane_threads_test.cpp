@@ -160,9 +160,8 @@ Recorded threads_seen(int64_t chunks, int64_t threads_per_lane) {
 TEST(LaneThreadsTest, ALaneThePlanRunsAloneUsesEveryCore) {
   const int64_t cores = detail::available_cores();
   if (cores < 2) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+    GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
+        << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   // One micro-batch: no two lanes ever run at once.
   auto seen = threads_seen(1, 0);
@@ -207,9 +206,8 @@ TORCH_MODULE(FailOnce);
 
 TEST(LaneThreadsTest, ASerialPlanRunsOnTheCallingThread) {
   if (detail::available_cores() < 2) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+    GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
+        << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   // Note [A serial plan on the calling thread]: at chunks 1 both
   // partitions compute on the caller's thread, forward and backward; with
@@ -290,9 +288,8 @@ TEST(LaneThreadsTest, OneCpuLaneRunsOnTheCallingThreadWithItsCount) {
 
 TEST(LaneThreadsTest, ASerialPlanGivesTheCallerItsCountBack) {
   if (detail::available_cores() < 2) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+    GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
+        << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   // The caller's thread runs the serial plan with every core, then has its
   // own count again, after a pass that failed too.
@@ -338,9 +335,8 @@ TEST(LaneThreadsTest, AnErrorInASerialPlanIsTheCellsAndTheModelGoesOn) {
 
 TEST(LaneThreadsTest, OnlyTheDefaultFollowsThePlan) {
   if (detail::available_cores() < 2) {
-    // Skipped on a one-core machine and under scripts/tsan.sh
-    // (OMP_NUM_THREADS=1): there are no cores to share.
-    GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+    GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
+        << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
   EXPECT_TRUE(GPipe(net, GPipeOptions({1, 1}))->threads_follow_plan());

@@ -184,9 +184,9 @@ TEST_F(LongRunTest, ResidentMemoryStaysFlatOverThousandsOfSteps) {
       std::chrono::duration<double, std::milli>(longest_hold).count());
 
   if (steps <= kWarmUpSteps) {
-    // Skipped when the time budget allowed too few steps (a slow machine).
-    GTEST_SKIP() << steps << " steps: too few to measure memory after a "
-                 << kWarmUpSteps << "-step warm-up";
+    GTEST_SKIP()  // a slow machine: the time budget allowed too few steps
+        << steps << " steps: too few to measure memory after a " << kWarmUpSteps
+        << "-step warm-up";
   }
   const int64_t growth = rss_at_end - rss_after_warm_up;
   std::printf(
@@ -199,9 +199,9 @@ TEST_F(LongRunTest, ResidentMemoryStaysFlatOverThousandsOfSteps) {
       growth / 1024.0,
       growth / 1024.0 / static_cast<double>(steps - kWarmUpSteps));
 #ifdef GPIPE_SANITIZED
-  // Skipped in the sanitizer build only: its shadow memory grows by design.
-  GTEST_SKIP() << "resident memory is not checked under a sanitizer (shadow "
-                  "memory and quarantine grow by design)";
+  GTEST_SKIP()  // sanitizer builds only: shadow memory grows by design
+      << "resident memory is not checked under a sanitizer (shadow "
+         "memory and quarantine grow by design)";
 #else
   EXPECT_LT(growth, kMaxGrowthBytes)
       << "resident memory grew by " << growth << " bytes over "

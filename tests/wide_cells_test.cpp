@@ -55,9 +55,8 @@ class WideCellsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (detail::available_cores() < 2) {
-      // Skipped on a one-core machine and under scripts/tsan.sh
-      // (OMP_NUM_THREADS=1): there are no cores to share.
-      GTEST_SKIP() << "one core (or OMP_NUM_THREADS=1): nothing to share";
+      GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
+          << "one core (or OMP_NUM_THREADS=1): nothing to share";
     }
   }
 };

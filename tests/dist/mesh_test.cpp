@@ -114,6 +114,25 @@ torch::nn::Sequential build(int64_t seed) {
   return net;
 }
 
+// What the mesh tests train on: `rows` rows of build()'s 6 features in
+// float64 and their classes of 3, from seed 3; and the loss.
+struct Batch {
+  torch::Tensor x;
+  torch::Tensor y;
+};
+
+Batch batch_of(int64_t rows) {
+  torch::manual_seed(3);
+  Batch batch;
+  batch.x = torch::randn({rows, 6}, torch::kDouble);
+  batch.y = torch::randint(0, 3, {rows}, torch::kLong);
+  return batch;
+}
+
+torch::Tensor cross_entropy(torch::Tensor out, torch::Tensor target) {
+  return torch::nn::functional::cross_entropy(out, target);
+}
+
 // A balance of `stages` partitions of build()'s seven layers.
 std::vector<int64_t> balance_of(int64_t stages) {
   switch (stages) {
@@ -198,12 +217,10 @@ void expect_equal_to_one_pipeline(const MeshLayout& layout) {
                            .placement(layout.placement)
                            .threads_per_lane(1);
   const int64_t rows = 8 * layout.data;
-  torch::manual_seed(3);
-  const auto x = torch::randn({rows, 6}, torch::kDouble);
-  const auto y = torch::randint(0, 3, {rows}, torch::kLong);
-  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
+  const auto batch = batch_of(rows);
+  const auto& x = batch.x;
+  const auto& y = batch.y;
+  const LossFunction loss_fn = cross_entropy;
 
   // The reference: one pipeline in this process, on the whole batch.
   GPipe ref(build(0), options);
@@ -323,12 +340,10 @@ TEST(MeshTest, APlacementWithoutPartitionZeroOnRankZeroIsRefused) {
 // one pipeline on the whole batch.
 TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
   const auto options = GPipeOptions({3, 4}).chunks(2).threads_per_lane(1);
-  torch::manual_seed(3);
-  const auto x = torch::randn({8, 6}, torch::kDouble);
-  const auto y = torch::randint(0, 3, {8}, torch::kLong);
-  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
+  const auto batch = batch_of(8);
+  const auto& x = batch.x;
+  const auto& y = batch.y;
+  const LossFunction loss_fn = cross_entropy;
   // Step 1: partition 1's first Linear (layer 4) frozen; step 2: thawed;
   // before step 3: every gradient set to none.
   auto prepare = [](torch::nn::Module& m, int step) {
@@ -392,12 +407,10 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
 // holds, as one pipeline on the whole batch has it.
 TEST(MeshTest, GradientsAccumulatedOverStepsOrSetToNoneAreAveraged) {
   const auto options = GPipeOptions({3, 4}).chunks(2).threads_per_lane(1);
-  torch::manual_seed(3);
-  const auto x = torch::randn({8, 6}, torch::kDouble);
-  const auto y = torch::randint(0, 3, {8}, torch::kLong);
-  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
+  const auto batch = batch_of(8);
+  const auto& x = batch.x;
+  const auto& y = batch.y;
+  const LossFunction loss_fn = cross_entropy;
   auto prepare = [](torch::nn::Module& m, int step) {
     for (auto& p : m.named_parameters()) {
       if ((step == 2 && p.key() == "partitions.0.0.weight") || step == 3) {
@@ -472,9 +485,7 @@ TEST(MeshTest, ASparseGradientIsRefusedClearly) {
       stage->train_step(
           x.narrow(0, 4 * mesh.data_rank(), 4),
           y.narrow(0, 4 * mesh.data_rank(), 4),
-          [](torch::Tensor out, torch::Tensor target) {
-            return torch::nn::functional::cross_entropy(out, target);
-          },
+          cross_entropy,
           Schedule::FillDrain);
     } catch (const c10::TypeError& e) {
       error = e.what_without_backtrace();
@@ -486,9 +497,7 @@ TEST(MeshTest, ASparseGradientIsRefusedClearly) {
       stage->train_step(
           x.narrow(0, 4 * mesh.data_rank(), 4),
           y.narrow(0, 4 * mesh.data_rank(), 4),
-          [](torch::Tensor out, torch::Tensor target) {
-            return torch::nn::functional::cross_entropy(out, target);
-          },
+          cross_entropy,
           Schedule::FillDrain);
       error += "; no error the second time";
     } catch (const c10::Error& e) {
@@ -511,12 +520,10 @@ TEST(MeshTest, ASparseGradientIsRefusedClearly) {
 // buckets follow the parameters' new dtype.
 TEST(MeshTest, CastingBetweenStepsIsFollowed) {
   const auto options = GPipeOptions({7}).chunks(2).threads_per_lane(1);
-  torch::manual_seed(3);
-  const auto x = torch::randn({8, 6}, torch::kDouble);
-  const auto y = torch::randint(0, 3, {8}, torch::kLong);
-  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
+  const auto batch = batch_of(8);
+  const auto& x = batch.x;
+  const auto& y = batch.y;
+  const LossFunction loss_fn = cross_entropy;
   GPipe ref(build(0), options);
   torch::optim::SGD ref_opt(ref->parameters(), 0.1);
   std::vector<torch::Tensor> ref_losses;
@@ -607,9 +614,7 @@ TEST(MeshTest, ReplicasWhoseDataUseOtherLayersAgree) {
   x.narrow(0, 0, 8).select(1, 0).abs_().add_(0.1);
   x.narrow(0, 8, 8).select(1, 0).abs_().add_(0.1).neg_();
   const auto y = torch::randint(0, 3, {16}, torch::kLong);
-  auto loss_fn = [](torch::Tensor out, torch::Tensor target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
+  const LossFunction loss_fn = cross_entropy;
   for (auto schedule :
        {Schedule::FillDrain, Schedule::OneFOneB, Schedule::ZeroBubble}) {
     SCOPED_TRACE(to_string(schedule));
@@ -681,9 +686,9 @@ void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
           p == 2 ? std::vector<int64_t>{3, 4} : std::vector<int64_t>{7})
           .chunks(2)
           .threads_per_lane(1);
-  torch::manual_seed(3);
-  const auto x = torch::randn({8, 6}, torch::kDouble);
-  const auto y = torch::randint(0, 3, {8}, torch::kLong);
+  const auto batch = batch_of(8);
+  const auto& x = batch.x;
+  const auto& y = batch.y;
   std::vector<torch::nn::Sequential> nets;
   for (int r = 0; r < 4; ++r) {
     nets.push_back(build(0));
@@ -842,9 +847,7 @@ TEST(MeshTest, AStagesAllReduceStartsWhileThePipelineDrains) {
       stage->train_step(
           mesh.pipeline_rank() == 0 ? rows : torch::Tensor(),
           mesh.pipeline_rank() == 1 ? targets : torch::Tensor(),
-          [](torch::Tensor out, torch::Tensor target) {
-            return torch::nn::functional::cross_entropy(out, target);
-          },
+          cross_entropy,
           Schedule::OneFOneB);
     }
     stage->set_trace(nullptr);
