@@ -224,8 +224,7 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
   // none) is written in, divided on the way. Every gradient is divided by
   // the number of replicas before the sum (Note [Gradient buckets]).
   const auto replicas = static_cast<double>(data_.size());
-  std::vector<bool> in_place(bucket.parameters.size(), false);
-  bool all_in_place = true;
+  std::vector<size_t> in_place;  // slots backward accumulated into
   for (const auto k : c10::irange(bucket.parameters.size())) {
     auto& p = bucket.parameters[k];
     auto& slot = bucket.slots[k];
@@ -248,18 +247,14 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
       at::div_out(slot, grad, replicas);
       p.mutable_grad() = slot;
     } else {
-      in_place[k] = true;
-      continue;
+      in_place.push_back(k);
     }
-    all_in_place = false;
   }
-  if (all_in_place) {
+  if (in_place.size() == bucket.parameters.size()) {
     bucket.flat.div_(replicas);
   } else {
-    for (const auto k : c10::irange(bucket.parameters.size())) {
-      if (in_place[k]) {
-        bucket.slots[k].div_(replicas);
-      }
+    for (const auto k : in_place) {
+      bucket.slots[k].div_(replicas);
     }
   }
   bucket.staged = on_group_device(connection.groups, bucket.flat);
