@@ -150,34 +150,24 @@ void RandomLease::unlock() {
   cv_.notify_all();
 }
 
-struct GeneratorSnapshot::Cpu {
-  // The engine's plain data: an at::mt19937 member would seed itself on
-  // construction (a 624-word loop, a microsecond).
-  at::mt19937_data_pod engine;
-  c10::optional<float> next_float;
-  c10::optional<double> next_double;
-};
-
-GeneratorSnapshot::GeneratorSnapshot(const at::Generator& cpu)
-    : cpu_(std::make_unique<Cpu>()) {
+GeneratorSnapshot::GeneratorSnapshot(const at::Generator& cpu) {
   auto gen = cpu;
   std::lock_guard<std::mutex> lock(gen.mutex());
   auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
-  cpu_->engine = impl->engine().data();
-  cpu_->next_float = impl->next_float_normal_sample();
-  cpu_->next_double = impl->next_double_normal_sample();
+  cpu_.engine = impl->engine().data();
+  cpu_.next_float = impl->next_float_normal_sample();
+  cpu_.next_double = impl->next_double_normal_sample();
 }
 
-GeneratorSnapshot::GeneratorSnapshot(torch::Device device)
-    : cpu_(std::make_unique<Cpu>()) {
+GeneratorSnapshot::GeneratorSnapshot(torch::Device device) {
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
-    cpu_->engine = impl->engine().data();
+    cpu_.engine = impl->engine().data();
     // A normal sample can come from the Box-Muller cache alone.
-    cpu_->next_float = impl->next_float_normal_sample();
-    cpu_->next_double = impl->next_double_normal_sample();
+    cpu_.next_float = impl->next_float_normal_sample();
+    cpu_.next_double = impl->next_double_normal_sample();
   }
   if (device.type() != torch::kCPU) {
     auto gen = generator_of(device);
@@ -193,19 +183,19 @@ void GeneratorSnapshot::restore_cpu() const {
   std::lock_guard<std::mutex> lock(gen.mutex());
   auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
   auto engine = impl->engine();
-  engine.set_data(cpu_->engine);
+  engine.set_data(cpu_.engine);
   impl->set_engine(engine);
-  impl->set_next_float_normal_sample(cpu_->next_float);
-  impl->set_next_double_normal_sample(cpu_->next_double);
+  impl->set_next_float_normal_sample(cpu_.next_float);
+  impl->set_next_double_normal_sample(cpu_.next_double);
 }
 
 bool GeneratorSnapshot::operator==(const GeneratorSnapshot& other) const {
-  const auto& a = cpu_->engine;
-  const auto& b = other.cpu_->engine;
+  const auto& a = cpu_.engine;
+  const auto& b = other.cpu_.engine;
   if (a.seed_ != b.seed_ || a.left_ != b.left_ || a.seeded_ != b.seeded_ ||
       a.next_ != b.next_ || a.state_ != b.state_ ||
-      cpu_->next_float != other.cpu_->next_float ||
-      cpu_->next_double != other.cpu_->next_double) {
+      cpu_.next_float != other.cpu_.next_float ||
+      cpu_.next_double != other.cpu_.next_double) {
     return false;
   }
   if (device_.defined() != other.device_.defined()) {

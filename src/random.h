@@ -57,6 +57,8 @@
 // starts a pipeline (that is refused), so the lease is never held across
 // one.
 
+#include <ATen/core/MT19937RNGEngine.h>
+#include <c10/util/Optional.h>
 #include <torch/types.h>
 
 #include <algorithm>
@@ -91,8 +93,9 @@ class RandomLease {
 };
 
 /// The states of the default generators of the CPU and of `device`. The
-/// CPU generator's is read without making a tensor (a few hundred
-/// nanoseconds: it is taken twice per cell).
+/// CPU generator's is read without making a tensor, into the snapshot
+/// itself, not a heap block: it is taken twice per cell, and glibc serves
+/// a block of this size from its sorted bins, not its per-thread cache.
 class GeneratorSnapshot {
  public:
   explicit GeneratorSnapshot(torch::Device device);
@@ -108,8 +111,14 @@ class GeneratorSnapshot {
   void restore_cpu() const;
 
  private:
-  struct Cpu;
-  std::unique_ptr<Cpu> cpu_;
+  // The engine's plain data: an at::mt19937 member would seed itself on
+  // construction (a 624-word loop, a microsecond).
+  struct Cpu {
+    at::mt19937_data_pod engine;
+    c10::optional<float> next_float;
+    c10::optional<double> next_double;
+  };
+  Cpu cpu_;               // each constructor fills it
   torch::Tensor device_;  // state of the other device's generator, if any
 };
 
