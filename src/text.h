@@ -28,6 +28,23 @@ namespace gpipe::detail {
   throw c10::Error(std::move(message), {});
 }
 
+/// Another process's failure, met here (a receive or a collective it
+/// ended): `origin()` is its message as that process gave it, naming where
+/// it happened ("rank 3: ..."), and what() adds how it reached this one.
+/// A pass that ends because of it passes the origin on as it came, so that
+/// every rank names the rank where the failure happened, once.
+class RelayedFailure : public c10::Error {
+ public:
+  RelayedFailure(std::string origin, std::string message)
+      : c10::Error(std::move(message), {}), origin_(std::move(origin)) {}
+  const std::string& origin() const {
+    return origin_;
+  }
+
+ private:
+  std::string origin_;
+};
+
 /// Throws `error` again as the same kind of c10::Error (ValueError,
 /// TypeError, IndexError or Error), its message and context kept, without
 /// its backtrace.

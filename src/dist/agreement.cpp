@@ -196,12 +196,12 @@ void agree_on_build(
     } catch (const std::exception&) {
       TORCH_CHECK(
           false,
-          "gpipe::dist::PipelineStage: rank ",
-          rank,
+          "gpipe::dist::PipelineStage: ",
+          connection.rank_name(rank),
           " waited ",
           connection.timeout.count() / 1000.0,
-          " s for rank ",
-          r,
+          " s for ",
+          connection.rank_name(r),
           " to build its stage [c10d: ",
           message_of(std::current_exception()).substr(0, 300),
           "]");
@@ -209,8 +209,8 @@ void agree_on_build(
     const std::string published(value.begin(), value.end());
     TORCH_CHECK_VALUE(
         published.rfind("error=", 0) != 0,
-        "gpipe::dist::PipelineStage: rank ",
-        r,
+        "gpipe::dist::PipelineStage: ",
+        connection.rank_name(r),
         " could not build its stage: ",
         published.substr(6));
     const auto theirs = split_fields(published);
@@ -219,14 +219,14 @@ void agree_on_build(
           k < theirs.size() ? theirs[k].second : std::string("(missing)");
       TORCH_CHECK_VALUE(
           mine[k].second == other,
-          "gpipe::dist::PipelineStage: rank ",
-          rank,
+          "gpipe::dist::PipelineStage: ",
+          connection.rank_name(rank),
           " has ",
           mine[k].first,
           " ",
           mine[k].second,
-          " but rank ",
-          r,
+          " but ",
+          connection.rank_name(r),
           " has ",
           other,
           ": every rank must build the same Sequential with the same "
@@ -262,13 +262,15 @@ Begin begin_pass(
                     const std::string& there) {
     TORCH_CHECK_VALUE(
         here == there,
-        "gpipe::dist: rank ",
-        rank,
+        "gpipe::dist: ",
+        connection.rank_name(rank),
         " runs ",
         what,
         " ",
         here,
-        " but rank 0 runs ",
+        " but ",
+        connection.rank_name(0),
+        " runs ",
         there,
         " (",
         detail::describe_pass(pass),

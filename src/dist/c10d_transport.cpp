@@ -142,12 +142,11 @@ torch::Tensor C10dTransport::recv_skip(
   auto m = receive_traced(peer, id);
   TORCH_CHECK(
       m.tensors.size() == 1,
-      "rank ",
-      me(),
+      connection_->rank_name(me()),
       " expected one tensor for skip ",
       key,
-      " from rank ",
-      peer,
+      " from ",
+      connection_->rank_name(peer),
       ", but got ",
       m.tensors.size());
   return std::move(m.tensors[0]);
@@ -212,20 +211,22 @@ void C10dTransport::finish() {
 }
 
 void C10dTransport::abort() {
-  abort_with("rank " + std::to_string(me()) + " aborted the pass");
+  abort_with(connection_->rank_name(me()) + " aborted the pass");
 }
 
 void C10dTransport::abort_with(const std::string& why) {
   local_.abort();
-  connection_->fail("rank " + std::to_string(me()) + ": " + why);
+  connection_->fail(connection_->rank_name(me()) + ": " + why);
+}
+
+void C10dTransport::relay(const std::string& failure) {
+  local_.abort();
+  connection_->fail(failure);
 }
 
 std::string C10dTransport::failure() const {
   auto f = connection_->failure();
-  return f ? *f + " (gpipe::dist: the connection between ranks is closed after "
-                  "a "
-                  "failure; restart the job)"
-           : std::string();
+  return f ? with_closing_note(*f) : std::string();
 }
 
 bool C10dTransport::aborted() const {

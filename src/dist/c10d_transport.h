@@ -59,6 +59,7 @@ class C10dTransport final : public gpipe::detail::Transport {
       gpipe::Phase phase, int64_t i, const gpipe::SkipKey& key) override;
   void abort() override;
   void abort_with(const std::string& why) override;
+  void relay(const std::string& failure) override;
   bool aborted() const override;
   std::string failure() const override;
 

@@ -33,9 +33,7 @@ torch::Tensor collective_pass(
     for (auto& work : begin_sends) {
       keep_forever(std::move(work));  // may still be posted
     }
-    connection.fail(
-        "rank " + std::to_string(connection.rank) + ": " +
-        message_of(std::current_exception()));
+    connection.fail_with(std::current_exception());
     throw;
   }
 }

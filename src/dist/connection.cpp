@@ -148,18 +148,38 @@ void Connection::fail(const std::string& message) {
   }
 }
 
+void Connection::fail_with(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const gpipe::detail::RelayedFailure& e) {
+    fail(e.origin());
+  } catch (...) {
+    fail(rank_name(rank) + ": " + message_of(std::current_exception()));
+  }
+}
+
 std::optional<std::string> Connection::failure() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return failure_;
 }
 
-void Connection::throw_failure() const {
-  auto f = failure();
-  // Note [Errors without LibTorch's backtrace] in src/text.h.
-  gpipe::detail::fail_without_backtrace(
-      (f ? *f : std::string("the connection failed")) +
+std::string with_closing_note(const std::string& failure) {
+  static const std::string note =
       " (gpipe::dist: the connection between ranks is closed after a "
-      "failure; restart the job)");
+      "failure; restart the job)";
+  if (failure.size() >= note.size() &&
+      failure.compare(failure.size() - note.size(), note.size(), note) == 0) {
+    return failure;
+  }
+  return failure + note;
+}
+
+void Connection::throw_failure() const {
+  const auto f = failure();
+  const auto origin = f ? *f : std::string("the connection failed");
+  // Without LibTorch's backtrace: Note [Errors without LibTorch's backtrace]
+  // in src/text.h.
+  throw gpipe::detail::RelayedFailure(origin, with_closing_note(origin));
 }
 
 void Connection::check() const {
@@ -224,15 +244,14 @@ torch::Tensor Connection::wait_bytes(
   }
   if (!error.empty()) {
     std::ostringstream message;
-    message << "rank " << rank << " was waiting for " << what << " from rank "
-            << peer << " and "
+    message << rank_name(rank) << " was waiting for " << what << " from "
+            << rank_name(peer) << " and "
             << (timed_out ? "gave up after " : "lost the connection: ")
             << (timed_out ? std::to_string(timeout.count() / 1000) +
                                 " s (GPIPE_DIST_TIMEOUT): rank " +
                                 std::to_string(peer) +
                                 " stopped answering, or runs other passes"
-                          : "rank " + std::to_string(peer) +
-                                " died or closed its connection")
+                          : rank_name(peer) + " died or closed its connection")
             << " [c10d: " << error.substr(0, 300) << "]";
     fail(message.str());
   }
@@ -278,8 +297,8 @@ void Connection::send(
       pending.push_back(groups.channel->send(std::move(buffer), peer, tag));
     } catch (const std::exception&) {
       fail(
-          "rank " + std::to_string(rank) + " could not send " + id.describe() +
-          " to rank " + std::to_string(peer) + " [c10d: " +
+          rank_name(rank) + " could not send " + id.describe() + " to " +
+          rank_name(peer) + " [c10d: " +
           message_of(std::current_exception()).substr(0, 300) + "]");
       throw_failure();
     }
@@ -366,20 +385,20 @@ Message Connection::complete_recv(PostedReceive posted) {
   const auto* w = words(head);
   auto refuse = [&](const std::string& why) {
     std::ostringstream message;
-    message << "rank " << rank << " expected " << what << " of "
-            << describe_pass(pass) << " from rank " << peer << ", but " << why;
+    message << rank_name(rank) << " expected " << what << " of "
+            << describe_pass(pass) << " from " << rank_name(peer) << ", but "
+            << why;
     fail(message.str());
     throw_failure();
   };
   if (w[kMagicWord] != kMagic) {
     refuse(
-        "got bytes that are not a gpipe message: is rank " +
-        std::to_string(peer) + " running the same program?");
+        "got bytes that are not a gpipe message: is " + rank_name(peer) +
+        " running the same program?");
   }
   if (w[kPassWord] != pass) {
     refuse(
-        "rank " + std::to_string(peer) + " sent it for " +
-        describe_pass(w[kPassWord]) +
+        rank_name(peer) + " sent it for " + describe_pass(w[kPassWord]) +
         ": every rank must run the same passes (train_step, forward) in the "
         "same order");
   }
@@ -450,7 +469,7 @@ void Connection::wait_sends(
       // error: aborted by a failure, which fail() leaves as it is.)
       const bool timed_out = error.find("imed out") != std::string::npos;
       fail(
-          "rank " + std::to_string(rank) +
+          rank_name(rank) +
           (timed_out
                ? " gave up after " + std::to_string(timeout.count() / 1000) +
                      " s (GPIPE_DIST_TIMEOUT) waiting for another rank to take "

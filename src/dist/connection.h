@@ -92,6 +92,9 @@ struct PostedReceive {
   PostedBytes head;
 };
 
+/// `failure` with the note that the connection is closed for good, once.
+std::string with_closing_note(const std::string& failure);
+
 struct Connection : std::enable_shared_from_this<Connection> {
   Connection(
       c10::intrusive_ptr<c10d::Store> store,
@@ -148,10 +151,25 @@ struct Connection : std::enable_shared_from_this<Connection> {
   /// tells the other ranks, and aborts every receive and send in progress
   /// here.
   void fail(const std::string& message);
+  /// Fails the connection because of `error`, met on this rank: another
+  /// process's failure (a RelayedFailure) is passed on as it came, any other
+  /// error as this rank's ("rank 3: ...").
+  void fail_with(const std::exception_ptr& error);
   /// The failure, if any.
   std::optional<std::string> failure() const;
   /// Throws the failure as a c10::Error if there is one.
   void check() const;
+
+  /// The rank of this World's rank `r` in the job (its root World): what
+  /// messages name, so that a rank of a split World (a replica's pipeline,
+  /// a stage's replicas) is the one the launcher and its logs know.
+  int64_t global_rank(int64_t r) const {
+    return global_ranks.empty() ? r : global_ranks[static_cast<size_t>(r)];
+  }
+  /// "rank 3": this World's rank `r`, by its rank in the job.
+  std::string rank_name(int64_t r) const {
+    return "rank " + std::to_string(global_rank(r));
+  }
 
   /// A number for the next PipelineStage, the same on every rank when they
   /// build their stages in the same order.
@@ -176,6 +194,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   const std::chrono::milliseconds timeout;
   /// Makes this connection's sub-groups (World::split), as its own was made.
   const GroupFactory make_group;
+  /// Each rank's rank in the job, for a split World; empty for the job's
+  /// own (the same numbers). Set once, before the World is handed out.
+  std::vector<int64_t> global_ranks;
   /// Held by a pass (train_step, forward, gather_trace) of any stage:
   /// stages share the connection's tags, so their passes take turns.
   std::mutex passes_mutex;

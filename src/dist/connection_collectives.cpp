@@ -62,10 +62,8 @@ void Connection::wait_collective(
           what,
           " did not end within ",
           timeout.count() / 1000.0,
-          " s (GPIPE_DIST_TIMEOUT) on rank ",
-          rank,
-          " of ",
-          size,
+          " s (GPIPE_DIST_TIMEOUT) on ",
+          rank_name(rank),
           ": a rank stopped answering, or runs other collectives"));
     }
   }
@@ -75,10 +73,8 @@ void Connection::wait_collective(
     gpipe::detail::fail_without_backtrace(c10::str(
         "gpipe::dist: the ",
         what,
-        " failed on rank ",
-        rank,
-        " of ",
-        size,
+        " failed on ",
+        rank_name(rank),
         " [c10d: ",
         std::string(e.what_without_backtrace()).substr(0, 300),
         "]"));

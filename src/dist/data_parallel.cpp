@@ -407,9 +407,32 @@ torch::Tensor PipelineStageImpl::run_train_step(
     for (auto& buckets : engine_->buckets) {
       buckets->finish(trace.get(), world_.rank());
     }
-    auto sum = loss.clone();
-    data.all_reduce(sum);
-    loss = sum / static_cast<double>(data.size());
+    // The loss's sum, with the rows' and their squares' sums: the shards
+    // are equal exactly when D * sum(rows^2) == sum(rows)^2, a test every
+    // rank makes alike, at no cost but two numbers more in the loss's
+    // all-reduce.
+    const auto rows = static_cast<double>(engine_->step_rows);
+    auto sums = torch::stack(
+        {loss.detach().to(torch::kDouble).reshape({}),
+         torch::tensor(rows, torch::kDouble),
+         torch::tensor(rows * rows, torch::kDouble)});
+    data.all_reduce(sums);
+    const auto replicas = static_cast<double>(data.size());
+    const auto all_rows = sums[1].item<double>();
+    TORCH_CHECK_VALUE(
+        replicas * sums[2].item<double>() == all_rows * all_rows,
+        "gpipe::dist: the replicas trained on shards of different sizes "
+        "(this replica's has ",
+        engine_->step_rows,
+        " rows; the ",
+        data.size(),
+        " replicas' have ",
+        all_rows,
+        " in all): their gradients are averaged with equal weights, which "
+        "weighs a row of a smaller shard more than one of a larger; give "
+        "every replica the same rows (drop the last, smaller batch, or cut "
+        "the batch into equal shards)");
+    loss = (sums[0] / replicas).to(loss.scalar_type());
   }
   return loss;
 }

@@ -106,9 +106,7 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
     for (auto& work : sends) {
       detail::keep_forever(std::move(work));
     }
-    connection.fail(
-        "rank " + std::to_string(connection.rank) + ": " +
-        detail::message_of(std::current_exception()));
+    connection.fail_with(std::current_exception());
     throw;
   }
 }

@@ -8,10 +8,12 @@
 #include <gpipe/dist.h>
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "dist/connection.h"
@@ -31,7 +33,7 @@ detail::Groups solo_groups(const detail::Connection& parent) {
 // Its keys (stage agreements, failure notices) live under a prefix of its
 // own, apart from the parent's and from other ranks' solo Worlds.
 World solo(detail::Connection& parent, int64_t id) {
-  return World(std::make_shared<detail::Connection>(
+  auto connection = std::make_shared<detail::Connection>(
       c10::make_intrusive<c10d::PrefixStore>(
           "split" + std::to_string(id) + "/solo" + std::to_string(parent.rank),
           parent.store),
@@ -41,7 +43,9 @@ World solo(detail::Connection& parent, int64_t id) {
       parent.local_rank,
       parent.local_size,
       parent.timeout,
-      parent.make_group));
+      parent.make_group);
+  connection->global_ranks = {parent.global_rank(parent.rank)};
+  return World(std::move(connection));
 }
 
 }  // namespace
@@ -91,7 +95,7 @@ World World::split(int64_t color, int64_t key) const {
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       "split" + std::to_string(id) + "/" + std::to_string(color), parent.store);
   auto groups = parent.make_group(store, rank, size);
-  return World(std::make_shared<detail::Connection>(
+  auto connection = std::make_shared<detail::Connection>(
       store,
       std::move(groups),
       rank,
@@ -99,7 +103,11 @@ World World::split(int64_t color, int64_t key) const {
       parent.local_rank,
       parent.local_size,
       parent.timeout,
-      parent.make_group));
+      parent.make_group);
+  for (const auto& member : members) {
+    connection->global_ranks.push_back(parent.global_rank(std::get<1>(member)));
+  }
+  return World(std::move(connection));
 }
 
 Mesh::Mesh(World world, int64_t pipeline_size)

@@ -245,11 +245,13 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
           ends.inputs = scatter_input(input, options.chunks(), "train_step");
           ends.originals = {input};
         }
-        return engine_->pipeline->train(
+        auto loss = engine_->pipeline->train(
             ends,
             loss_fn,
             gpipe::detail::pass_options(is_training(), options),
             held);
+        engine_->step_rows = ends.rows();
+        return loss;
       });
 }
 

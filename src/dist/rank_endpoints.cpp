@@ -39,6 +39,14 @@ int64_t RankEndpoints::last_rank() const {
   return pipeline_.placement().lane_of(pipeline_.size() - 1);
 }
 
+int64_t RankEndpoints::rows() const {
+  int64_t rows = 0;
+  for (const auto s : agreed_.sizes) {
+    rows += s;
+  }
+  return rows;
+}
+
 void RankEndpoints::begin(gpipe::detail::PassStart& start) {
   local_.seed = start.seed;
   local_.training = start.options.training;

@@ -64,6 +64,10 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   torch::Tensor loss(gpipe::detail::Pass& pass) override;
   void end(gpipe::detail::Pass& pass) override;
 
+  /// Rows of the pass's mini-batch, as the first rank gave them (known on
+  /// every rank once the pass has begun).
+  int64_t rows() const;
+
  private:
   bool last_here() const;
   /// The rank of the last stage (lane l is rank l).

@@ -162,9 +162,9 @@ void Pass::run(
     const auto why = transport_->failure();
     if (!why.empty()) {
       try {
-        // Another rank's failure: Note [Errors without LibTorch's
-        // backtrace] in src/text.h.
-        fail_without_backtrace(why);
+        // Another rank's failure, without LibTorch's backtrace (Note
+        // [Errors without LibTorch's backtrace] in src/text.h).
+        throw RelayedFailure(why, why);
       } catch (...) {
         error_.set(std::current_exception());
       }
@@ -334,6 +334,9 @@ void Pass::gradients_final(int64_t stage, bool before) {
     } else {
       on_gradients_final(stage);
     }
+  } catch (const RelayedFailure& e) {
+    error_.set(std::current_exception());
+    transport_->relay(e.origin());
   } catch (...) {
     error_.set(std::current_exception());
     transport_->abort_with(
@@ -400,6 +403,11 @@ void Pass::run_cell(
     }
   } catch (const Aborted&) {
     // The error that aborted the pass is recorded already.
+  } catch (const RelayedFailure& e) {
+    // Another process failed, and this cell met it (its receive ended):
+    // that failure, as it came, not this cell's place in the plan.
+    error_.set(std::current_exception());
+    transport_->relay(e.origin());
   } catch (...) {
     auto error = with_context(
         std::current_exception(),

@@ -61,6 +61,12 @@ class Transport {
   virtual void abort_with(const std::string& why) {
     abort();
   }
+  /// Ends the pass because of another process's failure, met here:
+  /// `failure` (its message, naming where it happened) is passed on as it
+  /// came.
+  virtual void relay(const std::string& failure) {
+    abort();
+  }
   /// Why the pass was ended from outside this process (another rank
   /// failed); empty when it was not. Cells skipped because of it leave no
   /// error of their own, so the runner reports this one.

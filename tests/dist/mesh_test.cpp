@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -728,6 +729,149 @@ void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
 TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
   expect_a_failure_in_one_replica_to_fail_every_rank(2);  // 2 x 2
   expect_a_failure_in_one_replica_to_fail_every_rank(1);  // 4 x 1
+}
+
+// A failure on one rank of a split World (a replica's pipeline) reaches
+// every rank of every replica naming the rank where it happened by its rank
+// in the job, once: not by its rank in its replica's pipeline (rank 3 is
+// pipeline rank 1 of replica 1), and not again by each rank that passed it
+// on, nor with the note that the connection is closed twice.
+void expect_every_rank_to_name_the_failing_rank(int64_t failing, bool in_loss) {
+  SCOPED_TRACE(
+      "rank " + std::to_string(failing) + (in_loss ? ", loss" : ", layer"));
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{4, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 4; ++r) {
+    nets.push_back(build(0));
+  }
+  std::atomic<bool> armed{false};
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  const std::string what = "broke on purpose";
+  run_ranks(4, [&](World world) {
+    const auto me = world.rank();
+    // build()'s layers, with one that fails on purpose after the first.
+    auto net = torch::nn::Sequential();
+    for (const auto& layer : *nets[me]) {
+      net->push_back(layer);
+      if (net->size() == 1) {
+        net->push_back(torch::nn::Functional([&, me](torch::Tensor x) {
+          TORCH_CHECK(!(armed && !in_loss && me == failing), what);
+          return x;
+        }));
+      }
+    }
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(net, options, mesh);
+    const auto d = mesh.data_rank();
+    for (int step = 0; step < 3; ++step) {
+      if (step == 1 && me == 0) {
+        armed = true;
+      }
+      try {
+        stage->train_step(
+            mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, 4)
+                                      : torch::Tensor(),
+            mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, 4)
+                                      : torch::Tensor(),
+            [&](torch::Tensor out, torch::Tensor target) {
+              TORCH_CHECK(!(armed && in_loss && me == failing), what);
+              return cross_entropy(out, target);
+            },
+            Schedule::OneFOneB);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[me] = e.what_without_backtrace();
+        return;
+      }
+      world.barrier();
+    }
+  });
+  const auto count = [](const std::string& text, const std::string& part) {
+    size_t n = 0;
+    for (auto at = text.find(part); at != std::string::npos;
+         at = text.find(part, at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  for (int64_t r = 0; r < 4; ++r) {
+    const auto& error = errors[r];
+    SCOPED_TRACE("the error of rank " + std::to_string(r) + ": " + error);
+    EXPECT_NE(error.find(what), std::string::npos);
+    if (r != failing) {
+      EXPECT_EQ(count(error, "rank " + std::to_string(failing) + ": "), 1u);
+    }
+    for (int64_t other = 0; other < 4; ++other) {
+      if (other != failing) {
+        EXPECT_EQ(count(error, "rank " + std::to_string(other) + ":"), 0u);
+      }
+    }
+    EXPECT_LE(count(error, "restart the job"), 1u);
+  }
+}
+
+TEST(MeshTest, AFailureNamesTheRankWhereItHappenedOnEveryRank) {
+  // Ranks 1 and 3 hold the last stage, ranks 0 and 2 the first.
+  expect_every_rank_to_name_the_failing_rank(3, /*in_loss=*/true);
+  expect_every_rank_to_name_the_failing_rank(2, /*in_loss=*/false);
+  expect_every_rank_to_name_the_failing_rank(1, /*in_loss=*/true);
+}
+
+// Replicas whose shards differ in rows would have their gradients averaged
+// with equal weights, which no single pipeline on the whole batch does:
+// every rank refuses the step alike, naming the sizes, and the next step
+// on equal shards trains (2 replicas of 2 stages, shards of 4 and 3 rows).
+TEST(MeshTest, ShardsOfDifferentSizesAreRefusedOnEveryRank) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 4; ++r) {
+    nets.push_back(build(0));
+  }
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  std::vector<double> losses(4, 0.0);
+  run_ranks(4, [&](World world) {
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    const auto d = mesh.data_rank();
+    const auto step = [&](int64_t rows) {
+      return stage->train_step(
+          mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, rows)
+                                    : torch::Tensor(),
+          mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, rows)
+                                    : torch::Tensor(),
+          cross_entropy,
+          Schedule::OneFOneB);
+    };
+    try {
+      step(d == 0 ? 4 : 3);
+    } catch (const c10::ValueError& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[world.rank()] = e.what_without_backtrace();
+    }
+    const auto loss = step(4).item<double>();
+    std::lock_guard<std::mutex> lock(mutex);
+    losses[world.rank()] = loss;
+  });
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + errors[r]);
+    EXPECT_NE(
+        errors[r].find("the replicas trained on shards of different sizes"),
+        std::string::npos);
+    EXPECT_NE(
+        errors[r].find(
+            "has " + std::to_string(r < 2 ? 4 : 3) +
+            " rows; the 2 replicas' "
+            "have 7 in all"),
+        std::string::npos);
+    EXPECT_GT(losses[r], 0.0);
+    EXPECT_EQ(losses[r], losses[0]);
+  }
 }
 
 // As DDP's, the buckets are filled from the last parameter to the first,
