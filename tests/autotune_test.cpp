@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <sstream>
 #include <string>
@@ -342,12 +343,136 @@ TEST_F(AutotuneTest, BadOptionsAreRefused) {
       error_of(quick(2).batch_size(64).chunks({4}))
           .find("a micro-batch of 16 rows"),
       std::string::npos);
+  EXPECT_NE(
+      error_of(quick(2).batch_size(-4)).find("batch_size >= 0 rows"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of(quick(2).profile_seconds(-1)).find("profile_seconds >= 0"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of(quick(2).profile_seconds(std::nan("")))
+          .find("profile_seconds >= 0"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of(quick(2).cell_overhead_seconds(-1))
+          .find("cell_overhead_seconds >= 0"),
+      std::string::npos);
+  // A limit below a KiB, in bytes.
+  EXPECT_NE(
+      error_of(quick(2).memory_limit(10)).find("memory limit of 10 bytes"),
+      std::string::npos);
   try {
     autotune(net, x, y.narrow(0, 0, 4), loss_of, quick(2));
     ADD_FAILURE() << "no error for 8 inputs and 4 targets";
   } catch (const c10::ValueError& e) {
     EXPECT_NE(
         std::string(e.what_without_backtrace()).find("the same rows"),
+        std::string::npos);
+  }
+}
+
+// A loss function that throws, or returns nothing, is a c10::Error that
+// says where: every error of the library is one.
+TEST_F(AutotuneTest, LossErrorsNameTheLossAndAreC10Errors) {
+  auto net = model();
+  auto x = torch::randn({8, 32});
+  auto y = torch::randint(0, 10, {8});
+  const auto error_of = [&](const LossFunction& loss) -> std::string {
+    try {
+      autotune(net, x, y, loss, quick(2).chunks({2}));
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      return std::string("not a c10::Error: ") + e.what();
+    }
+    return "no error";
+  };
+  const auto thrown =
+      error_of([](torch::Tensor, torch::Tensor) -> torch::Tensor {
+        throw std::runtime_error("lossfail");
+      });
+  EXPECT_NE(thrown.find("loss_fn threw: lossfail"), std::string::npos)
+      << thrown;
+  EXPECT_NE(thrown.find("while profiling the loss"), std::string::npos)
+      << thrown;
+  const auto undefined =
+      error_of([](torch::Tensor, torch::Tensor) { return torch::Tensor(); });
+  EXPECT_NE(undefined.find("returned an undefined tensor"), std::string::npos)
+      << undefined;
+  const auto shape = error_of([](torch::Tensor out, torch::Tensor t) {
+    return torch::mse_loss(out, t.to(torch::kFloat));  // [4, 10] and [4]
+  });
+  EXPECT_NE(shape.find("while profiling the loss"), std::string::npos) << shape;
+}
+
+// Printing the choice leaves the stream's number format as it was.
+TEST_F(AutotuneTest, PrintingTheChoiceKeepsTheStreamsFormat) {
+  auto net = model();
+  auto x = torch::randn({8, 32});
+  auto y = torch::randint(0, 10, {8});
+  const auto tuned = autotune(net, x, y, loss_of, quick(2).chunks({2}));
+  std::ostringstream out;
+  out << 1.23456 << " " << tuned << " " << 1.23456;
+  const auto text = out.str();
+  EXPECT_EQ(text.rfind(" 1.23456"), text.size() - 8) << text;
+  EXPECT_EQ(text.find("1.23456 "), 0u) << text;
+}
+
+// Micro-batch counts the model cannot run at are rejected with why, and
+// the search goes on: BatchNorm in training refuses micro-batches of one
+// row, and a sample of 32 rows cannot profile micro-batches of 64.
+TEST_F(AutotuneTest, MicroBatchesThatDoNotRunAreRejectedWithWhy) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 16),
+      torch::nn::BatchNorm1d(16),
+      torch::nn::ReLU(),
+      torch::nn::Linear(16, 3));
+  auto x = torch::randn({16, 6});
+  auto y = torch::randint(0, 3, {16});
+  const auto tuned =
+      autotune(net, x, y, loss_of, quick(2).chunks({1, 2, 4, 8, 16}));
+  EXPECT_LT(tuned.chunks, 16);
+  bool rejected_16 = false;
+  for (const auto& c : tuned.candidates) {
+    if (c.chunks == 16) {
+      EXPECT_NE(
+          c.rejected.find("micro-batches of 1 rows do not run"),
+          std::string::npos)
+          << c.rejected;
+      EXPECT_NE(
+          c.rejected.find("more than 1 value per channel"), std::string::npos)
+          << c.rejected;
+      rejected_16 = true;
+    } else {
+      EXPECT_TRUE(c.rejected.empty()) << c.rejected;
+    }
+  }
+  EXPECT_TRUE(rejected_16);
+  EXPECT_NE(tuned.report(100).find("do not run"), std::string::npos);
+
+  auto deep = model();
+  auto x32 = torch::randn({32, 32});
+  auto y32 = torch::randint(0, 10, {32});
+  const auto half = autotune(
+      deep, x32, y32, loss_of, quick(2).batch_size(64).chunks({1, 2, 4}));
+  EXPECT_GE(half.chunks, 2);
+  bool rejected_1 = false;
+  for (const auto& c : half.candidates) {
+    if (c.chunks == 1) {
+      EXPECT_EQ(c.rejected, "micro-batches of 64 rows, but the sample has 32");
+      rejected_1 = true;
+    }
+  }
+  EXPECT_TRUE(rejected_1);
+
+  // When no count runs, the first error is thrown.
+  try {
+    autotune(net, x, y, loss_of, quick(2).chunks({16}));
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what_without_backtrace())
+            .find("more than 1 value per channel"),
         std::string::npos);
   }
 }

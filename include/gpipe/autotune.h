@@ -124,11 +124,16 @@ std::ostream& operator<<(std::ostream& out, const Autotuned& tuned);
 /// stage keeps per live micro-batch, from the simulated timeline), and
 /// returns the fastest whose most loaded lane fits `memory_limit`.
 /// `sample_input` and `sample_target` are a mini-batch (or rows of one);
-/// its rows are cut as `batch_size` rows would be. `net` is not changed.
+/// its rows are cut as `batch_size` rows would be. A micro-batch count
+/// whose micro-batches cannot be profiled (larger than the sample, or
+/// refused by a layer: BatchNorm in training on one row) is rejected with
+/// why (`report()`). `net` is not changed.
 ///
 /// Throws `c10::ValueError` when the options are out of range (lanes below
-/// 1 or above the layers, a negative limit, no schedule or chunks to try),
-/// or when no candidate fits the limit (naming the smallest peak found).
+/// 1 or above the layers, a negative limit, batch size or profiling time,
+/// no schedule or chunks to try, a sample smaller than the smallest
+/// micro-batch), when no candidate fits the limit (naming the smallest peak
+/// found), and the first profiling error when no micro-batch count runs.
 Autotuned autotune(
     torch::nn::Sequential net,
     torch::Tensor sample_input,

@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <functional>
 #include <iomanip>
+#include <limits>
 #include <map>
 #include <ostream>
 #include <set>
@@ -62,11 +64,13 @@ std::vector<std::vector<int64_t>> balances_for(
   return out;
 }
 
-// "1.5 MiB", or "12.0 KiB" below a MiB.
+// "1.5 MiB", "12.0 KiB" below a MiB, "10 bytes" below a KiB.
 std::string mib(double bytes) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(1);
-  if (bytes < 1024.0 * 1024.0) {
+  if (bytes < 1024.0) {
+    out << std::setprecision(0) << bytes << (bytes == 1.0 ? " byte" : " bytes");
+  } else if (bytes < 1024.0 * 1024.0) {
     out << bytes / 1024.0 << " KiB";
   } else {
     out << bytes / (1024.0 * 1024.0) << " MiB";
@@ -88,6 +92,12 @@ std::string balance_text(const std::vector<int64_t>& b) {
 // else the count.
 std::string threads_text(int64_t threads_per_lane) {
   return threads_per_lane == 0 ? "plan" : std::to_string(threads_per_lane);
+}
+
+// The first line of an error's message, for a table's cell.
+std::string first_line(const std::string& text) {
+  const auto line = text.substr(0, text.find('\n'));
+  return line.size() > 200 ? line.substr(0, 200) + "..." : line;
 }
 
 double most(const std::vector<double>& v) {
@@ -122,25 +132,32 @@ std::string Autotuned::report(size_t rows) const {
     out << std::left << std::setw(14) << to_string(c.schedule) << std::setw(7)
         << c.chunks << std::setw(12) << to_string(c.checkpoint) << std::setw(22)
         << balance_text(c.balance) << std::setw(8)
-        << threads_text(c.threads_per_lane) << std::right << std::fixed
-        << std::setprecision(2) << std::setw(10)
-        << c.predicted_step_seconds * 1e3 << std::setprecision(1)
-        << std::setw(14) << most(c.predicted_peak_bytes) / (1024.0 * 1024.0)
-        << "  " << (fits ? "fits" : c.rejected) << "\n";
+        << threads_text(c.threads_per_lane) << std::right << std::fixed;
+    if (c.predicted_peak_bytes.empty()) {
+      // Not simulated: its micro-batches do not run.
+      out << std::setw(10) << "-" << std::setw(14) << "-";
+    } else {
+      out << std::setprecision(2) << std::setw(10)
+          << c.predicted_step_seconds * 1e3 << std::setprecision(1)
+          << std::setw(14) << most(c.predicted_peak_bytes) / (1024.0 * 1024.0);
+    }
+    out << "  " << (fits ? "fits" : c.rejected) << "\n";
   }
   out << candidates.size() << " candidates, " << fitting << " fit";
   return out.str();
 }
 
 std::ostream& operator<<(std::ostream& out, const Autotuned& t) {
-  return out << "balance " << balance_text(t.balance) << ", chunks " << t.chunks
-             << ", schedule " << to_string(t.schedule) << " on "
-             << to_string(t.placement) << ", checkpoint "
-             << to_string(t.checkpoint) << ", threads per lane "
-             << threads_text(t.threads_per_lane) << ": predicted " << std::fixed
-             << std::setprecision(2) << t.predicted_step_seconds * 1e3
-             << " ms per step, peak " << mib(most(t.predicted_peak_bytes))
-             << " on the most loaded lane";
+  // Formatted apart, so that the caller's stream keeps its own format.
+  std::ostringstream text;
+  text << "balance " << balance_text(t.balance) << ", chunks " << t.chunks
+       << ", schedule " << to_string(t.schedule) << " on "
+       << to_string(t.placement) << ", checkpoint " << to_string(t.checkpoint)
+       << ", threads per lane " << threads_text(t.threads_per_lane)
+       << ": predicted " << std::fixed << std::setprecision(2)
+       << t.predicted_step_seconds * 1e3 << " ms per step, peak "
+       << mib(most(t.predicted_peak_bytes)) << " on the most loaded lane";
+  return out << text.str();
 }
 
 Autotuned autotune(
@@ -177,6 +194,21 @@ Autotuned autotune(
       options.threads_per_lane() >= 0,
       "autotune: expected threads_per_lane >= 0 (0: automatic), but got ",
       options.threads_per_lane());
+  TORCH_CHECK_VALUE(
+      options.batch_size() >= 0,
+      "autotune: expected batch_size >= 0 rows (0: the sample's), but got ",
+      options.batch_size());
+  TORCH_CHECK_VALUE(
+      std::isfinite(options.profile_seconds()) &&
+          options.profile_seconds() >= 0,
+      "autotune: expected profile_seconds >= 0 (0: one timed pass per "
+      "micro-batch size), but got ",
+      options.profile_seconds());
+  TORCH_CHECK_VALUE(
+      std::isfinite(options.cell_overhead_seconds()) &&
+          options.cell_overhead_seconds() >= 0,
+      "autotune: expected cell_overhead_seconds >= 0, but got ",
+      options.cell_overhead_seconds());
   TORCH_CHECK_TYPE(
       sample_input.defined() && sample_target.defined(),
       "autotune: expected a sample input and target, but got an undefined "
@@ -192,23 +224,29 @@ Autotuned autotune(
       sample_target.sizes());
   const auto batch =
       options.batch_size() > 0 ? options.batch_size() : sample_input.size(0);
-  int64_t fewest_chunks = batch;
+  const auto sample_rows = sample_input.size(0);
+  int64_t most_chunks = 0;  // of those at most the batch
   for (const auto m : options.chunks()) {
     TORCH_CHECK_VALUE(
         m >= 1, "autotune: expected chunks >= 1 to try, but got ", m);
-    fewest_chunks = std::min(fewest_chunks, m);
+    if (m <= batch) {
+      most_chunks = std::max(most_chunks, m);
+    }
   }
-  const auto largest_rows = (batch + fewest_chunks - 1) / fewest_chunks;
+  // Micro-batches larger than the sample are rejected one by one below;
+  // when even the smallest is, nothing can be profiled.
+  const auto smallest_rows =
+      most_chunks > 0 ? (batch + most_chunks - 1) / most_chunks : batch;
   TORCH_CHECK_VALUE(
-      sample_input.size(0) >= largest_rows,
-      "autotune: a micro-batch of ",
-      largest_rows,
+      most_chunks == 0 || sample_rows >= smallest_rows,
+      "autotune: the smallest micro-batch tried is a micro-batch of ",
+      smallest_rows,
       " rows (batch_size ",
       batch,
       " in ",
-      fewest_chunks,
-      ") is tried, but the sample has ",
-      sample_input.size(0),
+      most_chunks,
+      "), but the sample has ",
+      sample_rows,
       " rows; give a sample of at least that many");
   const int64_t cores = detail::available_cores();
   const int64_t threads = options.threads_per_lane() > 0
@@ -252,6 +290,26 @@ Autotuned autotune(
     return found->second;
   };
   Autotuned tuned;
+  // A micro-batch count the model cannot be profiled at (micro-batches
+  // larger than the sample, or a layer that refuses them: BatchNorm in
+  // training on one row) is rejected, with why, for every schedule; the
+  // first such error is thrown if no count could be profiled at all.
+  std::exception_ptr first_failure;
+  bool profiled_any = false;
+  const auto reject_chunks = [&](Schedule schedule,
+                                 const Placement& placement,
+                                 int64_t m,
+                                 const std::string& why) {
+    AutotuneCandidate c;
+    c.chunks = m;
+    c.schedule = schedule;
+    c.placement = placement;
+    c.checkpoint = options.checkpoints().front();
+    c.threads_per_lane = options.threads_per_lane();
+    c.predicted_step_seconds = std::numeric_limits<double>::infinity();
+    c.rejected = why;
+    tuned.candidates.push_back(std::move(c));
+  };
   for (const auto schedule : options.schedules()) {
     const auto placement = placement_for(schedule, lanes);
     const auto stages = placement.stages();
@@ -263,7 +321,32 @@ Autotuned autotune(
         continue;
       }
       const auto rows = (batch + m - 1) / m;
-      const auto& costs = costs_at(rows, threads);
+      if (rows > sample_rows) {
+        reject_chunks(
+            schedule,
+            placement,
+            m,
+            "micro-batches of " + std::to_string(rows) +
+                " rows, but the sample has " + std::to_string(sample_rows));
+        continue;
+      }
+      const LayerCosts* profiled_costs = nullptr;
+      try {
+        profiled_costs = &costs_at(rows, threads);
+        profiled_any = true;
+      } catch (const c10::Error& e) {
+        if (!first_failure) {
+          first_failure = std::current_exception();
+        }
+        reject_chunks(
+            schedule,
+            placement,
+            m,
+            "micro-batches of " + std::to_string(rows) +
+                " rows do not run: " + first_line(e.what_without_backtrace()));
+        continue;
+      }
+      const auto& costs = *profiled_costs;
       const auto plan = make_plan(schedule, m, placement);
       // (threads_per_lane, each cell's count): the plan's, and where it
       // gives some cell another count than `threads`, `threads` fixed.
@@ -336,6 +419,9 @@ Autotuned autotune(
       }
     }
   }
+  if (!profiled_any && first_failure) {
+    std::rethrow_exception(first_failure);
+  }
   TORCH_CHECK_VALUE(
       !tuned.candidates.empty(),
       "autotune: no candidate to try: every schedule needs more stages than "
@@ -357,13 +443,16 @@ Autotuned autotune(
     if (best == nullptr && c.rejected.empty()) {
       best = &c;
     }
+    if (c.predicted_peak_bytes.empty()) {
+      continue;  // not simulated: its micro-batches do not run
+    }
     if (smallest == nullptr ||
         most(c.predicted_peak_bytes) < most(smallest->predicted_peak_bytes)) {
       smallest = &c;
     }
   }
   TORCH_CHECK_VALUE(
-      best != nullptr,
+      best != nullptr && smallest != nullptr,
       "autotune: no candidate fits the memory limit of ",
       mib(static_cast<double>(options.memory_limit())),
       " per lane; the smallest peak found is ",

@@ -169,6 +169,16 @@ void one_pass(
     } catch (c10::Error& e) {
       TORCH_RETHROW(
           e, "while profiling layer ", k, " ('", sandbox.name(k), "')");
+    } catch (const std::exception& e) {
+      // Every error of the library is a c10::Error.
+      TORCH_CHECK(
+          false,
+          e.what(),
+          " (while profiling layer ",
+          k,
+          " ('",
+          sandbox.name(k),
+          "'))");
     }
     x = std::move(y);
   }
@@ -179,12 +189,35 @@ void one_pass(
       x.tensors.size());
   auto out = x.tensors[0].detach().requires_grad_(true);
   const auto tick = Clock::now();
-  auto loss = loss_fn(out, target);
-  TORCH_CHECK_VALUE(
-      loss.defined() && loss.numel() == 1,
-      "autotune: loss_fn must return a scalar, but got ",
-      loss.defined() ? loss.sizes() : c10::IntArrayRef{});
-  loss.backward();
+  torch::Tensor loss;
+  try {
+    loss = loss_fn(out, target);
+    TORCH_CHECK_VALUE(
+        loss.defined(),
+        "autotune: loss_fn must return a scalar, but it returned an "
+        "undefined tensor");
+    TORCH_CHECK_VALUE(
+        loss.numel() == 1,
+        "autotune: loss_fn must return a scalar, but it returned a tensor of "
+        "shape ",
+        loss.sizes());
+    loss.backward();
+  } catch (c10::Error& e) {
+    TORCH_RETHROW(
+        e,
+        "while profiling the loss on micro-batches of ",
+        out.size(0),
+        " rows");
+  } catch (const std::exception& e) {
+    // Every error of the library is a c10::Error.
+    TORCH_CHECK(
+        false,
+        "autotune: loss_fn threw: ",
+        e.what(),
+        " (while profiling the loss on micro-batches of ",
+        out.size(0),
+        " rows)");
+  }
   if (timed) {
     costs.loss += seconds_since(tick);
   }
