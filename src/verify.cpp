@@ -53,7 +53,8 @@ void verify_devices(
       static_cast<int64_t>(devices.size()) >= num_partitions,
       "too few devices to hold the partitions: expected at least ",
       detail::count_of(num_partitions, "device", "devices"),
-      " (one per partition), but got ",
+      " (one per lane; a lane holds one partition, or more with "
+      "stages_per_lane or a placement), but got ",
       devices.size(),
       "; a device may be repeated, e.g. {torch::kCPU, torch::kCPU}");
   // Before anything is placed: LibTorch's own error for a CUDA device it

@@ -254,5 +254,29 @@ TEST_F(LossTest, PlansWithLossesAreChecked) {
   EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
 }
 
+// A loss that is not a scalar is refused saying what it was: a shape, or
+// no tensor at all; the model trains afterwards.
+TEST_F(LossTest, ALossThatIsNotAScalarIsRefusedSayingWhatItWas) {
+  GPipe model(small_net(), GPipeOptions({3, 2}).chunks(2));
+  const auto x = torch::randn({4, 5}, torch::kFloat64);
+  const auto t = torch::randint(0, 4, {4});
+  const auto error_of = [&](const LossFunction& loss) -> std::string {
+    try {
+      model->train_step(x, t, loss);
+    } catch (const c10::ValueError& e) {
+      return e.what_without_backtrace();
+    }
+    return "no ValueError";
+  };
+  const auto undefined =
+      error_of([](torch::Tensor, torch::Tensor) { return torch::Tensor(); });
+  EXPECT_NE(
+      undefined.find("but it returned an undefined tensor"), std::string::npos)
+      << undefined;
+  const auto rows = error_of([](torch::Tensor y, torch::Tensor) { return y; });
+  EXPECT_NE(rows.find("a tensor of shape [2, 4]"), std::string::npos) << rows;
+  EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
+}
+
 }  // namespace
 }  // namespace gpipe

@@ -77,12 +77,18 @@ TEST(PlacementTest, VerifyPlacementNamesBothSides) {
   EXPECT_NE(
       error_of([] { verify_placement(Placement::v_shape(2), 6, 2, "me"); })
           .find("me: the placement v_shape(2 lanes) places 4 stages, but "
-                "there are 6"),
+                "the pipeline has 6 stages"),
       std::string::npos);
   EXPECT_NE(
       error_of([] {
         verify_placement(Placement::modulo(2, 2), 4, 4);
-      }).find("uses 2 lanes, but there are 4"),
+      }).find("uses 2 lanes, but the pipeline has 4 lanes"),
+      std::string::npos);
+  // One lane, said so.
+  EXPECT_NE(
+      error_of([] {
+        verify_placement(Placement::modulo(2, 1), 2, 1);
+      }).find("uses 2 lanes, but the pipeline has 1 lane"),
       std::string::npos);
   EXPECT_NE(
       error_of([] {
@@ -220,7 +226,7 @@ TEST(PlacementTest, ValidateChecksCellsAgainstThePlacement) {
   EXPECT_NE(
       error_of([&] {
         plan.validate();
-      }).find("places 6 stages, but there are 4"),
+      }).find("places 6 stages, but the pipeline has 4 stages"),
       std::string::npos);
   plan.placement = {};
   EXPECT_NO_THROW(plan.validate());

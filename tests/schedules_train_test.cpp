@@ -465,7 +465,7 @@ TEST_F(SchedulesTrainTest, PlacementsThatDoNotFitAreRefused) {
   EXPECT_NE(
       error_of([&] {
         GPipe(net, GPipeOptions({4, 4}).placement(Placement({0, 1, 1})));
-      }).find("places 3 stages, but there are 2"),
+      }).find("places 3 stages, but the pipeline has 2 stages"),
       std::string::npos);
   EXPECT_NE(
       error_of([&] {

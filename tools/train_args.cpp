@@ -344,8 +344,8 @@ void verify_args(const CLI::App& app, Args& args) {
         " ranks (--pipeline-size, of the ",
         args.world_size,
         " the launcher started) with ",
-        args.stages_per_lane,
-        " partition(s) each: give ",
+        count_of(args.stages_per_lane, "partition", "partitions"),
+        " each: give ",
         ranks_partitions,
         " or leave out --partitions");
     if (app.count("--schedule") == 0) {
@@ -414,8 +414,8 @@ void verify_args(const CLI::App& app, Args& args) {
         " ranks (--pipeline-size, of the ",
         args.world_size,
         " the launcher started) with ",
-        args.stages_per_lane,
-        " partition(s) each; give ",
+        count_of(args.stages_per_lane, "partition", "partitions"),
+        " each; give ",
         ranks_partitions,
         " entries");
     args.partitions = n;

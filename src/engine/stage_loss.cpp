@@ -19,10 +19,14 @@ torch::Tensor Stage::loss_of(
     const torch::Tensor& y, const CellContext& ctx) const {
   auto loss = (*ctx.loss_fn)(y, ctx.target);
   TORCH_CHECK_VALUE(
-      loss.defined() && loss.numel() == 1,
+      loss.defined(),
+      "train_step expects loss_fn to return a scalar, but it returned an "
+      "undefined tensor");
+  TORCH_CHECK_VALUE(
+      loss.numel() == 1,
       "train_step expects loss_fn to return a scalar, but it returned a "
       "tensor of shape ",
-      loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+      loss.sizes());
   return loss.reshape({}) * ctx.loss_scale;
 }
 

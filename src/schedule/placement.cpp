@@ -162,8 +162,8 @@ void verify_placement(
       to_string(placement),
       " places ",
       detail::count_of(placement.stages(), "stage", "stages"),
-      ", but there are ",
-      stages);
+      ", but the pipeline has ",
+      detail::count_of(stages, "stage", "stages"));
   TORCH_CHECK_VALUE(
       lanes < 0 || placement.lanes() == lanes,
       who,
@@ -171,8 +171,8 @@ void verify_placement(
       to_string(placement),
       " uses ",
       detail::count_of(placement.lanes(), "lane", "lanes"),
-      ", but there are ",
-      lanes);
+      ", but the pipeline has ",
+      detail::count_of(lanes, "lane", "lanes"));
 }
 
 }  // namespace gpipe
