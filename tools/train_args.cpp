@@ -215,7 +215,7 @@ void add_options(CLI::App& app, Args& args) {
          "autograd: forward, then loss.backward(); " + train_step_schedules() +
              ": train_step with the loss inside the pipeline (zero_bubble_v "
              "puts 2 partitions on each lane in a V: j and 2 lanes - 1 - j "
-             "on lane j)")
+             "on lane j); under a launcher the default is fill_drain")
       ->check(CLI::IsMember(schedule_names()));
   app.add_option(
          "--stages-per-lane",
