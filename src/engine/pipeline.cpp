@@ -283,9 +283,9 @@ void Pipeline::commit_batch_norms(bool ok) {
 }
 
 void Pipeline::run_and_commit(
-    const std::shared_ptr<Pass>& pass, const Plan& plan) {
+    const std::shared_ptr<Pass>& pass, const Plan& plan, const Steps* steps) {
   try {
-    pass->run(plan, /*inline_cells=*/false, pass);
+    pass->run(plan, /*inline_cells=*/false, pass, steps);
   } catch (...) {
     // A failed mini-batch leaves no statistics behind.
     commit_batch_norms(false);
@@ -435,13 +435,15 @@ torch::Tensor Pipeline::train(
     // last.
     if (plan.micro_batches != m || plan.stages != checked_plan_.stages ||
         plan.micro_batches != checked_plan_.micro_batches ||
-        plan.lanes != checked_plan_.lanes) {
+        plan.lanes != checked_plan_.lanes ||
+        !(plan.placement == checked_plan_.placement)) {
       try {
         check_training_plan(plan, m);
       } catch (...) {
         ends.refuse(std::current_exception());
       }
       checked_plan_ = plan;
+      checked_steps_ = plan.steps();
     }
     auto targets = ends.targets(start);
     pass = start_pass(m, ends.originals, start.options);
@@ -461,7 +463,8 @@ torch::Tensor Pipeline::train(
             Phase::Forward, i, 0, std::move(ends.inputs.at(i)));
       }
     }
-    run_and_commit(pass, plan);
+    // `plan` equals checked_plan_ (compared above): its steps are kept.
+    run_and_commit(pass, plan, &checked_steps_);
     rows = std::move(start.rows);
   }
   auto loss = ends.loss(*pass);

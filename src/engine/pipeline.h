@@ -145,7 +145,11 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       int64_t m, const Batch& original_inputs, const PassOptions& options);
   /// Runs `plan` on the lanes, then commits (or, on error, drops) the
   /// DeferredBatchNorm statistics.
-  void run_and_commit(const std::shared_ptr<Pass>& pass, const Plan& plan);
+  /// `steps`, when given, are `plan.steps()`.
+  void run_and_commit(
+      const std::shared_ptr<Pass>& pass,
+      const Plan& plan,
+      const Steps* steps = nullptr);
 
   int64_t size() const {
     return static_cast<int64_t>(stages_.size());
@@ -222,6 +226,9 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   // The last plan train() checked (check_training_plan), for as many
   // micro-batches as it has: an equal plan passes again without the check.
   Plan checked_plan_;  // guarded by pass_mutex_
+  // Its steps (Plan::steps()), which a serial pass runs in order: made once
+  // per plan, not per step.
+  Steps checked_steps_;  // guarded by pass_mutex_
   std::mutex plan_mutex_;
   Schedule planned_schedule_ = Schedule::FillDrain;  // guarded by plan_mutex_
   std::shared_ptr<const Plan> planned_;  // made for it; guarded by plan_mutex_

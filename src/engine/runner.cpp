@@ -85,7 +85,10 @@ void Pass::train_with(
 }
 
 void Pass::run(
-    const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self) {
+    const Plan& plan,
+    bool inline_cells,
+    const std::shared_ptr<Pass>& self,
+    const Steps* steps) {
   explicit_losses_ = false;
   explicit_transfers_ = false;
   lane_of_stage_.assign(n_, -1);
@@ -139,7 +142,12 @@ void Pass::run(
     if (serial_here) {
       every_core.emplace(pipeline_.shared_cores());
     }
-    for (const auto& step : plan.steps()) {
+    Steps own_steps;
+    if (steps == nullptr) {
+      own_steps = plan.steps();
+      steps = &own_steps;
+    }
+    for (const auto& step : *steps) {
       for (const auto& cell : step) {
         if (pipeline_.is_local(cell.partition)) {
           run_cell(cell, plan.lane_of(cell.partition));

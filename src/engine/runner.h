@@ -55,9 +55,13 @@ class Pass {
   /// `inline_cells` or when the plan is serial: Note [A serial plan on the
   /// calling thread]), and rethrows the first error once every lane is
   /// done.
-  /// `self` keeps the pass alive in the lanes' tasks.
+  /// `self` keeps the pass alive in the lanes' tasks. `steps`, when given,
+  /// are `plan.steps()`, kept from an earlier pass of the same plan.
   void run(
-      const Plan& plan, bool inline_cells, const std::shared_ptr<Pass>& self);
+      const Plan& plan,
+      bool inline_cells,
+      const std::shared_ptr<Pass>& self,
+      const Steps* steps = nullptr);
 
   int64_t micro_batches() const {
     return m_;
