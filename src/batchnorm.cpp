@@ -17,6 +17,20 @@ DeferredBatchNormImpl::DeferredBatchNormImpl(
   reset();
 }
 
+void DeferredBatchNormImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  if (auto replaced = replaced_.lock()) {
+    replaced->train(on);
+  }
+}
+
+bool DeferredBatchNormImpl::in_training() const {
+  if (auto replaced = replaced_.lock()) {
+    return replaced->is_training();
+  }
+  return is_training();
+}
+
 void DeferredBatchNormImpl::reset() {
   TORCH_CHECK_VALUE(
       options.num_features() > 0,
@@ -28,6 +42,7 @@ void DeferredBatchNormImpl::reset() {
       options.chunks());
   const auto c = options.num_features();
   engine_commits_ = false;  // a copy is not inside the engine
+  replaced_.reset();        // nor does it follow the original's BatchNorm
   std::vector<torch::Tensor> adopt;
   std::swap(adopt, adopt_);
   auto take = [&adopt](size_t k, torch::Tensor fresh) {
@@ -72,7 +87,7 @@ torch::Tensor DeferredBatchNormImpl::forward(torch::Tensor input) {
       options.num_features(),
       " channels in dimension 1, but got ",
       input.size(1));
-  if (!is_training()) {
+  if (!in_training()) {
     return torch::batch_norm(
         input,
         weight,
@@ -223,6 +238,7 @@ torch::nn::Sequential convert_deferred_batch_norm(
            buffers["running_var"],
            buffers["num_batches_tracked"]}));
       deferred->train(child->is_training());
+      deferred->replaced_ = child;
       converted->push_back(name, torch::nn::AnyModule(deferred));
       continue;
     }

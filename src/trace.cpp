@@ -287,9 +287,10 @@ std::string Trace::svg() const {
   const double axis = top + row * static_cast<double>(lanes) + 14;
   for (int k = 0; k <= 4; ++k) {
     const double t = span * k / 4;
+    // The last label ends at the axis's end, inside the picture.
     out << "<text x=\"" << fixed(left + width * k / 4, 1) << "\" y=\""
-        << fixed(axis, 1) << "\" text-anchor=\"middle\">"
-        << fixed(t / 1000.0, 2) << " ms</text>\n";
+        << fixed(axis, 1) << "\" text-anchor=\"" << (k == 4 ? "end" : "middle")
+        << "\">" << fixed(t / 1000.0, 2) << " ms</text>\n";
   }
   double lx = left;
   for (auto kind :

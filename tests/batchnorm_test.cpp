@@ -154,6 +154,52 @@ TEST_F(DeferredBatchNormTest, Convert) {
   EXPECT_EQ(keys(*converted), keys(*net));
 }
 
+// A GPipe with deferred_batch_norm runs a DeferredBatchNorm in place of
+// the user's BatchNorm: eval() and train() on either the GPipe or the
+// user's Sequential reach both, as they reach every layer the two share;
+// a copy follows nothing.
+TEST_F(DeferredBatchNormTest, ModesReachTheReplacedBatchNormBothWays) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(8, 16),
+      torch::nn::BatchNorm1d(16),
+      torch::nn::ReLU(),
+      torch::nn::Linear(16, 4));
+  GPipe model(
+      net, GPipeOptions({2, 2}).chunks(kChunks).deferred_batch_norm(true));
+  const auto x = torch::randn({8, 8});
+  model->forward(x);  // running statistics to use
+  const auto running = net[1]->as<torch::nn::BatchNorm1dImpl>()->running_mean;
+  const auto before = running.clone();
+
+  net->eval();
+  {
+    torch::NoGradGuard no_grad;
+    const auto ours = model->forward(x);
+    EXPECT_TRUE(ours.allclose(net->forward(x), 1e-6, 1e-6));
+  }
+  EXPECT_TRUE(running.equal(before));  // not updated in evaluation
+
+  net->train();
+  model->eval();
+  EXPECT_FALSE(net[1]->is_training());
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(model->forward(x).allclose(net->forward(x), 1e-6, 1e-6));
+  }
+  model->train();
+  EXPECT_TRUE(net[1]->is_training());
+
+  // A copy of the layer does not move the user's BatchNorm.
+  auto deferred = std::dynamic_pointer_cast<DeferredBatchNormImpl>(
+      model->partitions()->ptr(0)->as<torch::nn::SequentialImpl>()->ptr(1));
+  ASSERT_NE(deferred, nullptr);
+  auto copy =
+      std::dynamic_pointer_cast<DeferredBatchNormImpl>(deferred->clone());
+  copy->eval();
+  EXPECT_TRUE(net[1]->is_training());
+  EXPECT_TRUE(deferred->in_training());
+}
+
 struct BlockWithBatchNormImpl : torch::nn::Module {
   BlockWithBatchNormImpl() {
     bn = register_module("bn", torch::nn::BatchNorm1d(2));

@@ -217,6 +217,15 @@ TEST_F(TraceTest, SvgDrawsEveryIntervalAndWritesFiles) {
     ++titles;
   }
   EXPECT_EQ(titles, trace->events().size());
+  // The time axis's last label ends where the axis does, inside the
+  // picture (centred there, its right half was cut off).
+  const auto last_label = svg.rfind(" ms</text>");
+  ASSERT_NE(last_label, std::string::npos);
+  const auto its_tag = svg.rfind("<text ", last_label);
+  EXPECT_NE(
+      svg.substr(its_tag, last_label - its_tag).find("text-anchor=\"end\""),
+      std::string::npos)
+      << svg.substr(its_tag, last_label - its_tag);
 
   const std::string path = ::testing::TempDir() + "gpipe_trace_test.svg";
   trace->write_svg(path);

@@ -83,6 +83,15 @@ class DeferredBatchNormImpl
   int64_t tracked() const {
     return tracked_;
   }
+  /// Sets training or evaluation. A layer made by
+  /// `convert_deferred_batch_norm` from a BatchNorm follows that BatchNorm,
+  /// which the user's Sequential still holds: `train(on)` sets both, and
+  /// `net->eval()` on the user's Sequential reaches this layer as it reaches
+  /// every layer the two share. A copy (`clone()`) follows nothing.
+  void train(bool on = true) override;
+  /// Whether it normalises with its micro-batches' statistics (training)
+  /// or the running ones: the replaced BatchNorm's mode, if any.
+  bool in_training() const;
 
   DeferredBatchNormOptions options;
   torch::Tensor weight;
@@ -95,6 +104,8 @@ class DeferredBatchNormImpl
   friend torch::nn::Sequential convert_deferred_batch_norm(
       const torch::nn::Sequential&, int64_t);
   bool engine_commits_ = false;  // see set_manual_commit()
+  // The BatchNorm a conversion replaced (see train()); empty otherwise.
+  std::weak_ptr<torch::nn::Module> replaced_;
   // Shares `adopt` (weight, bias, running_mean, running_var,
   // num_batches_tracked; undefined ones are made new).
   DeferredBatchNormImpl(
