@@ -248,8 +248,7 @@ torch::Tensor Connection::wait_bytes(
             << rank_name(peer) << " and "
             << (timed_out ? "gave up after " : "lost the connection: ")
             << (timed_out ? std::to_string(timeout.count() / 1000) +
-                                " s (GPIPE_DIST_TIMEOUT): rank " +
-                                std::to_string(peer) +
+                                " s (GPIPE_DIST_TIMEOUT): " + rank_name(peer) +
                                 " stopped answering, or runs other passes"
                           : rank_name(peer) + " died or closed its connection")
             << " [c10d: " << error.substr(0, 300) << "]";

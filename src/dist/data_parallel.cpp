@@ -412,10 +412,11 @@ torch::Tensor PipelineStageImpl::run_train_step(
     // rank makes alike, at no cost but two numbers more in the loss's
     // all-reduce.
     const auto rows = static_cast<double>(engine_->step_rows);
+    const auto on = torch::TensorOptions(torch::kDouble).device(loss.device());
     auto sums = torch::stack(
         {loss.detach().to(torch::kDouble).reshape({}),
-         torch::tensor(rows, torch::kDouble),
-         torch::tensor(rows * rows, torch::kDouble)});
+         torch::tensor(rows, on),
+         torch::tensor(rows * rows, on)});
     data.all_reduce(sums);
     const auto replicas = static_cast<double>(data.size());
     const auto all_rows = sums[1].item<double>();
