@@ -19,8 +19,10 @@ void verify_balance(const std::vector<int64_t>& balance, int64_t num_layers);
 /// `chunks` is at least 1.
 void verify_chunks(int64_t chunks);
 
-/// There is a device for every partition, and every CUDA device among them
-/// exists (a LibTorch built without CUDA has none).
+/// There is a device for each of the `num_partitions` lanes that hold the
+/// partitions (one per partition unless stages_per_lane or a placement
+/// puts several on a lane), and every CUDA device among them exists (a
+/// LibTorch built without CUDA has none).
 void verify_devices(
     const std::vector<torch::Device>& devices, int64_t num_partitions);
 
