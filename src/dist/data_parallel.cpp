@@ -419,9 +419,11 @@ torch::Tensor PipelineStageImpl::run_train_step(
          torch::tensor(rows * rows, on)});
     data.all_reduce(sums);
     const auto replicas = static_cast<double>(data.size());
-    const auto all_rows = sums[1].item<double>();
+    const auto on_cpu = sums.cpu();  // one copy from a GPU, not three
+    const auto* summed = on_cpu.data_ptr<double>();
+    const auto all_rows = summed[1];
     TORCH_CHECK_VALUE(
-        replicas * sums[2].item<double>() == all_rows * all_rows,
+        replicas * summed[2] == all_rows * all_rows,
         "gpipe::dist: the replicas trained on shards of different sizes "
         "(this replica's has ",
         engine_->step_rows,
@@ -433,7 +435,7 @@ torch::Tensor PipelineStageImpl::run_train_step(
         "weighs a row of a smaller shard more than one of a larger; give "
         "every replica the same rows (drop the last, smaller batch, or cut "
         "the batch into equal shards)");
-    loss = (sums[0] / replicas).to(loss.scalar_type());
+    loss = (sums[0] / replicas).to(loss.scalar_type());  // on loss's device
   }
   return loss;
 }

@@ -115,6 +115,15 @@ torch::nn::Sequential build(int64_t seed) {
   return net;
 }
 
+// build(0) for each of `ranks` ranks: equal models, one per rank's thread.
+std::vector<torch::nn::Sequential> nets_of_ranks(int64_t ranks) {
+  std::vector<torch::nn::Sequential> nets;
+  for (int64_t r = 0; r < ranks; ++r) {
+    nets.push_back(build(0));
+  }
+  return nets;
+}
+
 // What the mesh tests train on: `rows` rows of build()'s 6 features in
 // float64 and their classes of 3, from seed 3; and the loss.
 struct Batch {
@@ -367,10 +376,7 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
     ref->zero_grad();
   }
   const auto ref_params = ref->named_parameters();
-  std::vector<torch::nn::Sequential> nets;
-  for (int r = 0; r < 4; ++r) {
-    nets.push_back(build(0));
-  }
+  const auto nets = nets_of_ranks(4);
   RankFailures failures;
   run_ranks(4, [&](World world) {
     Mesh mesh(world, 2);
@@ -429,10 +435,7 @@ TEST(MeshTest, GradientsAccumulatedOverStepsOrSetToNoneAreAveraged) {
       ref_grads.back()[p.key()] = p.value().grad().clone();
     }
   }
-  std::vector<torch::nn::Sequential> nets;
-  for (int r = 0; r < 4; ++r) {
-    nets.push_back(build(0));
-  }
+  const auto nets = nets_of_ranks(4);
   RankFailures failures;
   run_ranks(4, [&](World world) {
     Mesh mesh(world, 2);
@@ -690,10 +693,7 @@ void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
   const auto batch = batch_of(8);
   const auto& x = batch.x;
   const auto& y = batch.y;
-  std::vector<torch::nn::Sequential> nets;
-  for (int r = 0; r < 4; ++r) {
-    nets.push_back(build(0));
-  }
+  const auto nets = nets_of_ranks(4);
   std::mutex mutex;
   std::vector<std::string> errors(4);
   const auto start = std::chrono::steady_clock::now();
@@ -742,10 +742,7 @@ void expect_every_rank_to_name_the_failing_rank(int64_t failing, bool in_loss) {
   const auto options =
       GPipeOptions(std::vector<int64_t>{4, 4}).chunks(2).threads_per_lane(1);
   const auto batch = batch_of(8);
-  std::vector<torch::nn::Sequential> nets;
-  for (int r = 0; r < 4; ++r) {
-    nets.push_back(build(0));
-  }
+  const auto nets = nets_of_ranks(4);
   std::atomic<bool> armed{false};
   std::mutex mutex;
   std::vector<std::string> errors(4);
@@ -828,10 +825,7 @@ TEST(MeshTest, ShardsOfDifferentSizesAreRefusedOnEveryRank) {
   const auto options =
       GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
   const auto batch = batch_of(8);
-  std::vector<torch::nn::Sequential> nets;
-  for (int r = 0; r < 4; ++r) {
-    nets.push_back(build(0));
-  }
+  const auto nets = nets_of_ranks(4);
   std::mutex mutex;
   std::vector<std::string> errors(4);
   std::vector<double> losses(4, 0.0);
@@ -970,10 +964,7 @@ TEST(MeshTest, AStagesAllReduceStartsWhileThePipelineDrains) {
                            .chunks(4)
                            .checkpoint(Checkpoint::Never)
                            .threads_per_lane(1);
-  std::vector<torch::nn::Sequential> nets;
-  for (int r = 0; r < 4; ++r) {
-    nets.push_back(build(0));
-  }
+  const auto nets = nets_of_ranks(4);
   // A trace per replica, shared by its two stages (lanes 0 and 1).
   std::vector<std::shared_ptr<Trace>> traces{
       std::make_shared<Trace>(), std::make_shared<Trace>()};
