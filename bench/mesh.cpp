@@ -86,18 +86,22 @@ nlohmann::json mesh_section(
   if (lead) {
     std::printf(
         "\n# gradient all-reduce over 2 replicas (the first stages' data "
-        "group), gpipe's buckets against a bare c10d all-reduce of the same "
-        "bytes, in alternation (at least %d pairs, more for fewer bytes): the "
-        "median of each, and the median of the pairs' ratios\n",
+        "group): a bare c10d all-reduce of the same bytes (a sum), the same "
+        "after a product by 1/replicas (an average: Gloo has no averaging "
+        "all-reduce), and gpipe's buckets, in rotation (at least %d rounds, "
+        "more for fewer bytes): the median of each, and the medians of the "
+        "rounds' ratios of gpipe's to each\n",
         std::max(iters, 21));
     std::printf(
-        "%-10s %8s %8s %12s %12s %8s\n",
+        "%-6s %8s %7s %10s %12s %10s %8s %11s\n",
         "MiB",
         "tensors",
-        "pairs",
+        "rounds",
         "bare_ms",
+        "bare_avg_ms",
         "gpipe_ms",
-        "ratio");
+        "ratio",
+        "ratio_avg");
   }
   json sizes = json::array();
   for (const int64_t mib : {1, 8, 32}) {
@@ -116,19 +120,27 @@ nlohmann::json mesh_section(
     gpipe::dist::detail::GradientBuckets buckets(
         data, params, gpipe::dist::detail::kDefaultBucketBytes);
     std::vector<double> bare;
+    std::vector<double> bare_average;
     std::vector<double> ours;
     // Only the first stages' data group runs; the others wait, so that the
-    // two groups do not share the cores. Smaller all-reduces get more pairs
-    // (about as many bytes in all as 21 of 32 MiB), and the ratio is taken
-    // pair by pair, so that a machine whose speed drifts during the run
-    // moves both sides of a pair alike.
+    // two groups do not share the cores. Smaller all-reduces get more
+    // rounds (about as many bytes in all as 21 of 32 MiB), and the ratios
+    // are taken round by round, so that a machine whose speed drifts during
+    // the run moves every side of a round alike.
     const bool timed = mesh.pipeline_rank() == 0;
     const int rounds =
         std::max(iters, 21) * static_cast<int>(std::max<int64_t>(1, 32 / mib));
-    auto time_bare = [&] {
+    // A bare all-reduce sums; an average over Gloo, which has no averaging
+    // all-reduce, also takes one pass over the gradients (a product by
+    // 1/replicas, as gpipe's buckets do).
+    const double scale = 1.0 / static_cast<double>(data.size());
+    auto time_bare = [&](bool average) {
       world.barrier();
       const auto start = Clock::now();
       if (timed) {
+        if (average) {
+          flat.mul_(scale);
+        }
         std::vector<torch::Tensor> tensors{flat};
         data.group()->allreduce(tensors)->wait();
       }
@@ -143,46 +155,52 @@ nlohmann::json mesh_section(
       }
       return seconds_since(start);
     };
-    for (int k = 0; k < rounds + 2; ++k) {
-      // Each side goes first in every other pair.
-      double a = 0;
-      double b = 0;
-      if (k % 2 == 0) {
-        a = time_bare();
-        b = time_ours();
-      } else {
-        b = time_ours();
-        a = time_bare();
+    for (int k = 0; k < rounds + 3; ++k) {
+      // Each side goes first in every third round.
+      double times[3] = {0, 0, 0};
+      for (int j = 0; j < 3; ++j) {
+        const int side = (j + k) % 3;
+        times[side] = side == 2 ? time_ours() : time_bare(side == 1);
       }
-      if (k >= 2) {
-        bare.push_back(a);
-        ours.push_back(b);
+      if (k >= 3) {
+        bare.push_back(times[0]);
+        bare_average.push_back(times[1]);
+        ours.push_back(times[2]);
       }
     }
     std::vector<double> ratios;
+    std::vector<double> ratios_average;
     for (size_t k = 0; k < bare.size(); ++k) {
       ratios.push_back(bare[k] > 0 ? ours[k] / bare[k] : 1.0);
+      ratios_average.push_back(
+          bare_average[k] > 0 ? ours[k] / bare_average[k] : 1.0);
     }
     const double bare_s = quantile(bare, 0.5);
+    const double bare_average_s = quantile(bare_average, 0.5);
     const double ours_s = quantile(ours, 0.5);
     const double ratio = quantile(ratios, 0.5);
+    const double ratio_average = quantile(ratios_average, 0.5);
     if (lead) {
       std::printf(
-          "%-10lld %8lld %8d %12.3f %12.3f %8.3f\n",
+          "%-6lld %8lld %7d %10.3f %12.3f %10.3f %8.3f %11.3f\n",
           static_cast<long long>(mib),
           static_cast<long long>(count),
           rounds,
           bare_s * 1e3,
+          bare_average_s * 1e3,
           ours_s * 1e3,
-          ratio);
+          ratio,
+          ratio_average);
     }
     sizes.push_back(
         {{"mib", mib},
          {"tensors", count},
          {"pairs", rounds},
          {"bare_seconds", bare_s},
+         {"bare_average_seconds", bare_average_s},
          {"gpipe_seconds", ours_s},
          {"ratio", ratio},
+         {"ratio_to_bare_average", ratio_average},
          {"target_ratio", 1.1}});
   }
   out["all_reduce"] = sizes;

@@ -411,8 +411,11 @@ Four processes on loopback, two replicas of a 2-stage pipeline
 gradient all-reduce of N bytes (16 tensors) through gpipe's buckets (kept
 between steps, the gradients in them, averaged in place) against a bare
 c10d all-reduce of one tensor of N bytes on the first stages' data group
-(the other group waits), in pairs (each side first in every other pair;
-more pairs for fewer bytes), the median of the pairs' ratios. \`overlap\`: 1F1B steps of
+(the other group waits), a sum (\`ratio\`), and against the same after a
+product by 1/replicas, an average (\`ratio_to_bare_average\`: Gloo has no
+averaging all-reduce, so an average takes one pass over the gradients), in
+rounds (each side first in every third round; more rounds for fewer
+bytes), the median of the rounds' ratios. \`overlap\`: 1F1B steps of
 an MLP on the 2 x 2 mesh, traced; of the all-reduce time (from a stage's
 first bucket's start, during its last B, to its last bucket's end), the
 part during which a lane of the replica computed, with 64 rows a replica

@@ -222,8 +222,10 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
   // gradient_as_bucket_view): backward accumulated into it in place, and
   // only a gradient made anew (the first step, or after it was set to
   // none) is written in, divided on the way. Every gradient is divided by
-  // the number of replicas before the sum (Note [Gradient buckets]).
-  const auto replicas = static_cast<double>(data_.size());
+  // the number of replicas before the sum (Note [Gradient buckets]), as a
+  // product with its reciprocal: LibTorch's CPU kernels divide element by
+  // element, at about twice the time of a product.
+  const auto scale = 1.0 / static_cast<double>(data_.size());
   std::vector<size_t> in_place;  // slots backward accumulated into
   for (const auto k : c10::irange(bucket.parameters.size())) {
     auto& p = bucket.parameters[k];
@@ -244,17 +246,17 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
     } else if (
         grad.data_ptr() != slot.data_ptr() ||
         grad.strides() != slot.strides()) {
-      at::div_out(slot, grad, replicas);
+      at::mul_out(slot, grad, scale);
       p.mutable_grad() = slot;
     } else {
       in_place.push_back(k);
     }
   }
   if (in_place.size() == bucket.parameters.size()) {
-    bucket.flat.div_(replicas);
+    bucket.flat.mul_(scale);
   } else {
     for (const auto k : in_place) {
-      bucket.slots[k].div_(replicas);
+      bucket.slots[k].mul_(scale);
     }
   }
   bucket.staged = on_group_device(connection.groups, bucket.flat);
