@@ -102,6 +102,14 @@ std::string Checksum::hex() const {
   return out.str();
 }
 
+std::string manifest_checksum(nlohmann::json manifest) {
+  manifest.erase(kManifestChecksumKey);
+  const auto text = manifest.dump();
+  Checksum checksum;
+  checksum.add(reinterpret_cast<const uint8_t*>(text.data()), text.size());
+  return checksum.hex();
+}
+
 uint64_t Checksum::step(uint64_t hash, const uint8_t* bytes) {
   uint64_t word = 0;
   std::memcpy(&word, bytes, sizeof(word));
@@ -203,6 +211,14 @@ CheckpointReader::CheckpointReader(const std::string& dir) {
         "format is not ",
         kCheckpointFormat);
     version = manifest_.at("version").get<int64_t>();
+    // The data files' checksums and places are in the manifest: a manifest
+    // changed after it was written would read them wrong.
+    if (manifest_.contains(kManifestChecksumKey)) {
+      TORCH_CHECK_VALUE(
+          manifest_.at(kManifestChecksumKey).get<std::string>() ==
+              manifest_checksum(manifest_),
+          "it does not match the checksum it was written with");
+    }
   } catch (const std::exception& e) {
     damaged(e);
   }

@@ -234,6 +234,7 @@ void commit_checkpoint(
     nlohmann::json manifest) {
   manifest["format"] = kCheckpointFormat;
   manifest["version"] = kCheckpointVersion;
+  manifest[kManifestChecksumKey] = manifest_checksum(manifest);
   const auto path = (fs::path(tmp) / kManifest).string();
   crash_point("writing " + path);
   {

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -330,6 +331,22 @@ TEST(CheckpointIoTest, DamagedFilesAreRefusedByName) {
   auto other = make_model(kLayouts[2]);
   auto other_opt = make_optimizer(Opt::SGDMomentum, other->parameters());
   auto load = [&] { load_checkpoint(dir.path, other, *other_opt); };
+  // A manifest edited after it was written: a tensor's dtype (its bytes
+  // would be read as another type, and its checksum still holds).
+  const auto manifest_path = (fs::path(ckpt) / "manifest.json").string();
+  std::string written;
+  {
+    std::ifstream in(manifest_path);
+    written.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto at = written.find("\"Double\"");
+  ASSERT_NE(at, std::string::npos) << written;
+  std::ofstream(manifest_path)
+      << written.substr(0, at) << "\"Float\"" << written.substr(at + 8);
+  expect_refused(
+      other, load, {manifest_path, "does not match the checksum", "damaged"});
+  std::ofstream(manifest_path) << written;
+  EXPECT_NO_THROW(load());
   {
     std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(static_cast<std::streamoff>(size / 2));

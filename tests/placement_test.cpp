@@ -286,6 +286,18 @@ TEST(PlacementTest, CsvRoundTripKeepsThePlacement) {
         Plan::from_csv("# placement: 0 1\n# placement: 0 1\n0F0\n");
       }).find("row 2: a second placement line"),
       std::string::npos);
+  // A placement line of another length than the actions' stages.
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv(
+            "# placement: 0 1 1\n0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n");
+      })
+          .find("the placement line places 3 stages, but the actions are "
+                "those of 2 stages (0 to 1)"),
+      std::string::npos);
+  EXPECT_THROW(Plan::from_csv("# placement: 0\n0F0,1F0\n"), c10::ValueError);
+  // A plan of no micro-batches keeps the stages its placement names.
+  EXPECT_EQ(Plan::from_csv("# placement: 0 1\n").stages, 2);
   // A stage whose cells are on two rows: no placement is made up.
   EXPECT_TRUE(Plan::from_csv("0F0\n0B0\n").placement.empty());
 }

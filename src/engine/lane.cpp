@@ -34,7 +34,10 @@ namespace gpipe::detail {
 // before them too, and for memory freed from then on. The cost: what a thread
 // frees stays in its arena until the process ends, so the process holds each
 // thread's peak (the lanes', and the calling thread's for a serial plan: Note
-// [A serial plan on the calling thread]), not one peak for all.
+// [A serial plan on the calling thread]), not one peak for all; and with the
+// pad, the top of a thread's heap creeps up over a long run, so that a lane
+// whose peak is small keeps up to the pad's 64 MiB resident (a 16 MiB pad
+// keeps about 14 MiB, none keeps none: docs/guide.md, section 2).
 // gpipe::dist::init_from_env and the profiler's copies (balance_by_time) call
 // it too.
 // The user's own settings win: with GPIPE_MALLOC=system, MALLOC_ARENA_MAX,

@@ -11,6 +11,7 @@
 
 #include "schedule/actions.h"
 #include "schedule/plan_builders.h"
+#include "text.h"
 
 namespace gpipe {
 
@@ -262,6 +263,17 @@ Plan Plan::from_csv(const std::string& text) {
   if (!placed) {
     plan.placement = placement_of_rows(plan);
   } else {
+    // Every stage of a plan with micro-batches has cells: a placement line
+    // of another length is named here, not as a cell validate() misses.
+    TORCH_CHECK_VALUE(
+        plan.micro_batches == 0 || plan.placement.stages() == plan.stages,
+        "plan CSV: the placement line places ",
+        detail::count_of(plan.placement.stages(), "stage", "stages"),
+        ", but the actions are those of ",
+        detail::count_of(plan.stages, "stage", "stages"),
+        " (0 to ",
+        plan.stages - 1,
+        ")");
     // Stages without cells (a plan of 0 micro-batches) are still placed.
     plan.stages = std::max(plan.stages, plan.placement.stages());
   }
