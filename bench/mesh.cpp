@@ -195,7 +195,7 @@ nlohmann::json mesh_section(
     sizes.push_back(
         {{"mib", mib},
          {"tensors", count},
-         {"pairs", rounds},
+         {"rounds", rounds},
          {"bare_seconds", bare_s},
          {"bare_average_seconds", bare_average_s},
          {"gpipe_seconds", ours_s},

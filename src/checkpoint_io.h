@@ -40,7 +40,6 @@ constexpr int64_t kAlign = 64;
 /// word at a time keeps it well under the cost of reading the file. Fed in
 /// pieces of any size.
 constexpr const char* kChecksumKey = "fnv1a64_words";
-class Checksum;
 /// The manifest's key of its own checksum: `Checksum` over the compact dump
 /// of the manifest without this key (nlohmann::json keeps keys sorted, so
 /// the dump of what was parsed is the dump of what was written). A manifest
