@@ -225,7 +225,7 @@ elif [[ $mode == run ]]; then
     # Skipped without Debian's dataset-fashion-mnist (scripts/setup.sh
     # installs it): this check trains on the real data.
     echo "skipped: no Fashion-MNIST in $data"
-    exit 77
+    exit 77  # skipped: needs Debian's dataset-fashion-mnist (real data)
   fi
   # One epoch over 256 images: 4 steps of 64, steps 2-4 traced.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json \

@@ -379,7 +379,7 @@ case $mode in
       # Skipped without Debian's dataset-fashion-mnist (scripts/setup.sh
       # installs it): this check trains on the real data.
       echo "no Fashion-MNIST under $data: skipped"
-      exit 77
+      exit 77  # skipped: needs Debian's dataset-fashion-mnist (real data)
     fi
     # 1F1B with a partition per rank; interleaved and ZB-V with two per
     # rank (one process: 4 partitions on 2 lanes; ZB-V's in a V, the input
@@ -469,7 +469,7 @@ case $mode in
       # Skipped without Debian's dataset-fashion-mnist (scripts/setup.sh
       # installs it): this check trains on the real data.
       echo "no Fashion-MNIST under $data: skipped"
-      exit 77
+      exit 77  # skipped: needs Debian's dataset-fashion-mnist (real data)
     fi
     # (--threads-per-lane 1: the one-process run below rounds as the ranks.)
     base=(--data-dir "$data" --limit 1280 --test-limit 1000 --batch-size 64
