@@ -43,6 +43,11 @@ TEST(PlacementTest, ShapesAndLists) {
   EXPECT_EQ(Placement::modulo(3), Placement({0, 1, 2}));
   EXPECT_NE(Placement::modulo(2, 2), Placement::v_shape(2));
   EXPECT_THROW(listed.lane_of(3), c10::IndexError);
+  // A lane outside the placement is refused as a stage outside it is, not
+  // answered with no stages.
+  EXPECT_THROW(listed.stages_of(2), c10::IndexError);
+  EXPECT_THROW(listed.stages_of(-1), c10::IndexError);
+  EXPECT_THROW(Placement().stages_of(0), c10::IndexError);
 }
 
 TEST(PlacementTest, BadListsAreRefused) {

@@ -49,7 +49,8 @@ class Placement {
   }
   /// Stage `stage`'s lane; throws `c10::IndexError` outside [0, stages()).
   int64_t lane_of(int64_t stage) const;
-  /// The stages on `lane`, in increasing order.
+  /// The stages on `lane`, in increasing order; throws `c10::IndexError`
+  /// outside [0, lanes()).
   std::vector<int64_t> stages_of(int64_t lane) const;
   const std::vector<int64_t>& lane_of_stage() const {
     return lane_of_stage_;

@@ -62,6 +62,7 @@ std::vector<std::string> compiled_backends() {
 GroupFactory backend_from_env(
     const std::string& master_addr,
     int64_t local_rank,
+    int64_t local_size,
     std::chrono::milliseconds timeout) {
   const auto names = compiled_backends();
   const char* value = std::getenv("GPIPE_DIST_BACKEND");
@@ -107,10 +108,12 @@ GroupFactory backend_from_env(
   return gloo_groups(
       master_addr,
       timeout,
-      channel == "ordered" ? GlooChannel::Ordered : GlooChannel::Tagged);
+      channel == "ordered" ? GlooChannel::Ordered : GlooChannel::Tagged,
+      local_size);
 #else
   (void)master_addr;
   (void)local_rank;
+  (void)local_size;
   (void)timeout;
   TORCH_INTERNAL_ASSERT(false, "no backend for '", name, "'");
 #endif

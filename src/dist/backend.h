@@ -78,10 +78,24 @@ enum class GlooChannel { Tagged, Ordered };
 /// interface of this host's own name (as c10d picks it). Every group waits
 /// at most `timeout` for a peer. A group that cannot be made is a c10::Error
 /// naming the rank and the timeout. (src/dist/gloo.cpp)
+///
+/// `local_ranks` is how many ranks share this host (LOCAL_WORLD_SIZE): with
+/// more of them than CPUs, Gloo's event-loop thread runs at nice 19 (Note
+/// [Gloo's event loop on shared cores]).
 GroupFactory gloo_groups(
     const std::string& master_addr,
     std::chrono::milliseconds timeout,
-    GlooChannel channel = GlooChannel::Tagged);
+    GlooChannel channel = GlooChannel::Tagged,
+    int64_t local_ranks = 1);
+
+/// The nice value of Gloo's event-loop thread: `setting`
+/// (GPIPE_GLOO_LOOP_NICE) when given, a whole number from 0 to 19 (anything
+/// else is a c10::ValueError); else 19 when `local_ranks` outnumber `cpus`,
+/// 0 otherwise. (src/dist/gloo.cpp)
+int gloo_loop_nice(int64_t local_ranks, int64_t cpus, const char* setting);
+
+/// The CPUs this process may run on (its affinity mask).
+int64_t usable_cpus();
 
 /// NCCL groups on cuda:<local_rank modulo the GPUs this process sees>.
 /// (src/dist/nccl.cpp)
@@ -95,9 +109,11 @@ std::vector<std::string> compiled_backends();
 /// c10::ValueError naming what there is. GPIPE_DIST_CHANNEL=ordered sends
 /// Gloo's messages through the ordered channel (NCCL's only one); "tagged"
 /// (Gloo's default) is refused on NCCL, and any other value everywhere.
+/// `local_size` is how many ranks share this host.
 GroupFactory backend_from_env(
     const std::string& master_addr,
     int64_t local_rank,
+    int64_t local_size,
     std::chrono::milliseconds timeout);
 
 /// A Channel over c10d's own tagged send and receive (Gloo's).

@@ -184,7 +184,8 @@ World join_from_env(std::chrono::milliseconds timeout) {
   // See Note [Resolving MASTER_ADDR first].
   check_master_addr(addr, timeout);
   // A backend this build lacks is said before anyone waits.
-  auto make_group = detail::backend_from_env(addr, local_rank, timeout);
+  auto make_group =
+      detail::backend_from_env(addr, local_rank, local_size, timeout);
   const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
   const bool agent_store = agent != nullptr && (std::string(agent) == "True" ||
                                                 std::string(agent) == "1");
@@ -319,8 +320,9 @@ World init_from_store(
   gpipe::detail::keep_freed_memory_once();
   ignore_sigpipe();  // Note [SIGPIPE]
   const char* addr = env("MASTER_ADDR");
+  // Every rank of the store is a thread of this process.
   auto make_group = detail::backend_from_env(
-      addr != nullptr ? addr : "127.0.0.1", rank, timeout);
+      addr != nullptr ? addr : "127.0.0.1", rank, size, timeout);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("gpipe/", store);
   auto groups = make_group(prefixed, rank, size);
   return World(std::make_shared<detail::Connection>(

@@ -104,6 +104,13 @@ int64_t Placement::lane_of(int64_t stage) const {
 }
 
 std::vector<int64_t> Placement::stages_of(int64_t lane) const {
+  TORCH_CHECK_INDEX(
+      lane >= 0 && lane < lanes_,
+      "placement: lane ",
+      lane,
+      " is not in [0, ",
+      lanes_,
+      ")");
   std::vector<int64_t> stages;
   for (int64_t j = 0; j < this->stages(); ++j) {
     if (lane_of_stage_[static_cast<size_t>(j)] == lane) {

@@ -1,0 +1,130 @@
+// Gloo's event-loop thread on hosts with more ranks than CPUs (Note
+// [Gloo's event loop on shared cores] in src/dist/gloo.cpp): the rule that
+// picks its nice value, and that the value reaches that thread and no
+// other, with ranks as threads of this process.
+
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "dist/backend.h"
+#include "dist/ranks.h"
+#include "error_of.h"
+
+namespace {
+
+using gpipe::dist::detail::gloo_loop_nice;
+
+// Sets an environment variable for the scope, then puts back what was.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) {
+      old_ = std::string(old);
+    }
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_.c_str(), old_->c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+std::set<long> thread_ids() {
+  std::set<long> ids;
+  if (DIR* dir = opendir("/proc/self/task")) {
+    while (const auto* entry = readdir(dir)) {
+      if (entry->d_name[0] != '.') {
+        ids.insert(std::atol(entry->d_name));
+      }
+    }
+    closedir(dir);
+  }
+  return ids;
+}
+
+// The nice value of thread `id` of this process.
+int nice_of(long id) {
+  errno = 0;
+  const int nice = getpriority(PRIO_PROCESS, static_cast<id_t>(id));
+  EXPECT_EQ(errno, 0) << "thread " << id;
+  return nice;
+}
+
+// Runs two ranks as threads with GPIPE_GLOO_LOOP_NICE at `setting`; while
+// both Worlds live, counts the threads made since the start at each nice
+// value, and checks that the ranks' own threads kept theirs.
+std::pair<int, int> new_threads_at(const char* setting, int nice) {
+  const ScopedEnv env("GPIPE_GLOO_LOOP_NICE", setting);
+  const auto before = thread_ids();
+  std::atomic<int> at_nice{0};
+  std::atomic<int> others{0};
+  gpipe::dist::testing::run_ranks(2, [&](gpipe::dist::World world) {
+    EXPECT_EQ(getpriority(PRIO_PROCESS, 0), 0) << "rank " << world.rank();
+    // The groups work: a sum over both ranks.
+    auto t = torch::full({4}, static_cast<double>(world.rank() + 1));
+    world.all_reduce(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({4}, 3.0)));
+    world.barrier();
+    if (world.rank() == 0) {
+      for (const auto id : thread_ids()) {
+        if (before.count(id) == 0) {
+          (nice_of(id) == nice ? at_nice : others) += 1;
+        }
+      }
+    }
+    world.barrier();
+  });
+  return {at_nice.load(), others.load()};
+}
+
+TEST(GlooLoopTest, NiceFollowsTheRanksPerCpu) {
+  EXPECT_EQ(gloo_loop_nice(4, 2, nullptr), 19);
+  EXPECT_EQ(gloo_loop_nice(3, 2, ""), 19);
+  EXPECT_EQ(gloo_loop_nice(2, 2, nullptr), 0);
+  EXPECT_EQ(gloo_loop_nice(1, 16, nullptr), 0);
+  // The setting wins either way.
+  EXPECT_EQ(gloo_loop_nice(4, 2, "0"), 0);
+  EXPECT_EQ(gloo_loop_nice(1, 16, "7"), 7);
+  EXPECT_EQ(gloo_loop_nice(1, 16, "19"), 19);
+  for (const char* bad : {"20", "-1", "high", "5x", " 5"}) {
+    EXPECT_THROW(gloo_loop_nice(1, 1, bad), c10::ValueError) << bad;
+    const auto message =
+        gpipe::testing::error_of([&] { gloo_loop_nice(1, 1, bad); });
+    EXPECT_NE(message.find("GPIPE_GLOO_LOOP_NICE"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find(std::string("'") + bad + "'"), std::string::npos)
+        << message;
+  }
+}
+
+TEST(GlooLoopTest, OnlyTheEventLoopRunsLower) {
+  // One device per rank, each with one event-loop thread: those two run at
+  // the value set, and every other new thread (c10d's workers) at 0.
+  const auto [lowered, others] = new_threads_at("19", 19);
+  EXPECT_EQ(lowered, 2);
+  EXPECT_GT(others, 0);
+  // At 0, nothing is lowered.
+  const auto [at_zero, rest] = new_threads_at("0", 0);
+  EXPECT_GT(at_zero, 2);
+  EXPECT_EQ(rest, 0);
+}
+
+}  // namespace
