@@ -38,8 +38,9 @@ namespace gpipe::dist::detail {
 // longer preempts a lane, and a spinning one gets about 1/70 of a core
 // that lanes want. With a CPU for each rank, the default stays 0: there,
 // BLAS threads that fill the cores would keep a low-priority loop thread
-// waiting for a scheduler tick at every message.
-// GPIPE_GLOO_LOOP_NICE (0 to 19) sets the value either way.
+// waiting for a scheduler tick at every message. What it changed, and what
+// it costs a message: docs/benchmark-history.md, "Gloo's event loop below
+// the lanes". GPIPE_GLOO_LOOP_NICE (0 to 19) sets the value either way.
 
 int64_t usable_cpus() {
 #if defined(__linux__)
