@@ -20,6 +20,32 @@ namespace {
 using gpipe::detail::FirstError;
 using gpipe::detail::Lane;
 
+// A GPIPE_MALLOC that names nothing gpipe knows is refused by name when the
+// first lane would be made, not taken for the default.
+TEST(WorkerTest, UnknownMallocChoiceIsRefused) {
+  const char* old = std::getenv("GPIPE_MALLOC");
+  const std::string kept = old != nullptr ? old : "";
+  setenv("GPIPE_MALLOC", "jemalloc", 1);
+  torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  std::string message;
+  try {
+    gpipe::GPipe model(net, gpipe::GPipeOptions({1, 1}));
+  } catch (const c10::ValueError& e) {
+    message = e.what_without_backtrace();
+  }
+  if (old != nullptr) {
+    setenv("GPIPE_MALLOC", kept.c_str(), 1);
+  } else {
+    unsetenv("GPIPE_MALLOC");
+  }
+  EXPECT_NE(message.find("GPIPE_MALLOC"), std::string::npos) << message;
+  EXPECT_NE(message.find("'jemalloc'"), std::string::npos) << message;
+  // Unset again, the same model is made and runs.
+  gpipe::GPipe model(net, gpipe::GPipeOptions({1, 1}));
+  EXPECT_EQ(
+      model->forward(torch::ones({2, 4})).sizes(), (c10::IntArrayRef{2, 4}));
+}
+
 TEST(WorkerTest, LaneRunsTasksInPostOrder) {
   std::vector<int> order;
   {

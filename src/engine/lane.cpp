@@ -45,9 +45,17 @@ namespace gpipe::detail {
 // GLIBC_TUNABLES in the environment, malloc is left alone (as it is under
 // another allocator, such as jemalloc).
 void keep_freed_memory_once() {
+  // Checked at every call, so that a value set after the first is not
+  // taken in silence either.
+  const char* choice = std::getenv("GPIPE_MALLOC");
+  TORCH_CHECK_VALUE(
+      choice == nullptr || *choice == '\0' || std::string(choice) == "system",
+      "gpipe expects GPIPE_MALLOC to be unset (gpipe's malloc settings) or "
+      "'system' (glibc's own), but got '",
+      choice,
+      "'");
 #if defined(__GLIBC__) && defined(M_TOP_PAD)
-  static const bool done = [] {
-    const char* choice = std::getenv("GPIPE_MALLOC");
+  static const bool done = [choice] {
     if (choice != nullptr && std::string(choice) == "system") {
       return false;
     }

@@ -17,6 +17,7 @@ namespace gpipe::detail {
 /// Sets glibc's malloc up to keep what the lanes free, once per process,
 /// unless the environment chose otherwise (Note [Lanes and glibc's malloc]
 /// in lane.cpp). The first Lane calls it, and gpipe::dist::init_from_env.
+/// A GPIPE_MALLOC other than unset or "system" is a c10::ValueError.
 void keep_freed_memory_once();
 
 /// One worker thread with a FIFO queue. Tasks must not throw (the pipeline
