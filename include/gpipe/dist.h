@@ -201,6 +201,9 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 /// returns: with a mean loss and equal shards, the step equals one pipeline
 /// on the whole batch. The replicas start from data rank 0's parameters and
 /// buffers (copied at construction); BatchNorm statistics stay per replica.
+/// Replica d's micro-batch i draws what micro-batch d * m + i of one GPipe
+/// with D * m micro-batches on the whole batch draws (processes seeded
+/// alike): random layers such as dropout equal that GPipe's.
 class PipelineStageImpl : public torch::nn::Module {
  public:
   /// One pipeline over all of `world`: Mesh(world, world.size()).

@@ -238,6 +238,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
             local,
             world_.size());
         ends.user_plan = plan;
+        ends.replica = mesh_.data_rank();
         ends.target = target;
         ends.chunks = options.chunks();
         ends.device = device_;
@@ -282,6 +283,7 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
             begin_sends,
             local,
             world_.size());
+        ends.replica = mesh_.data_rank();
         if (first) {
           ends.inputs = scatter_input(input, options.chunks(), "forward");
         }

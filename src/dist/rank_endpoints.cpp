@@ -117,6 +117,7 @@ std::vector<torch::Tensor> RankEndpoints::targets(
 }
 
 void RankEndpoints::prepare(gpipe::detail::Pass& pass) {
+  pass.seed_offset = replica * pass.micro_batches();
   if (local_.kind != PassKind::Train) {
     return;
   }

@@ -50,6 +50,10 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   torch::Tensor target;
   int64_t chunks = 1;
   torch::Device device = torch::kCPU;
+  /// This pipeline's replica (its data rank in the Mesh): its micro-batch
+  /// i is micro-batch replica * m + i of the replicas' whole batch, and its
+  /// cells draw as that one's would.
+  int64_t replica = 0;
 
   bool seed_first() const override {
     return true;  // rank 0's is every rank's

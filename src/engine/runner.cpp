@@ -318,13 +318,13 @@ CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
   ctx.training = options_.training;
   ctx.grad = grad;
   ctx.checkpoint = i < options_.checkpoint_stop;
-  ctx.seed = cell_seed(step_seed, i, j);
+  ctx.seed = cell_seed(step_seed, seed_offset + i, j);
   if (loss_fn != nullptr && j == n_ - 1) {
     ctx.loss_fn = loss_fn;
     ctx.target = targets[i];
     ctx.loss_scale = loss_scales[i];
     // Stage n - 1's loss has the seed of a stage n.
-    ctx.loss_seed = cell_seed(step_seed, i, n_);
+    ctx.loss_seed = cell_seed(step_seed, seed_offset + i, n_);
   }
   ctx.retain = retain;
   ctx.trace = trace_.get();

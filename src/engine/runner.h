@@ -70,6 +70,12 @@ class Pass {
   /// Grad mode was on and something required grad: cells build graphs.
   bool grad = false;
   uint64_t step_seed = 0;
+  /// Added to a micro-batch's index where its cells' seeds are made: a
+  /// replica of a pipeline (gpipe::dist::Mesh) whose micro-batches are
+  /// micro-batches d * m ... d * m + m - 1 of the whole batch draws what
+  /// one pipeline would draw for those (Note [Random streams of concurrent
+  /// cells]), not what every other replica draws.
+  int64_t seed_offset = 0;
   /// Makes this pass a training step: the last stage computes the loss of
   /// each micro-batch (of `rows[i]` rows, its target `targets[i]`), scaled
   /// by its share of the batch, and backward starts from it.

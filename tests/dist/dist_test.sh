@@ -240,6 +240,10 @@ case $mode in
   parity)
     parity 2 --schedule 1f1b --checkpoint except_last --dropout 0.3
     parity 2 --schedule fill_drain --checkpoint always --dropout 0.5
+    # Replicas draw their own dropout masks: those of one pipeline on the
+    # whole batch.
+    parity 4 --pipeline-size 2 --schedule 1f1b --checkpoint always --dropout 0.3
+    parity 2 --pipeline-size 1 --schedule fill_drain --checkpoint except_last --dropout 0.5
     parity 2 --schedule 1f1b --checkpoint never --batch-norm 1
     parity 4 --schedule 1f1b --checkpoint always --dropout 0.3
     parity 4 --schedule fill_drain --checkpoint except_last --batch-norm 1

@@ -189,8 +189,10 @@ int main(int argc, char** argv) {
   const bool v_shape = arg(argc, argv, "--v-shape", "0") == "1";
   const auto plan_file = arg(argc, argv, "--plan", "");
   // --pipeline-size P: replicas of a P-stage pipeline (Mesh), each on its
-  // shard of the batch, against GPipe on the whole batch (use no dropout
-  // and no BatchNorm: both differ per replica). 0: one pipeline.
+  // shard of the batch, against GPipe on the whole batch in 4 x replicas
+  // micro-batches, so that replica d's micro-batch i is the reference's
+  // micro-batch 4 d + i and draws its dropout masks (use no BatchNorm: its
+  // statistics are per replica). 0: one pipeline.
   const int64_t pipeline_size =
       std::stoll(arg(argc, argv, "--pipeline-size", "0"));
   // --device cuda: the stages on cuda:0 (and GPipe's lanes too).
@@ -264,7 +266,9 @@ int main(int argc, char** argv) {
                 << "\n";
       return 4;
     }
-    gpipe::GPipe ref(ref_net, options);
+    auto ref_options = options;
+    ref_options.chunks(4 * replicas);
+    gpipe::GPipe ref(ref_net, ref_options);
     // The ranks of the input and the target: 0 and n - 1, or both 0 in a V.
     const auto placement = stage->placement();
     const auto first_rank = placement.lane_of(0);
@@ -332,9 +336,10 @@ int main(int argc, char** argv) {
                     << ": refused: " << e.what_without_backtrace() << std::endl;
         }
       }
-      // Only rank 0's generator decides the step's seed: the others are
-      // seeded apart on purpose.
-      torch::manual_seed(r == 0 ? 500 + step : 900 + 10 * r + step);
+      // Only the generator of each replica's pipeline rank 0 decides the
+      // step's seed: those are seeded alike, as processes usually are, and
+      // the others apart on purpose.
+      torch::manual_seed(pr == 0 ? 500 + step : 900 + 10 * r + step);
       const auto x_here = pr == first_rank ? shard(x) : torch::Tensor();
       const auto y_here = pr == last_rank ? shard(y) : torch::Tensor();
       auto loss = plan ? stage->train_step(x_here, y_here, loss_fn, *plan)
