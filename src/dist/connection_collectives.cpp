@@ -10,6 +10,7 @@
 #include <chrono>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "dist/backend.h"
 #include "dist/connection.h"
 #include "text.h"
 
@@ -67,18 +68,37 @@ void Connection::wait_collective(
           ": a rank stopped answering, or runs other collectives"));
     }
   }
+  // Gloo's own exceptions (gloo::IoException when a peer's connection
+  // closes, or after a timeout closed the pairs) are no c10::Error: each
+  // becomes one, as every error of gpipe is.
+  std::string error;
   try {
     work->wait(timeout);
-  } catch (const c10::Error& e) {
-    gpipe::detail::fail_without_backtrace(c10::str(
-        "gpipe::dist: the ",
-        what,
-        " failed on ",
-        rank_name(rank),
-        " [c10d: ",
-        std::string(e.what_without_backtrace()).substr(0, 300),
-        "]"));
+  } catch (const std::exception&) {
+    error = message_of(std::current_exception());
   }
+  if (error.empty()) {
+    return;
+  }
+  {
+    // A rank that failed tells the others before its connections close:
+    // give its notice a moment to arrive, so that it is what this rank
+    // reports, naming that rank.
+    std::unique_lock<std::mutex> lock(mutex_);
+    failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {
+      return failure_.has_value();
+    });
+  }
+  check();
+  gpipe::detail::fail_without_backtrace(c10::str(
+      "gpipe::dist: the ",
+      what,
+      " failed on ",
+      rank_name(rank),
+      ": a rank died, closed its connections or stopped answering, or the "
+      "ranks passed tensors of other sizes [c10d: ",
+      error.substr(0, 300),
+      "]"));
 }
 
 void Connection::run_collective(

@@ -1,7 +1,8 @@
-// Gloo's event-loop thread on hosts with more ranks than CPUs (Note
-// [Gloo's event loop on shared cores] in src/dist/gloo.cpp): the rule that
-// picks its nice value, and that the value reaches that thread and no
-// other, with ranks as threads of this process.
+// What is Gloo's own, with ranks as threads of this process: its event-loop
+// thread on hosts with more ranks than CPUs (Note [Gloo's event loop on
+// shared cores] in src/dist/gloo.cpp): the rule that picks its nice value,
+// and that the value reaches that thread and no other; and its exceptions,
+// which reach the caller as c10::Errors.
 
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -10,10 +11,12 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "dist/backend.h"
 #include "dist/ranks.h"
@@ -125,6 +128,41 @@ TEST(GlooLoopTest, OnlyTheEventLoopRunsLower) {
   const auto [at_zero, rest] = new_threads_at("0", 0);
   EXPECT_GT(at_zero, 2);
   EXPECT_EQ(rest, 0);
+}
+
+// A collective whose peer has closed its connections fails with a
+// c10::Error naming the collective and the rank (Gloo's own is a
+// gloo::IoException, which code that catches c10::Error would miss), and
+// without waiting for the timeout.
+TEST(GlooErrorsTest, ACollectiveWhosePeerIsGoneIsAC10Error) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::atomic<bool> closed{false};
+  std::string message = "not run";
+  std::chrono::duration<double> took{};
+  gpipe::dist::testing::run_threads(2, [&](int64_t r) {
+    std::optional<gpipe::dist::World> world =
+        gpipe::dist::init_from_store(store, r, 2, std::chrono::seconds(30));
+    if (r == 1) {
+      world.reset();
+      closed = true;
+      return;
+    }
+    while (!closed) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    auto t = torch::ones({4});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      world->all_reduce(t);
+      message = "no error";
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+    took = std::chrono::steady_clock::now() - start;
+  });
+  EXPECT_NE(message.find("all_reduce"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 0"), std::string::npos) << message;
+  EXPECT_LT(took.count(), 20.0) << message;
 }
 
 }  // namespace
