@@ -39,11 +39,16 @@ torch::Tensor collective_pass(
 }
 
 std::vector<gpipe::detail::Packet> scatter_input(
-    const torch::Tensor& input, int64_t chunks, const char* call) {
+    const torch::Tensor& input,
+    int64_t chunks,
+    const char* call,
+    const Connection& connection) {
   TORCH_CHECK_TYPE(
       input.defined(),
       call,
-      " expects the input on rank 0, but got an undefined tensor");
+      " expects the input on ",
+      connection.rank_name(0),
+      " (the first stage's), but got an undefined tensor");
   verify_batch({input});
   std::vector<gpipe::detail::Packet> packets;
   for (auto& b : scatter({input}, chunks)) {

@@ -45,8 +45,12 @@ torch::Tensor collective_pass(
         torch::Tensor(int64_t, Sends&, std::unique_lock<std::mutex>&)>& body);
 
 /// Rank 0's input cut into micro-batches, as the packets a pass feeds in
-/// (`call` names the caller in the error for an undefined input).
+/// (`call` names the caller, and `connection` the rank by its rank in the
+/// job, in the error for an undefined input).
 std::vector<gpipe::detail::Packet> scatter_input(
-    const torch::Tensor& input, int64_t chunks, const char* call);
+    const torch::Tensor& input,
+    int64_t chunks,
+    const char* call,
+    const Connection& connection);
 
 }  // namespace gpipe::dist::detail

@@ -114,7 +114,12 @@ Mesh::Mesh(World world, int64_t pipeline_size)
     : world_(world), pipeline_(world), data_(world) {
   const auto size = world_.size();
   TORCH_CHECK_VALUE(
-      pipeline_size >= 1 && size % pipeline_size == 0,
+      pipeline_size >= 1,
+      "gpipe::dist::Mesh expects a pipeline size of at least 1 (stages per "
+      "replica), but got ",
+      pipeline_size);
+  TORCH_CHECK_VALUE(
+      size % pipeline_size == 0,
       "gpipe::dist::Mesh expects the world size to be a multiple of the "
       "pipeline size, but the world has ",
       size,

@@ -243,7 +243,8 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         ends.chunks = options.chunks();
         ends.device = device_;
         if (first) {
-          ends.inputs = scatter_input(input, options.chunks(), "train_step");
+          ends.inputs = scatter_input(
+              input, options.chunks(), "train_step", *engine_->connection);
           ends.originals = {input};
         }
         auto loss = engine_->pipeline->train(
@@ -285,7 +286,8 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
             world_.size());
         ends.replica = mesh_.data_rank();
         if (first) {
-          ends.inputs = scatter_input(input, options.chunks(), "forward");
+          ends.inputs = scatter_input(
+              input, options.chunks(), "forward", *engine_->connection);
         }
         auto done = engine_->pipeline->forward(
             ends, gpipe::detail::PassOptions{is_training(), 0});

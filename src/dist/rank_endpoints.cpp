@@ -95,13 +95,15 @@ std::vector<torch::Tensor> RankEndpoints::targets(
   TORCH_CHECK_TYPE(
       target.defined(),
       "train_step expects the target on the last stage's rank (",
-      last_rank(),
+      connection_.rank_name(last_rank()),
       "), but got an undefined tensor");
   TORCH_CHECK_VALUE(
       target.dim() > 0 && target.size(0) == total,
       "train_step expects a target with the input's batch size ",
       total,
-      " (rank 0's) in dimension 0, but got shape ",
+      " (",
+      connection_.rank_name(0),
+      "'s) in dimension 0, but got shape ",
       target.sizes());
   std::vector<torch::Tensor> pieces;
   for (auto& piece : scatter({target.to(device)}, chunks)) {

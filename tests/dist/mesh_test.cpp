@@ -97,6 +97,16 @@ TEST(MeshTest, APipelineSizeThatDoesNotDivideTheWorldIsRefused) {
       EXPECT_NE(what.find("has 4 ranks"), std::string::npos) << what;
       EXPECT_NE(what.find("pipeline size is 3"), std::string::npos) << what;
     }
+    // 4 is a multiple of -1: what is wrong is the sign.
+    for (const int64_t bad : {0, -1}) {
+      try {
+        Mesh mesh(world, bad);
+        ADD_FAILURE() << "no error for " << bad;
+      } catch (const c10::ValueError& e) {
+        const std::string what = e.what_without_backtrace();
+        EXPECT_NE(what.find("at least 1"), std::string::npos) << what;
+      }
+    }
   });
 }
 
@@ -724,6 +734,47 @@ void expect_a_failure_in_one_replica_to_fail_every_rank(int64_t p) {
     }
   });
   expect_every_rank_to_fail_fast(errors, "the loss broke on purpose", start);
+}
+
+// A replica's first or last stage that was given nothing is named by its
+// rank in the job, as the launcher knows it, not by its rank in its
+// replica's pipeline.
+TEST(MeshTest, AMissingInputOrTargetNamesTheRankInTheJob) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(4);
+  for (const bool input_missing : {true, false}) {
+    SCOPED_TRACE(input_missing ? "input" : "target");
+    std::mutex mutex;
+    std::vector<std::string> errors(4);
+    run_ranks(4, [&](World world) {
+      Mesh mesh(world, 2);
+      dist::PipelineStage stage(nets[world.rank()], options, mesh);
+      const auto d = mesh.data_rank();
+      // Replica 1 (ranks 2 and 3) forgets its input, or its target.
+      const bool forgets = d == 1;
+      const bool first = mesh.pipeline_rank() == 0;
+      try {
+        stage->train_step(
+            first && !(forgets && input_missing) ? batch.x.narrow(0, 4 * d, 4)
+                                                 : torch::Tensor(),
+            !first && !(forgets && !input_missing) ? batch.y.narrow(0, 4 * d, 4)
+                                                   : torch::Tensor(),
+            cross_entropy,
+            Schedule::OneFOneB);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[world.rank()] = e.what_without_backtrace();
+      }
+    });
+    const std::string expected =
+        input_missing ? "expects the input on rank 2 (the first stage's)"
+                      : "expects the target on the last stage's rank (rank 3)";
+    EXPECT_NE(
+        errors[2 + (input_missing ? 0 : 1)].find(expected), std::string::npos)
+        << errors[2 + (input_missing ? 0 : 1)];
+  }
 }
 
 TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
