@@ -137,24 +137,17 @@ std::vector<std::pair<std::string, std::string>> fingerprint(
   fields.emplace_back("checkpoint", to_string(options.checkpoint()));
   fields.emplace_back(
       "deferred_batch_norm", options.deferred_batch_norm() ? "true" : "false");
-  std::ostringstream layers;
-  std::ostringstream tensors;
-  for (const auto& named : module->named_children()) {
-    layers << named.key() << ":" << named.value()->name() << ";";
-  }
-  for (const auto& p : module->named_parameters()) {
-    tensors << p.key() << p.value().sizes() << p.value().scalar_type() << ";";
-  }
-  for (const auto& b : module->named_buffers()) {
-    tensors << b.key() << b.value().sizes() << b.value().scalar_type() << ";";
-  }
+  // Hashes: every rank reads every other's fields, and the lists in full
+  // are read only when a hash differs (fingerprint_details).
+  const auto details = fingerprint_details(module);
   fields.emplace_back(
       "layers",
-      str(module->size()) + " layers, names and types hashed to " +
-          str(std::hash<std::string>{}(layers.str())));
+      str(module->size()) + " layers, whose names and types hash to " +
+          str(std::hash<std::string>{}(details[0].second)));
   fields.emplace_back(
       "parameters and buffers",
-      "hashed to " + str(std::hash<std::string>{}(tensors.str())));
+      "whose names, shapes and dtypes hash to " +
+          str(std::hash<std::string>{}(details[1].second)));
   // Each skip's name and layers: ranks that disagree would otherwise send
   // one skip's tensor where another of the same shape is expected.
   std::ostringstream skips;
@@ -165,6 +158,62 @@ std::vector<std::pair<std::string, std::string>> fingerprint(
   }
   fields.emplace_back("skips", skips.tellp() > 0 ? skips.str() : "none");
   return fields;
+}
+
+std::vector<std::pair<std::string, std::string>> fingerprint_details(
+    const torch::nn::Sequential& module) {
+  std::ostringstream layers;
+  std::ostringstream tensors;
+  for (const auto& named : module->named_children()) {
+    layers << (layers.tellp() > 0 ? "; " : "") << named.key() << ": "
+           << named.value()->name();
+  }
+  auto add = [&](const std::string& name, const torch::Tensor& t) {
+    tensors << (tensors.tellp() > 0 ? "; " : "") << name << " " << t.sizes()
+            << " " << t.scalar_type();
+  };
+  for (const auto& p : module->named_parameters()) {
+    add(p.key(), p.value());
+  }
+  for (const auto& b : module->named_buffers()) {
+    add(b.key(), b.value());
+  }
+  return {{"layers", layers.str()}, {"parameters and buffers", tensors.str()}};
+}
+
+std::pair<std::string, std::string> first_difference(
+    const std::string& mine, const std::string& theirs) {
+  auto entries = [](const std::string& list) {
+    std::vector<std::string> out;
+    if (list.empty()) {
+      return out;
+    }
+    size_t start = 0;
+    while (true) {
+      const auto end = list.find("; ", start);
+      out.push_back(list.substr(start, end - start));
+      if (end == std::string::npos) {
+        return out;
+      }
+      start = end + 2;
+    }
+  };
+  const auto a = entries(mine);
+  const auto b = entries(theirs);
+  auto quoted = [](const std::vector<std::string>& list, size_t k) {
+    if (k >= list.size()) {
+      return "nothing at entry " + std::to_string(k + 1) + " (" +
+             std::to_string(list.size()) + " entries)";
+    }
+    return "'" + list[k] + "' (entry " + std::to_string(k + 1) + " of " +
+           std::to_string(list.size()) + ")";
+  };
+  for (size_t k = 0; k < std::max(a.size(), b.size()); ++k) {
+    if (k >= a.size() || k >= b.size() || a[k] != b[k]) {
+      return {quoted(a, k), quoted(b, k)};
+    }
+  }
+  return {mine, theirs};
 }
 
 void publish_build_error(
@@ -178,10 +227,18 @@ void publish_build_error(
 void agree_on_build(
     Connection& connection,
     const std::string& prefix,
-    const std::vector<std::pair<std::string, std::string>>& mine) {
+    const std::vector<std::pair<std::string, std::string>>& mine,
+    const std::vector<std::pair<std::string, std::string>>& details) {
   const auto rank = connection.rank;
   const auto size = connection.size;
   auto& store = connection.store;
+  // The details first: a rank that reads this rank's fields may read them.
+  if (!details.empty()) {
+    const auto full = join_fields(details);
+    store->set(
+        prefix + std::to_string(rank) + "/details",
+        std::vector<uint8_t>(full.begin(), full.end()));
+  }
   const auto text = join_fields(mine);
   store->set(
       prefix + std::to_string(rank),
@@ -215,16 +272,38 @@ void agree_on_build(
         published.substr(6));
     const auto theirs = split_fields(published);
     for (const auto k : c10::irange(mine.size())) {
-      const std::string other =
+      std::string own = mine[k].second;
+      std::string other =
           k < theirs.size() ? theirs[k].second : std::string("(missing)");
+      if (own == other) {
+        continue;
+      }
+      // A field with details: its first entry that differs.
+      for (const auto& d : details) {
+        if (d.first != mine[k].first) {
+          continue;
+        }
+        try {
+          const auto value =
+              store->get(prefix + std::to_string(r) + "/details");
+          for (const auto& t :
+               split_fields(std::string(value.begin(), value.end()))) {
+            if (t.first == d.first) {
+              std::tie(own, other) = first_difference(d.second, t.second);
+            }
+          }
+        } catch (const std::exception&) {
+          // Published before the fields, so there; the hashes say enough.
+        }
+      }
       TORCH_CHECK_VALUE(
-          mine[k].second == other,
+          false,
           "gpipe::dist::PipelineStage: ",
           connection.rank_name(rank),
           " has ",
           mine[k].first,
           " ",
-          mine[k].second,
+          own,
           " but ",
           connection.rank_name(r),
           " has ",

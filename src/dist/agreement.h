@@ -115,13 +115,28 @@ std::vector<std::pair<std::string, std::string>> fingerprint(
     const GPipeOptions& options,
     int64_t world_size);
 
-/// Publishes this rank's fields under `prefix` in the store and compares
-/// them with every other rank's; throws naming the first difference, or the
-/// other rank's own error.
+/// What the fingerprint's "layers" and "parameters and buffers" hash, in
+/// full: each layer's name and type, each tensor's name, shape and dtype,
+/// entries joined by "; ". Read only when a hash differs, so that the
+/// error names the first layer or tensor that differs.
+std::vector<std::pair<std::string, std::string>> fingerprint_details(
+    const torch::nn::Sequential& module);
+
+/// Of two "; "-joined lists, the first entries that differ, each quoted
+/// with its place ("'3: torch::nn::Tanh' (entry 4 of 7)"); "nothing" past
+/// a list's end.
+std::pair<std::string, std::string> first_difference(
+    const std::string& mine, const std::string& theirs);
+
+/// Publishes this rank's fields under `prefix` in the store (and its
+/// `details` beside them) and compares them with every other rank's;
+/// throws naming the first difference (from the details where a field has
+/// them), or the other rank's own error.
 void agree_on_build(
     Connection& connection,
     const std::string& prefix,
-    const std::vector<std::pair<std::string, std::string>>& mine);
+    const std::vector<std::pair<std::string, std::string>>& mine,
+    const std::vector<std::pair<std::string, std::string>>& details = {});
 
 /// Publishes why this rank could not build its stage, so that the others
 /// fail at once with it.

@@ -436,7 +436,8 @@ torch::Tensor PipelineStageImpl::run_train_step(
         " in all): their gradients are averaged with equal weights, which "
         "weighs a row of a smaller shard more than one of a larger; give "
         "every replica the same rows (drop the last, smaller batch, or cut "
-        "the batch into equal shards)");
+        "the batch into equal shards). This step ran: zero its gradients "
+        "before the next one");
     loss = (sums[0] / replicas).to(loss.scalar_type());  // on loss's device
   }
   return loss;

@@ -92,9 +92,10 @@ PipelineStageImpl::PipelineStageImpl(
   engine_->connection = connection;
   engine_->stage_id = stage_id;
   const auto fields = detail::fingerprint(module, options, size);
-  detail::agree_on_build(*connection, prefix, fields);
+  const auto details = detail::fingerprint_details(module);
+  detail::agree_on_build(*connection, prefix, fields, details);
   if (replicas->size > 1) {
-    detail::agree_on_build(*replicas, replicas_prefix, fields);
+    detail::agree_on_build(*replicas, replicas_prefix, fields, details);
   }
 
   // Split the layers; each keeps its name. Only this rank's partitions

@@ -121,5 +121,53 @@ TEST(SkipAgreementTest, RanksWhoseSkipsDifferFailWhenBuilt) {
   }
 }
 
+// Ranks whose models differ in one layer's type, or in one tensor's
+// dtype, are told which: the first entry that differs, on both sides.
+TEST(SkipAgreementTest, RanksWhoseLayersDifferAreToldWhich) {
+  const auto options = GPipeOptions({2, 2}).chunks(2).threads_per_lane(1);
+  auto net = [](bool relu, bool dbl) {
+    torch::nn::Sequential n(
+        torch::nn::Linear(4, 4),
+        torch::nn::Tanh(),
+        torch::nn::Linear(4, 4),
+        torch::nn::Tanh());
+    if (relu) {
+      n = torch::nn::Sequential(
+          torch::nn::Linear(4, 4),
+          torch::nn::ReLU(),
+          torch::nn::Linear(4, 4),
+          torch::nn::Tanh());
+    }
+    if (dbl) {
+      n[2]->to(torch::kDouble);
+    }
+    return n;
+  };
+  for (const bool layer : {true, false}) {
+    std::vector<torch::nn::Sequential> nets{
+        net(false, false), net(layer, !layer)};
+    std::mutex mutex;
+    std::vector<std::string> errors(2);
+    run_ranks(2, [&](World world) {
+      try {
+        dist::PipelineStage stage(nets[world.rank()], options, world);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[world.rank()] = e.what_without_backtrace();
+      }
+    });
+    const std::vector<std::string> expected = layer
+        ? std::vector<std::string>{"'1: torch::nn::TanhImpl' (entry 2 of 4)",
+                                   "'1: torch::nn::ReLUImpl' (entry 2 of 4)"}
+        : std::vector<std::string>{"'2.weight [4, 4] Float' (entry 3 of 4)",
+                                   "'2.weight [4, 4] Double' (entry 3 of 4)"};
+    for (const auto& e : errors) {
+      for (const auto& part : expected) {
+        EXPECT_NE(e.find(part), std::string::npos) << e;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gpipe

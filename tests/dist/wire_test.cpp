@@ -163,5 +163,20 @@ TEST(AgreementTest, TheFingerprintTellsWhatDiffers) {
   EXPECT_EQ(field(a, "skips"), "none");
 }
 
+TEST(AgreementTest, TheFirstDifferenceOfTwoListsIsQuotedWithItsPlace) {
+  using Pair = std::pair<std::string, std::string>;
+  EXPECT_EQ(
+      first_difference("a; b; c", "a; x; c"),
+      Pair("'b' (entry 2 of 3)", "'x' (entry 2 of 3)"));
+  EXPECT_EQ(
+      first_difference("a; b", "a; b; c"),
+      Pair("nothing at entry 3 (2 entries)", "'c' (entry 3 of 3)"));
+  EXPECT_EQ(
+      first_difference("", "a"),
+      Pair("nothing at entry 1 (0 entries)", "'a' (entry 1 of 1)"));
+  // Equal lists (the hashes differed for another reason): the lists.
+  EXPECT_EQ(first_difference("a; b", "a; b"), Pair("a; b", "a; b"));
+}
+
 }  // namespace
 }  // namespace gpipe::dist::detail
