@@ -93,7 +93,9 @@ class World {
   /// waits at most timeout() and throws a c10::Error naming the operation
   /// and this rank. `tensor` is dense and contiguous, the same shape and
   /// dtype on every rank, on any device (it is copied to the backend's
-  /// device and back where that is another).
+  /// device and back where that is another). all_reduce and broadcast
+  /// first agree on the tensor's size and dtype (a collective of four
+  /// numbers): where they differ, every rank throws a c10::ValueError.
   /// Sums `tensor` over the ranks, in place.
   void all_reduce(torch::Tensor& tensor) const;
   /// Copies rank `root`'s `tensor` into every rank's, in place.

@@ -388,6 +388,48 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
       tensor.defined() ? "one that is not" : "an undefined one");
 }
 
+// Gloo aborts the process (an enforce in its event-loop thread, which no
+// caller can catch) when a rank receives more bytes than it posted: ranks
+// that pass tensors of other sizes to one collective would end the job
+// with SIGABRT. So a World's collective first agrees on the tensor's size
+// and dtype, in a collective of four numbers (the largest of each and of
+// its negative), and every rank refuses alike when they differ.
+void agree_on_tensor(
+    detail::Connection& connection,
+    const torch::Tensor& tensor,
+    const char* what) {
+  const int64_t n = tensor.numel();
+  const auto dtype = static_cast<int64_t>(tensor.scalar_type());
+  std::vector<torch::Tensor> words{
+      torch::tensor(std::vector<int64_t>{n, dtype, -n, -dtype}, torch::kLong)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  connection.check();
+  connection.run_collective(
+      words,
+      [&](std::vector<torch::Tensor>& ts) {
+        return connection.group->allreduce(ts, options);
+      },
+      std::string("World::") + what + " (its agreement on the tensor)");
+  const auto* w = words[0].data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(
+      w[0] == -w[2] && w[1] == -w[3],
+      "gpipe::dist::World::",
+      what,
+      " expects a tensor of the same size and dtype on every rank, but the "
+      "ranks passed ",
+      -w[2] == w[0] ? "tensors of other dtypes"
+                    : "from " + std::to_string(-w[2]) + " to " +
+                          std::to_string(w[0]) + " elements",
+      " (",
+      connection.rank_name(connection.rank),
+      ": ",
+      n,
+      " of ",
+      tensor.scalar_type(),
+      ")");
+}
+
 }  // namespace
 
 void World::all_reduce(torch::Tensor& tensor) const {
@@ -395,6 +437,7 @@ void World::all_reduce(torch::Tensor& tensor) const {
   if (size() == 1) {
     return;
   }
+  agree_on_tensor(*connection_, tensor, "all_reduce");
   std::vector<torch::Tensor> tensors{tensor};
   connection_->check();
   connection_->run_collective(
@@ -416,6 +459,7 @@ void World::broadcast(torch::Tensor& tensor, int64_t root) const {
   if (size() == 1) {
     return;
   }
+  agree_on_tensor(*connection_, tensor, "broadcast");
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;

@@ -13,10 +13,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "dist/backend.h"
 #include "dist/ranks.h"
@@ -163,6 +165,44 @@ TEST(GlooErrorsTest, ACollectiveWhosePeerIsGoneIsAC10Error) {
   EXPECT_NE(message.find("all_reduce"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 0"), std::string::npos) << message;
   EXPECT_LT(took.count(), 20.0) << message;
+}
+
+// Ranks that pass tensors of other sizes or dtypes to one collective are
+// refused alike (Gloo itself would abort the process), and the World works
+// on afterwards.
+TEST(GlooErrorsTest, CollectivesOfOtherSizesAreRefusedOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  gpipe::dist::testing::run_ranks(2, [&](gpipe::dist::World world) {
+    const auto r = world.rank();
+    for (const int variant : {0, 1, 2}) {
+      // 0: 3 against 5 elements (all_reduce); 1: float against double
+      // (all_reduce); 2: 3 against 5 elements (broadcast).
+      auto t = variant == 1
+                   ? torch::ones({4}, r == 0 ? torch::kFloat : torch::kDouble)
+                   : torch::ones({r == 0 ? 3 : 5});
+      try {
+        if (variant == 2) {
+          world.broadcast(t, 0);
+        } else {
+          world.all_reduce(t);
+        }
+        std::lock_guard<std::mutex> lock(mutex);
+        errors.push_back("no error");
+      } catch (const c10::ValueError& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors.push_back(e.what_without_backtrace());
+      }
+    }
+    auto sum = torch::full({2}, static_cast<double>(r + 1));
+    world.all_reduce(sum);
+    EXPECT_TRUE(torch::equal(sum, torch::full({2}, 3.0)));
+  });
+  ASSERT_EQ(errors.size(), 6u);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("same size and dtype on every rank"), std::string::npos)
+        << e;
+  }
 }
 
 }  // namespace
