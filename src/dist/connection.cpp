@@ -234,13 +234,7 @@ torch::Tensor Connection::wait_bytes(
   }
   const bool timed_out = error.find("imed out") != std::string::npos;
   if (!error.empty() && !timed_out) {
-    // A rank that failed tells the others before its connections close:
-    // give its message a moment to arrive, so that it, not "lost the
-    // connection", is what this rank reports.
-    std::unique_lock<std::mutex> lock(mutex_);
-    failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {
-      return failure_.has_value();
-    });
+    await_failure_notice();
   }
   if (!error.empty()) {
     std::ostringstream message;

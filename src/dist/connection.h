@@ -64,6 +64,7 @@
 namespace c10d {
 class ProcessGroup;
 class Store;
+struct ReduceOp;
 }  // namespace c10d
 
 namespace gpipe::dist::detail {
@@ -146,6 +147,12 @@ struct Connection : std::enable_shared_from_this<Connection> {
       const std::function<
           c10::intrusive_ptr<c10d::Work>(std::vector<torch::Tensor>&)>& start,
       const std::string& what);
+  /// Throws the failure if there is one, else reduces `tensors` in place
+  /// over the group with `op`, through run_collective.
+  void all_reduce(
+      std::vector<torch::Tensor>& tensors,
+      const c10d::ReduceOp& op,
+      const std::string& what);
 
   /// Marks the connection failed with `message` (the first failure wins),
   /// tells the other ranks, and aborts every receive and send in progress
@@ -217,6 +224,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
     return wait_bytes(peer, post_bytes(peer, tag, bytes), what);
   }
   [[noreturn]] void throw_failure() const;
+  // After a c10d error: a rank that failed tells the others before its
+  // connections close, so give its notice a moment (half a second) to
+  // arrive; then it, not the lost connection, is what this rank reports.
+  void await_failure_notice();
 
   mutable std::mutex mutex_;
   std::optional<std::string> failure_;  // guarded by mutex_

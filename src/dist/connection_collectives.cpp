@@ -80,15 +80,7 @@ void Connection::wait_collective(
   if (error.empty()) {
     return;
   }
-  {
-    // A rank that failed tells the others before its connections close:
-    // give its notice a moment to arrive, so that it is what this rank
-    // reports, naming that rank.
-    std::unique_lock<std::mutex> lock(mutex_);
-    failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {
-      return failure_.has_value();
-    });
-  }
+  await_failure_notice();
   check();
   gpipe::detail::fail_without_backtrace(c10::str(
       "gpipe::dist: the ",
@@ -99,6 +91,28 @@ void Connection::wait_collective(
       "ranks passed tensors of other sizes [c10d: ",
       error.substr(0, 300),
       "]"));
+}
+
+void Connection::await_failure_notice() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {
+    return failure_.has_value();
+  });
+}
+
+void Connection::all_reduce(
+    std::vector<torch::Tensor>& tensors,
+    const c10d::ReduceOp& op,
+    const std::string& what) {
+  check();
+  c10d::AllreduceOptions options;
+  options.reduceOp = op;
+  run_collective(
+      tensors,
+      [&](std::vector<torch::Tensor>& ts) {
+        return group->allreduce(ts, options);
+      },
+      what);
 }
 
 void Connection::run_collective(

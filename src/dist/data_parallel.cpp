@@ -422,13 +422,8 @@ torch::Tensor PipelineStageImpl::run_train_step(
     // Three numbers on every rank: no need of World::all_reduce's agreement
     // on the size.
     std::vector<torch::Tensor> summed_on{sums};
-    data.connection()->check();
-    data.connection()->run_collective(
-        summed_on,
-        [&](std::vector<torch::Tensor>& ts) {
-          return data.connection()->group->allreduce(ts);
-        },
-        "loss all-reduce over the replicas");
+    data.connection()->all_reduce(
+        summed_on, c10d::ReduceOp::SUM, "loss all-reduce over the replicas");
     const auto replicas = static_cast<double>(data.size());
     const auto on_cpu = sums.cpu();  // one copy from a GPU, not three
     const auto* summed = on_cpu.data_ptr<double>();

@@ -402,14 +402,9 @@ void agree_on_tensor(
   const auto dtype = static_cast<int64_t>(tensor.scalar_type());
   std::vector<torch::Tensor> words{
       torch::tensor(std::vector<int64_t>{n, dtype, -n, -dtype}, torch::kLong)};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::MAX;
-  connection.check();
-  connection.run_collective(
+  connection.all_reduce(
       words,
-      [&](std::vector<torch::Tensor>& ts) {
-        return connection.group->allreduce(ts, options);
-      },
+      c10d::ReduceOp::MAX,
       std::string("World::") + what + " (its agreement on the tensor)");
   const auto* w = words[0].data_ptr<int64_t>();
   TORCH_CHECK_VALUE(
@@ -439,13 +434,7 @@ void World::all_reduce(torch::Tensor& tensor) const {
   }
   agree_on_tensor(*connection_, tensor, "all_reduce");
   std::vector<torch::Tensor> tensors{tensor};
-  connection_->check();
-  connection_->run_collective(
-      tensors,
-      [&](std::vector<torch::Tensor>& ts) {
-        return connection_->group->allreduce(ts);
-      },
-      "World::all_reduce");
+  connection_->all_reduce(tensors, c10d::ReduceOp::SUM, "World::all_reduce");
 }
 
 void World::broadcast(torch::Tensor& tensor, int64_t root) const {

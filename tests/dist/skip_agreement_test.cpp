@@ -103,9 +103,11 @@ TEST(SkipAgreementTest, NamespacesMadeInAnotherOrderStillMatchTheirSkips) {
   EXPECT_NEAR(losses[1], expected.item<double>(), 1e-12);
 }
 
-TEST(SkipAgreementTest, RanksWhoseSkipsDifferFailWhenBuilt) {
-  const auto options = GPipeOptions({4, 4}).chunks(2).threads_per_lane(1);
-  std::vector<torch::nn::Sequential> nets{build(true), build(true, true)};
+// What each of two ranks, rank r building a stage of `nets[r]`, was told
+// (empty where the stage was built).
+std::vector<std::string> errors_of_building(
+    const std::vector<torch::nn::Sequential>& nets,
+    const GPipeOptions& options) {
   std::mutex mutex;
   std::vector<std::string> errors(2);
   run_ranks(2, [&](World world) {
@@ -116,6 +118,13 @@ TEST(SkipAgreementTest, RanksWhoseSkipsDifferFailWhenBuilt) {
       errors[world.rank()] = e.what_without_backtrace();
     }
   });
+  return errors;
+}
+
+TEST(SkipAgreementTest, RanksWhoseSkipsDifferFailWhenBuilt) {
+  const auto options = GPipeOptions({4, 4}).chunks(2).threads_per_lane(1);
+  std::vector<torch::nn::Sequential> nets{build(true), build(true, true)};
+  const auto errors = errors_of_building(nets, options);
   for (const auto& e : errors) {
     EXPECT_NE(e.find("skips"), std::string::npos) << e;
   }
@@ -146,16 +155,7 @@ TEST(SkipAgreementTest, RanksWhoseLayersDifferAreToldWhich) {
   for (const bool layer : {true, false}) {
     std::vector<torch::nn::Sequential> nets{
         net(false, false), net(layer, !layer)};
-    std::mutex mutex;
-    std::vector<std::string> errors(2);
-    run_ranks(2, [&](World world) {
-      try {
-        dist::PipelineStage stage(nets[world.rank()], options, world);
-      } catch (const c10::Error& e) {
-        std::lock_guard<std::mutex> lock(mutex);
-        errors[world.rank()] = e.what_without_backtrace();
-      }
-    });
+    const auto errors = errors_of_building(nets, options);
     const std::vector<std::string> expected = layer
         ? std::vector<std::string>{"'1: torch::nn::TanhImpl' (entry 2 of 4)",
                                    "'1: torch::nn::ReLUImpl' (entry 2 of 4)"}
