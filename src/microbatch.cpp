@@ -4,16 +4,39 @@
 #include <gpipe/verify.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "text.h"
 
 namespace gpipe {
+
+namespace {
+
+// Tensor::chunk's pieces along the batch. A tensor without history is cut
+// by slices of chunk()'s sizes: the same views, without the split and
+// narrow calls around each (a cost per micro-batch of every step).
+std::vector<torch::Tensor> pieces_of(const torch::Tensor& t, int64_t chunks) {
+  const int64_t rows = t.dim() > 0 ? t.size(0) : 0;
+  if (t.requires_grad() || rows == 0) {
+    return t.chunk(chunks, /*dim=*/0);
+  }
+  const int64_t size = (rows + chunks - 1) / chunks;
+  std::vector<torch::Tensor> pieces;
+  pieces.reserve(static_cast<size_t>((rows + size - 1) / size));
+  for (int64_t start = 0; start < rows; start += size) {
+    pieces.push_back(t.slice(0, start, std::min(start + size, rows)));
+  }
+  return pieces;
+}
+
+}  // namespace
 
 std::vector<Batch> scatter(const Batch& inputs, int64_t chunks) {
   verify_chunks(chunks);
   verify_batch(inputs);
   std::vector<Batch> micro_batches;
   for (const auto k : c10::irange(inputs.size())) {
-    auto pieces = inputs[k].chunk(chunks, /*dim=*/0);
+    auto pieces = pieces_of(inputs[k], chunks);
     if (micro_batches.empty()) {
       micro_batches.resize(pieces.size());
     }

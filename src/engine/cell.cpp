@@ -30,6 +30,12 @@ torch::Tensor leaf_of(const torch::Tensor& t, torch::Device device, bool grad) {
   if (!t.defined()) {
     return t;
   }
+  // A tensor on the cell's device with no history is a leaf already: the
+  // engine's own (a micro-batch's view, a received message), so its
+  // autograd metadata is not the user's to keep.
+  if (t.device() == device && !t.requires_grad()) {
+    return t;
+  }
   auto leaf = t.device() == device ? t.detach() : t.to(device).detach();
   if (grad && t.requires_grad() && is_differentiable(leaf)) {
     leaf.requires_grad_(true);

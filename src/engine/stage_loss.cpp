@@ -27,7 +27,8 @@ torch::Tensor Stage::loss_of(
       "train_step expects loss_fn to return a scalar, but it returned a "
       "tensor of shape ",
       loss.sizes());
-  return loss.reshape({}) * ctx.loss_scale;
+  // A 0-dim loss needs no reshape (and its backward no extra node).
+  return (loss.dim() == 0 ? loss : loss.reshape({})) * ctx.loss_scale;
 }
 
 // Note [The loss and the last stage's backward]
