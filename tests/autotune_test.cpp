@@ -477,5 +477,82 @@ TEST_F(AutotuneTest, MicroBatchesThatDoNotRunAreRejectedWithWhy) {
   }
 }
 
+// Tensor::chunk cuts 9 rows into 3 micro-batches of 3: a plan of 4 would
+// never run on that batch (tuned.plan failed at train_step), so 4 is
+// rejected with why, and the plan of the choice runs.
+TEST_F(AutotuneTest, ChunkCountsTheBatchDoesNotCutIntoAreRejected) {
+  auto net = model();
+  auto x = torch::randn({9, 32});
+  auto y = torch::randint(0, 10, {9});
+  const auto tuned =
+      autotune(net, x, y, loss_of, quick(2).batch_size(9).chunks({3, 4}));
+  EXPECT_EQ(tuned.chunks, 3);
+  bool rejected_4 = false;
+  for (const auto& c : tuned.candidates) {
+    if (c.chunks == 4) {
+      EXPECT_EQ(
+          c.rejected,
+          "a batch of 9 rows cuts into 3 micro-batches of at most 3 rows, "
+          "not 4");
+      rejected_4 = true;
+    }
+  }
+  EXPECT_TRUE(rejected_4);
+  GPipe model(net, tuned.options());
+  EXPECT_TRUE(model->train_step(x, y, loss_of, tuned.plan).defined());
+
+  // Only such counts: a clear error, not a crash.
+  try {
+    autotune(net, x, y, loss_of, quick(2).batch_size(9).chunks({4}));
+    ADD_FAILURE() << "no error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what_without_backtrace())
+            .find("no candidate could be simulated: a batch of 9 rows cuts "
+                  "into 3 micro-batches"),
+        std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+// A schedule, chunk count or checkpoint mode given twice is tried once; of
+// candidates predicted alike (one lane's schedules), the one that holds
+// less comes first.
+TEST_F(AutotuneTest, RepeatsAreTriedOnceAndTiesGoToTheSmallerPeak) {
+  auto net = model();
+  auto x = torch::randn({16, 32});
+  auto y = torch::randint(0, 10, {16});
+  const auto once = autotune(
+      net,
+      x,
+      y,
+      loss_of,
+      quick(1)
+          .schedules({Schedule::FillDrain, Schedule::OneFOneB})
+          .chunks({4})
+          .checkpoints({Checkpoint::Never}));
+  const auto twice = autotune(
+      net,
+      x,
+      y,
+      loss_of,
+      quick(1)
+          .schedules(
+              {Schedule::FillDrain,
+               Schedule::OneFOneB,
+               Schedule::FillDrain,
+               Schedule::OneFOneB})
+          .chunks({4, 4})
+          .checkpoints({Checkpoint::Never, Checkpoint::Never}));
+  EXPECT_EQ(once.candidates.size(), 2u);
+  EXPECT_EQ(twice.candidates.size(), once.candidates.size());
+  // One lane runs every cell alone: both schedules take the same time, and
+  // 1F1B keeps one micro-batch's activations where fill-drain keeps four.
+  EXPECT_EQ(once.schedule, Schedule::OneFOneB) << once.report(10);
+  EXPECT_LT(
+      most(once.candidates[0].predicted_peak_bytes),
+      most(once.candidates[1].predicted_peak_bytes));
+}
+
 }  // namespace
 }  // namespace gpipe

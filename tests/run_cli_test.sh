@@ -248,6 +248,39 @@ for sig in INT TERM; do
   fi
 done
 
+# SIGKILL to gpipe-run, which can forward nothing: its ranks end with it
+# instead of running on unsupervised. (Orphans are reaped by whoever
+# adopts them, perhaps never in a container: a zombie counts as ended.)
+ended() {
+  local i
+  for i in $(seq 50); do
+    kill -0 "$1" 2>/dev/null || return 0
+    [[ $(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) == Z ]] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+rm -f "$tmp"/pid.*
+"$bin" -n 2 -- sh -c 'echo $$ >"$0/pid.$RANK"; exec sleep 60' \
+  "$tmp" >"$tmp/out" 2>"$tmp/err" &
+launcher=$!
+wait_for "$tmp/pid.0" && wait_for "$tmp/pid.1"
+kill -9 "$launcher"
+wait "$launcher" 2>/dev/null
+left=""
+for r in 0 1; do
+  pid=$(cat "$tmp/pid.$r" 2>/dev/null)
+  if [[ -z $pid ]] || ! ended "$pid"; then
+    left+=" $r"
+    [[ -n $pid ]] && kill -9 "$pid"
+  fi
+done
+if [[ -n $left ]]; then
+  fail "SIGKILL to gpipe-run: rank(s)$left still running"
+else
+  ok "SIGKILL to gpipe-run: every rank ended with it"
+fi
+
 # Whichever rank fails first, the other may get SIGTERM before it says so.
 run -n 2 -- gpipe-run-no-such-program --flag
 if [[ $status -ne 127 ]] ||

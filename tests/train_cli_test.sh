@@ -21,8 +21,10 @@ fail() {
 }
 
 # run ARGS...: runs gpipe-train, leaving $status, $tmp/out and $tmp/err.
+# ${as[@]} goes first when set (another user).
+as=()
 run() {
-  timeout 120 "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+  timeout 120 "${as[@]}" "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
   status=$?
 }
 
@@ -139,6 +141,9 @@ if [[ $mode == bad ]]; then
   bad --memory-limit "${d[@]}" --autotune --memory-limit -5M
   bad --chunks "${d[@]}" --autotune --chunks 2
   bad --schedule "${d[@]}" --autotune --schedule 1f1b
+  # A flag --autotune chooses is refused as such, before that flag's own
+  # checks (this one said "--schedule is autograd").
+  bad "--autotune chooses --stages-per-lane itself" "${d[@]}" --autotune --stages-per-lane 2
   bad "needs an even number of partitions" "${d[@]}" --schedule zero_bubble_v --partitions 3
   bad --stages-per-lane "${d[@]}" --schedule 1f1b --stages-per-lane 0
   bad --stages-per-lane "${d[@]}" --stages-per-lane 2
@@ -172,6 +177,19 @@ if [[ $mode == bad ]]; then
   bad --save "${d[@]}" --save "$tmp/no-such-folder/m"
   : >"$tmp/a-file"
   bad "--save '$tmp/a-file' is a file" "${d[@]}" --save "$tmp/a-file"
+  # A --save folder this user cannot write: refused before training, not
+  # when the first checkpoint is due, after an epoch's work. (Root writes
+  # anywhere: as root, gpipe-train runs as nobody here.)
+  mkdir "$tmp/locked"
+  chmod 555 "$tmp/locked"
+  if [[ $EUID -eq 0 ]]; then
+    chmod 755 "$tmp"
+    as=(setpriv --reuid=nobody --regid=nogroup --clear-groups --)
+  fi
+  bad "--save '$tmp/locked' is not writable" "${d[@]}" --save "$tmp/locked"
+  bad "the folder '$tmp/locked' is not writable" "${d[@]}" --save "$tmp/locked/m"
+  as=()
+  chmod 700 "$tmp"
   bad --save-every-steps "${d[@]}" --save-every-steps 3
   bad --save-every-steps "${d[@]}" --save "$tmp/m" --save-every-steps -1
   bad --load "${d[@]}" --load "$tmp/no-such-model.pt"
@@ -308,6 +326,26 @@ elif [[ $mode == run ]]; then
     fail "--autotune chose $chosen threads per lane, but the run says $(grep -o '"threads_per_lane":[0-9]*' "$tmp/out")"
   else
     echo "ok: --autotune threads per lane: $chosen"
+  fi
+  # A batch smaller than --chunks' default: --autotune chooses the chunks,
+  # so the default is no reason to refuse.
+  run --data-dir "$data" --epochs 1 --limit 12 --test-limit 100 --json --autotune --batch-size 3
+  if [[ $status -ne 0 ]] || ! grep -q '^autotune: balance' "$tmp/err"; then
+    fail "--autotune --batch-size 3 exited $status: $(tail -c 800 "$tmp/err")"
+  else
+    echo "ok: --autotune --batch-size 3: $(grep '^autotune: ' "$tmp/err")"
+  fi
+  # A resumed --autotune run takes the saved choice instead of tuning again
+  # (tuning times the layers, and may choose otherwise).
+  run --data-dir "$data" --epochs 1 --limit 256 --test-limit 100 --json --autotune --save "$tmp/tuned"
+  first=$(grep -o '^autotune: balance [^:]*' "$tmp/err" | sed 's/, threads per lane.*//')
+  chunks=$(grep -o 'chunks [0-9]*' <<<"$first" | awk '{print $2}')
+  run --data-dir "$data" --epochs 2 --limit 256 --test-limit 100 --json --autotune --save "$tmp/tuned" --resume
+  if [[ $status -ne 0 ]] || ! grep -q "^autotune: the choice saved in $tmp/tuned, not tuned again: chunks=$chunks " "$tmp/err" ||
+    grep -q '^autotune: balance' "$tmp/err"; then
+    fail "--autotune --resume exited $status (first run: $first): $(head -c 800 "$tmp/err")"
+  else
+    echo "ok: --autotune --resume: $(grep '^autotune: ' "$tmp/err")"
   fi
   # A limit nothing fits: a clear error naming the smallest peak, exit 1.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --autotune \

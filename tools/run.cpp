@@ -164,9 +164,10 @@ class Launcher {
       return give_up("cannot create pipes for rank " + std::to_string(r));
     }
     const int write_ends[2] = {out[1], err[1]};
+    const pid_t launcher = ::getpid();
     const pid_t pid = ::fork();
     if (pid == 0) {
-      exec_rank(args_.command, env, null_fd, write_ends);
+      exec_rank(args_.command, env, null_fd, write_ends, launcher);
     }
     const int fork_error = errno;
     ::close(out[1]);

@@ -3,6 +3,9 @@
 #include "run_spawn.h"
 
 #include <signal.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -98,8 +101,22 @@ sigset_t handled_set() {
     const std::vector<std::string>& command,
     std::vector<char*>& env,
     int null_fd,
-    const int out_fds[2]) {
+    const int out_fds[2],
+    pid_t launcher) {
   ::setpgid(0, 0);
+#if defined(__linux__)
+  // A launcher killed by SIGKILL forwards nothing: its ranks would train on
+  // unsupervised, with no one to read their output, and a restarted job
+  // beside them would write into the same checkpoints. So the kernel ends a
+  // rank when gpipe-run (one thread) is gone; one that went before this
+  // line is seen by the parent changing.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) {
+    _exit(kCannotExecute);
+  }
+#else
+  (void)launcher;
+#endif
   // Handlers would be reset by exec anyway, but a signal could come first
   // (once unblocked below); an ignored signal and the mask survive exec.
   for (const int signo : kHandledSignals) {

@@ -47,11 +47,14 @@ sigset_t handled_set();
 
 /// In the new process: its own process group, default signals, /dev/null
 /// as input, `out_fds` (stdout, stderr) as output, then `command` with
-/// `env`. Exits kCannotExecute when the program cannot be run.
+/// `env`. On Linux it is killed when `launcher` (gpipe-run, its parent) is
+/// gone, however that went. Exits kCannotExecute when the program cannot be
+/// run.
 [[noreturn]] void exec_rank(
     const std::vector<std::string>& command,
     std::vector<char*>& env,
     int null_fd,
-    const int out_fds[2]);
+    const int out_fds[2],
+    pid_t launcher);
 
 }  // namespace gpipe_run

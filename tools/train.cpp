@@ -196,6 +196,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   const auto start = Clock::now();
   int64_t step = resumed.step;
   int64_t skipped_batches = 0;
+  int64_t uneven_batches = 0;
   double last_loss = 0;
   double lr = args.lr;
   double train_seconds = 0;
@@ -240,6 +241,11 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
       torch::Tensor loss;
       // The smallest shard decides, alike on every replica.
       const auto fewest = idx.size(0) / replicas;
+      if (idx.size(0) % replicas != 0) {
+        // A short last batch that does not split into equal shards.
+        ++uneven_batches;
+        continue;
+      }
       if (fewest == 0 ||
           (args.schedule == "plan" &&
            gpipe::scatter({x.narrow(0, 0, fewest)}, args.chunks).size() !=
@@ -392,6 +398,17 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
           skipped_batches == 1 ? "it cuts" : "they cut");
       skipped_batches = 0;
     }
+    if (uneven_batches > 0) {
+      std::fprintf(
+          out,
+          "left out %lld short %s: %s not split evenly over the %lld "
+          "replicas\n",
+          static_cast<long long>(uneven_batches),
+          uneven_batches == 1 ? "batch" : "batches",
+          uneven_batches == 1 ? "it does" : "they do",
+          static_cast<long long>(replicas));
+      uneven_batches = 0;
+    }
     if (epoch + 1 == epochs) {
       std::fprintf(out, "total time %.1f s\n", total);
       if (args.json) {
@@ -468,10 +485,12 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     args.world_size = world_size_from_env();
+    // --autotune's first: a flag it chooses is refused as such, not by
+    // another check of that flag.
+    verify_autotune_options(app, args);
     verify_args(app, args);
     verify_save_options(app, args);
     verify_devices_option(app, args);
-    verify_autotune_options(app, args);
     args.balance_given = app.count("--balance") > 0;
   } catch (const CLI::ParseError& e) {
     // --help is a ParseError too, with exit code 0: let CLI11 print it. The

@@ -266,7 +266,7 @@ void verify_args(const CLI::App& app, Args& args) {
   usage_check(
       args.chunks >= 1, "--chunks must be at least 1, but got ", args.chunks);
   usage_check(
-      args.chunks <= args.batch_size,
+      args.autotune || args.chunks <= args.batch_size,  // it chooses them
       "--chunks ",
       args.chunks,
       " is more than --batch-size ",
@@ -325,6 +325,21 @@ void verify_args(const CLI::App& app, Args& args) {
       " must divide the ",
       args.world_size,
       " ranks the launcher started (WORLD_SIZE)");
+  // Replicas train on equal shards of every batch (their step refuses
+  // others only after it ran).
+  const int64_t replicas = args.world_size / args.pipeline_size;
+  usage_check(
+      args.batch_size % replicas == 0,
+      "--batch-size ",
+      args.batch_size,
+      " must split evenly over the ",
+      replicas,
+      " replicas (--pipeline-size ",
+      args.pipeline_size,
+      " of ",
+      args.world_size,
+      " ranks): give a multiple of ",
+      replicas);
   const int64_t pipeline_ranks = args.pipeline_size;
   if (args.world_size > 1) {
     // The autograd schedule needs the whole pipeline in one process.

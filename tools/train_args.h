@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -239,6 +240,13 @@ bool resume_is_done(
 /// malformed size, a limit without --autotune).
 void add_autotune_options(CLI::App& app, Args& args);
 void verify_autotune_options(const CLI::App& app, Args& args);
+/// --autotune's choice as saved in a checkpoint ("chunks=8 schedule=1f1b
+/// checkpoint=except_last threads=1 balance=4,9"), and into `user` (a
+/// checkpoint's user settings) when args.autotune: a resumed --autotune
+/// run takes it instead of tuning again.
+std::string autotune_choice_text(const Args& args);
+void save_autotune_choice(
+    const Args& args, std::map<std::string, std::string>& user);
 /// --autotune: gpipe::autotune on the first batch of `images` and
 /// `labels` on rank 0 (or in the one process), its choice printed on
 /// `out` and broadcast over `world` (null: one process); sets

@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 #include <gpipe/autotune.h>
+#include <gpipe/checkpoint_io.h>
 #include <gpipe/dist.h>
 #include <torch/torch.h>
 
@@ -12,6 +13,8 @@
 #include <cctype>
 #include <cstdio>
 #include <iostream>
+#include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -108,7 +111,74 @@ namespace {
 // number of partitions, then the balance.
 constexpr int64_t kWords = 260;
 
+// The key of the choice in a checkpoint's user settings.
+constexpr const char* kChoiceKey = "--autotune choice";
+
+// The choice of a run resumed from `args.save_path`, as it saved it
+// (autotune_choice_text), or nothing: none saved yet, or a run without
+// --autotune.
+std::optional<std::string> saved_choice(const Args& args) {
+  if (!args.resume || gpipe::latest_checkpoint(args.save_path).empty()) {
+    return std::nullopt;
+  }
+  const auto state = gpipe::read_training_state(args.save_path);
+  const auto found = state.user.find(kChoiceKey);
+  if (found == state.user.end()) {
+    return std::nullopt;
+  }
+  return found->second;
+}
+
+// autotune_choice_text's fields into `w` (the words rank 0 sends) and
+// `threads`; false when malformed.
+bool parse_choice(const std::string& text, int64_t* w, int64_t& threads) {
+  std::map<std::string, std::string> f;
+  std::istringstream in(text);
+  std::string field;
+  while (in >> field) {
+    const auto eq = field.find('=');
+    if (eq != std::string::npos) {
+      f[field.substr(0, eq)] = field.substr(eq + 1);
+    }
+  }
+  try {
+    w[0] = std::stoll(f.at("chunks"));
+    w[1] = static_cast<int64_t>(gpipe::schedule_from_string(f.at("schedule")));
+    w[2] =
+        static_cast<int64_t>(gpipe::checkpoint_from_string(f.at("checkpoint")));
+    threads = std::stoll(f.at("threads"));
+    std::istringstream balance(f.at("balance"));
+    std::string part;
+    int64_t n = 0;
+    while (std::getline(balance, part, ',') && n + 4 < kWords) {
+      w[4 + n++] = std::stoll(part);
+    }
+    w[3] = n;
+    return n >= 1;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 }  // namespace
+
+std::string autotune_choice_text(const Args& args) {
+  std::ostringstream text;
+  text << "chunks=" << args.chunks << " schedule=" << args.schedule
+       << " checkpoint=" << args.checkpoint
+       << " threads=" << args.threads_per_lane << " balance=";
+  for (size_t k = 0; k < args.balance.size(); ++k) {
+    text << (k == 0 ? "" : ",") << args.balance[k];
+  }
+  return text.str();
+}
+
+void save_autotune_choice(
+    const Args& args, std::map<std::string, std::string>& user) {
+  if (args.autotune) {
+    user[kChoiceKey] = autotune_choice_text(args);
+  }
+}
 
 void autotune_args(
     Args& args,
@@ -120,8 +190,27 @@ void autotune_args(
   const int64_t lanes = world != nullptr ? args.pipeline_size : args.partitions;
   auto words = torch::zeros({kWords}, torch::kLong);
   int64_t chosen_threads = args.threads_per_lane;
-  if (world == nullptr || world->rank() == 0) {
-    const auto rows = std::min<int64_t>(args.batch_size, images.size(0));
+  const auto resumed = world == nullptr || world->rank() == 0
+                           ? saved_choice(args)
+                           : std::nullopt;
+  if (resumed) {
+    // Tuning times the layers: a second tuning may choose otherwise, and
+    // the resumed run would not be the one it goes on from.
+    if (!parse_choice(*resumed, words.data_ptr<int64_t>(), chosen_threads)) {
+      words.zero_();  // refused below, on every rank
+    }
+    std::fprintf(
+        out,
+        "autotune: the choice saved in %s, not tuned again: %s\n",
+        args.save_path.c_str(),
+        resumed->c_str());
+  } else if (world == nullptr || world->rank() == 0) {
+    // Each replica trains on its own shard of a batch: that is the batch
+    // the pipeline runs.
+    const int64_t replicas =
+        world != nullptr ? world->size() / args.pipeline_size : 1;
+    const auto rows =
+        std::min<int64_t>(args.batch_size / replicas, images.size(0));
     // Ranks do not share their cores by the plan: under a launcher the
     // choice is made for the count each rank keeps (PipelineStage's
     // default: the host's threads over its ranks).
@@ -150,6 +239,12 @@ void autotune_args(
         },
         options);
     // The choice (its first line), then the fastest candidates.
+    if (replicas > 1) {
+      std::fprintf(
+          out,
+          "autotune: for each replica's shard of a batch, %lld rows\n",
+          static_cast<long long>(rows));
+    }
     std::fprintf(out, "autotune: %s\n", tuned.report(4).c_str());
     auto* w = words.data_ptr<int64_t>();
     TORCH_CHECK(

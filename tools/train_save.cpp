@@ -8,7 +8,9 @@
 #include <gpipe/serialize.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -63,6 +65,13 @@ void verify_save_options(const CLI::App& app, const Args& args) {
           path,
           "' is a file; name a directory (made when missing) for the "
           "checkpoints");
+      // Checked now, not when the first checkpoint is due (after an
+      // epoch's work).
+      usage_check(
+          ::access(path.c_str(), W_OK | X_OK) == 0,
+          "--save '",
+          path,
+          "' is not writable");
     } else {
       auto parent = fs::path(path).parent_path();
       if (parent.empty()) {
@@ -75,6 +84,13 @@ void verify_save_options(const CLI::App& app, const Args& args) {
           "': the folder '",
           parent.string(),
           "' does not exist");
+      usage_check(
+          ::access(parent.c_str(), W_OK | X_OK) == 0,
+          "--save '",
+          path,
+          "': the folder '",
+          parent.string(),
+          "' is not writable");
     }
   }
   if (save && !args.resume) {
@@ -115,15 +131,16 @@ namespace {
 // The settings that a resumed run must share with the saved one: they
 // decide the data, its order and the updates.
 std::map<std::string, std::string> settings_of(const Args& args) {
-  std::ostringstream lr;
-  lr.precision(17);
-  lr << args.lr;
+  // The shortest text that reads back as the same number (0.05, not
+  // 0.050000000000000003).
+  char lr[32];
+  const auto written = std::to_chars(lr, lr + sizeof(lr), args.lr);
   return {
       {"--model", args.model},
       {"--batch-size", std::to_string(args.batch_size)},
       {"--limit", std::to_string(args.limit)},
       {"--seed", std::to_string(args.seed)},
-      {"--lr", lr.str()},
+      {"--lr", std::string(lr, written.ptr)},
       // A decaying rate follows the run's length: resuming with another
       // --epochs would change it.
       {"--lr-schedule",
@@ -163,6 +180,7 @@ void save_training(
     const torch::optim::Optimizer& optimizer,
     gpipe::TrainingState state) {
   state.user = settings_of(args);
+  save_autotune_choice(args, state.user);
   if (!stage.is_empty()) {
     gpipe::dist::save_checkpoint(args.save_path, stage, optimizer, state);
   } else {
@@ -204,7 +222,12 @@ gpipe::TrainingState resume_training(
     for (const auto& [flag, now] : settings_of(args)) {
       auto it = saved.user.find(flag);
       const auto then = it == saved.user.end() ? std::string("?") : it->second;
-      if (then != now) {
+      // A rate is compared as a number: checkpoints written before kept
+      // 17 digits.
+      const bool same = flag == "--lr"
+                            ? std::strtod(then.c_str(), nullptr) == args.lr
+                            : then == now;
+      if (!same) {
         mismatch = c10::str(
             "--resume: ",
             newest,

@@ -120,7 +120,7 @@ std::string Autotuned::report(size_t rows) const {
   out << std::left << std::setw(14) << "schedule" << std::setw(7) << "chunks"
       << std::setw(12) << "checkpoint" << std::setw(22) << "balance"
       << std::setw(8) << "threads" << std::right << std::setw(10) << "step_ms"
-      << std::setw(14) << "peak_MiB"
+      << std::setw(14) << "peak"
       << "  verdict\n";
   size_t fitting = 0;
   size_t rejected = 0;
@@ -138,8 +138,8 @@ std::string Autotuned::report(size_t rows) const {
       out << std::setw(10) << "-" << std::setw(14) << "-";
     } else {
       out << std::setprecision(2) << std::setw(10)
-          << c.predicted_step_seconds * 1e3 << std::setprecision(1)
-          << std::setw(14) << most(c.predicted_peak_bytes) / (1024.0 * 1024.0);
+          << c.predicted_step_seconds * 1e3 << std::setw(14)
+          << mib(most(c.predicted_peak_bytes));
     }
     out << "  " << (fits ? "fits" : c.rejected) << "\n";
   }
@@ -310,17 +310,42 @@ Autotuned autotune(
     c.rejected = why;
     tuned.candidates.push_back(std::move(c));
   };
-  for (const auto schedule : options.schedules()) {
+  // Each value once, in the order given.
+  const auto distinct = [](auto values) {
+    decltype(values) out;
+    for (const auto& v : values) {
+      if (std::find(out.begin(), out.end(), v) == out.end()) {
+        out.push_back(v);
+      }
+    }
+    return out;
+  };
+  const auto chunk_counts = distinct(options.chunks());
+  const auto modes = distinct(options.checkpoints());
+  for (const auto schedule : distinct(options.schedules())) {
     const auto placement = placement_for(schedule, lanes);
     const auto stages = placement.stages();
     if (stages > layers) {
       continue;  // fewer layers than stages
     }
-    for (const auto m : options.chunks()) {
+    for (const auto m : chunk_counts) {
       if (m > batch) {
         continue;
       }
       const auto rows = (batch + m - 1) / m;
+      // Tensor::chunk cuts 9 rows into 3 micro-batches of 3, not 4: the
+      // plan of m micro-batches would never run on this batch.
+      const auto pieces = (batch + rows - 1) / rows;
+      if (pieces != m) {
+        reject_chunks(
+            schedule,
+            placement,
+            m,
+            "a batch of " + std::to_string(batch) + " rows cuts into " +
+                std::to_string(pieces) + " micro-batches of at most " +
+                std::to_string(rows) + " rows, not " + std::to_string(m));
+        continue;
+      }
       if (rows > sample_rows) {
         reject_chunks(
             schedule,
@@ -369,7 +394,7 @@ Autotuned autotune(
         variants.emplace_back(
             options.threads_per_lane(), std::vector<std::vector<int64_t>>{});
       }
-      for (const auto mode : options.checkpoints()) {
+      for (const auto mode : modes) {
         for (const auto& balance :
              balances_for(costs, stages, mode, options.param_scale())) {
           const auto s = stage_costs(costs, balance);
@@ -435,7 +460,17 @@ Autotuned autotune(
       tuned.candidates.begin(),
       tuned.candidates.end(),
       [](const AutotuneCandidate& a, const AutotuneCandidate& b) {
-        return a.predicted_step_seconds < b.predicted_step_seconds;
+        // Faster first; of two within a microsecond (one lane's schedules,
+        // alike but for the order of their sums), the one that holds less.
+        const auto us = [](const AutotuneCandidate& c) {
+          return std::isfinite(c.predicted_step_seconds)
+                     ? std::llround(c.predicted_step_seconds * 1e6)
+                     : std::numeric_limits<long long>::max();
+        };
+        if (us(a) != us(b)) {
+          return us(a) < us(b);
+        }
+        return most(a.predicted_peak_bytes) < most(b.predicted_peak_bytes);
       });
   const AutotuneCandidate* best = nullptr;
   const AutotuneCandidate* smallest = nullptr;
@@ -452,7 +487,14 @@ Autotuned autotune(
     }
   }
   TORCH_CHECK_VALUE(
-      best != nullptr && smallest != nullptr,
+      smallest != nullptr,
+      "autotune: no candidate could be simulated: ",
+      tuned.candidates.front().rejected,
+      " (chunks ",
+      tuned.candidates.front().chunks,
+      "); try other chunks");
+  TORCH_CHECK_VALUE(
+      best != nullptr,
       "autotune: no candidate fits the memory limit of ",
       mib(static_cast<double>(options.memory_limit())),
       " per lane; the smallest peak found is ",

@@ -465,6 +465,36 @@ case $mode in
     else
       echo "ok: --pipeline-size 3 on 2 ranks is refused"
     fi
+    # Replicas train on equal shards: a batch size that does not split over
+    # them is refused up front (it failed after the first step), and a short
+    # last batch that does not is left out (it failed after a whole epoch).
+    timeout 60 "$run_bin" -n 2 -- "$prog" --data-dir "$data" --pipeline-size 1 \
+      --batch-size 7 >"$tmp/bad" 2>&1
+    code=$?
+    if [[ $code -ne 2 ]] || ! grep -q -- '--batch-size 7 must split evenly over the 2 replicas' "$tmp/bad"; then
+      fail "--batch-size 7 over 2 replicas: exit $code: $(tail -3 "$tmp/bad")"
+    else
+      echo "ok: --batch-size 7 over 2 replicas is refused"
+    fi
+    timeout 120 "$run_bin" -n 2 -- "$prog" --data-dir "$data" --limit 255 --test-limit 100 \
+      --epochs 1 --batch-size 64 --pipeline-size 1 >"$tmp/uneven" 2>&1
+    code=$?
+    if [[ $code -ne 0 ]] ||
+      ! grep -q 'left out 1 short batch: it does not split evenly over the 2 replicas' "$tmp/uneven"; then
+      fail "a short batch of 63 rows over 2 replicas: exit $code: $(tail -3 "$tmp/uneven")"
+    else
+      echo "ok: a short batch of 63 rows over 2 replicas is left out"
+    fi
+    # --autotune for replicas tunes the batch each replica runs, its shard
+    # (it tuned the whole batch: twice the rows of each micro-batch).
+    timeout 300 "$run_bin" -n 2 -- "$prog" --data-dir "$data" --limit 64 --test-limit 100 \
+      --epochs 1 --batch-size 32 --pipeline-size 1 --autotune >"$tmp/tuned" 2>&1
+    code=$?
+    if [[ $code -ne 0 ]] || ! grep -q "autotune: for each replica's shard of a batch, 16 rows" "$tmp/tuned"; then
+      fail "--autotune over 2 replicas exited $code: $(tail -5 "$tmp/tuned")"
+    else
+      echo "ok: --autotune over 2 replicas tunes a shard of 16 rows"
+    fi
     ;;
   restart)
     # Skipped (ctest's 77) only without the data: Debian's
