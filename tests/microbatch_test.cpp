@@ -27,6 +27,34 @@ TEST_F(MicrobatchTest, ScatterTupleCutsEveryTensor) {
   EXPECT_TRUE(torch::equal(back[1], b));
 }
 
+// scatter cuts as Tensor::chunk does, whatever the rows and the strides
+// (it slices tensors without history itself): the same pieces, the same
+// storage and strides, for every batch size against every chunk count.
+TEST_F(MicrobatchTest, ScatterCutsAsChunkDoes) {
+  const std::vector<torch::Tensor> inputs = {
+      torch::randn({17, 3}),
+      torch::randn({3, 17}).t(),  // rows not contiguous
+      torch::randn({17, 4}).slice(1, 1, 3),
+      torch::randn({17, 2, 2}).permute({0, 2, 1}),
+      torch::randn({1, 5}),
+      torch::randn({6})};
+  for (const auto& x : inputs) {
+    for (const int64_t chunks : {1, 2, 3, 4, 5, 7, 16, 17, 20}) {
+      const auto expected = x.chunk(chunks, 0);
+      const auto got = gpipe::scatter({x}, chunks);
+      ASSERT_EQ(got.size(), expected.size()) << x.sizes() << " in " << chunks;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const auto& piece = got[i][0];
+        EXPECT_EQ(piece.sizes(), expected[i].sizes());
+        EXPECT_EQ(piece.strides(), expected[i].strides());
+        EXPECT_EQ(piece.storage_offset(), expected[i].storage_offset());
+        EXPECT_TRUE(piece.is_alias_of(x));
+        EXPECT_TRUE(torch::equal(piece, expected[i]));
+      }
+    }
+  }
+}
+
 TEST_F(MicrobatchTest, BatchSmallerThanChunksGivesFewerMicroBatches) {
   EXPECT_EQ(gpipe::scatter({torch::zeros({2, 3})}, 4).size(), 2u);
   EXPECT_EQ(gpipe::scatter({torch::zeros({7, 3})}, 4).size(), 4u);
