@@ -176,6 +176,68 @@ TEST_F(CheckpointTest, UserRandomStreamOnlyAdvancesByTheStepSeed) {
   EXPECT_FALSE(torch::equal(a, b));
 }
 
+// A layer that changes a checkpointed partition's input in place: the
+// recomputation would read the changed input and change it again, and
+// the gradients were silently wrong (off by 0.3 here). It is refused; out
+// of place, or without checkpointing, the gradients are the plain model's.
+TEST_F(CheckpointTest, AnInputChangedInPlaceIsRefusedBeforeTheRecomputation) {
+  const auto doubling = [](bool in_place) {
+    return lambda(
+        [in_place](torch::Tensor x) { return in_place ? x.mul_(2) : x * 2; });
+  };
+  const auto net_with = [&](bool in_place) {
+    torch::manual_seed(0);
+    return torch::nn::Sequential(
+        doubling(in_place),
+        torch::nn::Linear(8, 4),
+        torch::nn::Tanh(),
+        torch::nn::Linear(4, 3));
+  };
+  for (const auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+    for (const int64_t chunks : {1, 2}) {
+      if (mode == Checkpoint::ExceptLast && chunks == 1) {
+        continue;  // nothing checkpointed
+      }
+      auto net = net_with(true);
+      net->to(torch::kFloat64);
+      gpipe::GPipe model(
+          net, gpipe::GPipeOptions({2, 2}).chunks(chunks).checkpoint(mode));
+      auto x = torch::ones({4, 8}, torch::kFloat64);
+      auto loss = model->forward(x).sum();
+      try {
+        loss.backward();
+        ADD_FAILURE() << "no error, chunks " << chunks;
+      } catch (const c10::ValueError& e) {
+        EXPECT_NE(
+            std::string(e.what_without_backtrace())
+                .find("a checkpointed partition's input was changed in place"),
+            std::string::npos)
+            << e.what_without_backtrace();
+      }
+      // The model is usable afterwards.
+      model->zero_grad();
+      EXPECT_NO_THROW(model->forward(torch::ones({4, 8}, torch::kFloat64)));
+    }
+  }
+  // Out of place, checkpointed: the plain model's gradients.
+  auto plain = net_with(false);
+  plain->to(torch::kFloat64);
+  auto checkpointed = net_with(false);
+  checkpointed->to(torch::kFloat64);
+  gpipe::GPipe model(
+      checkpointed,
+      gpipe::GPipeOptions({2, 2}).chunks(2).checkpoint(Checkpoint::Always));
+  const auto x = torch::randn({4, 8}, torch::kFloat64);
+  plain->forward(x).sum().backward();
+  model->forward(x).sum().backward();
+  const auto a = plain->parameters();
+  const auto b = model->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(a[k].grad(), b[k].grad(), 0, 1e-12)) << k;
+  }
+}
+
 TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   auto stats = [](Checkpoint mode) {
     torch::manual_seed(1);

@@ -356,6 +356,22 @@ TEST_F(GPipeTest, NonTensorOutputIsATypeError) {
   EXPECT_THROW(model->forward(torch::ones({2, 1})), c10::TypeError);
 }
 
+// A last layer that reduces the batch to a 0-dim tensor: the outputs are
+// joined along dimension 0, so it is refused in gpipe's words (it was
+// LibTorch's "zero-dimensional tensor cannot be concatenated", or at one
+// micro-batch "narrow() cannot be applied to a 0-dim tensor" in backward).
+TEST_F(GPipeTest, AZeroDimOutputIsRefusedInItsOwnWords) {
+  for (const int64_t chunks : {1, 2}) {
+    torch::nn::Sequential net(
+        torch::nn::Linear(3, 2),
+        lambda([](torch::Tensor x) { return x.sum(); }));
+    GPipe model(net, GPipeOptions({1, 1}).chunks(chunks));
+    auto msg = message_of([&] { model->forward(torch::ones({4, 3})); });
+    EXPECT_TRUE(contains(msg, "the last layer returned a 0-dim tensor")) << msg;
+    EXPECT_THROW(model->forward(torch::ones({4, 3})), c10::ValueError);
+  }
+}
+
 TEST_F(GPipeTest, MovingDevicesIsRefusedButDtypeCastsWork) {
   GPipe model(two_linears(), GPipeOptions({1, 1}));
   EXPECT_THROW(model->to(torch::kCPU), c10::TypeError);
@@ -551,14 +567,22 @@ TEST_F(GPipeTest, SecondBackwardNeedsRetainGraph) {
 
 TEST_F(GPipeTest, InplaceOnALeafThatRequiresGradIsReported) {
   // torchgpipe's test_inplace_on_requires_grad: the boundary input is a leaf
-  // that requires grad, so an in-place ReLU on it is refused by autograd.
+  // that requires grad, so an in-place ReLU on it is refused by autograd
+  // where it runs with grad. Checkpointed, its forward runs without grad,
+  // and the changed input is refused before the recomputation (Note
+  // [In-place changes to a checkpointed input]).
   torch::nn::Sequential net(
       torch::nn::Linear(1, 1), torch::nn::ReLU(torch::nn::ReLUOptions(true)));
-  GPipe model(net, GPipeOptions({1, 1}).checkpoint(Checkpoint::Always));
+  GPipe never(net, GPipeOptions({1, 1}).checkpoint(Checkpoint::Never));
   auto msg = message_of([&] {
-    model->forward(torch::randn({1, 1})).sum().backward();
+    never->forward(torch::randn({1, 1})).sum().backward();
   });
   EXPECT_TRUE(contains(msg, "leaf Variable that requires grad")) << msg;
+  GPipe always(net, GPipeOptions({1, 1}).checkpoint(Checkpoint::Always));
+  msg = message_of([&] {
+    always->forward(torch::randn({1, 1})).sum().backward();
+  });
+  EXPECT_TRUE(contains(msg, "input was changed in place")) << msg;
 }
 
 }  // namespace

@@ -275,6 +275,21 @@ TEST_F(LossTest, ALossThatIsNotAScalarIsRefusedSayingWhatItWas) {
       << undefined;
   const auto rows = error_of([](torch::Tensor y, torch::Tensor) { return y; });
   EXPECT_NE(rows.find("a tensor of shape [2, 4]"), std::string::npos) << rows;
+  // A loss without a graph (detached, or cast to an integer dtype): the
+  // plain model's backward refuses it; the step did nothing and said
+  // nothing (the integer one returned a loss of 0).
+  for (const auto& loss : std::vector<LossFunction>{
+           [](torch::Tensor y, torch::Tensor t) {
+             return cross_entropy(y, t).detach();
+           },
+           [](torch::Tensor y, torch::Tensor t) {
+             return cross_entropy(y, t).to(torch::kLong);
+           }}) {
+    const auto no_graph = error_of(loss);
+    EXPECT_NE(
+        no_graph.find("to return a loss that requires grad"), std::string::npos)
+        << no_graph;
+  }
   EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
 }
 

@@ -224,6 +224,13 @@ Packet connect_outputs(
         packet.tensors.size());
     for (const auto k : c10::irange(width)) {
       auto& t = packet.tensors[k];
+      TORCH_CHECK_VALUE(
+          !t.defined() || t.dim() > 0,
+          "gpipe joins the micro-batches' outputs along dimension 0, but the "
+          "last layer returned a 0-dim tensor",
+          width > 1 ? c10::str(" as output ", k) : std::string(),
+          "; return one row per sample and reduce outside the model (a "
+          "loss: train_step's loss_fn)");
       slots[k].rows.push_back(t.defined() && t.dim() > 0 ? t.size(0) : 0);
       // The micro-batch outputs are leaves that only carry the flag; the
       // whole outputs are what autograd sees, so cat them without a graph.

@@ -106,6 +106,33 @@ void Stage::run(
   }
 }
 
+// Note [In-place changes to a checkpointed input]
+// A checkpointed cell keeps only its input and runs its forward again in
+// backward. A layer that changes that input in place (x.mul_(2), an
+// in-place ReLU first in a partition) changed what the recomputation
+// reads: it would run on the changed input, and apply the change again,
+// and the gradients would be wrong without an error. (Micro-batches of
+// the first stage are views of the user's batch, so an in-place change
+// there also changes the user's tensor, as the plain model's does.) The
+// input's version counter says whether anything wrote into it: it is
+// taken before the forward and compared before the recomputation, which
+// refuses a changed input. Views share their base's counter, so a change
+// to another micro-batch of the same batch counts too: the recomputation
+// would read storage that was written to.
+std::vector<int64_t> Stage::versions_of(
+    const std::vector<torch::Tensor>& skips,
+    const std::vector<torch::Tensor>& inputs) {
+  std::vector<int64_t> versions;
+  versions.reserve(skips.size() + inputs.size());
+  for (const auto* list : {&skips, &inputs}) {
+    for (const auto& t : *list) {
+      versions.push_back(
+          t.defined() && !t.is_inference() ? int64_t(t._version()) : -1);
+    }
+  }
+  return versions;
+}
+
 Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   CellScope scope(device_);
   const auto started = stamp(ctx);
@@ -145,6 +172,10 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   const bool graph = ctx.grad && (any_input_grad || trainable());
   c.has_graph = graph;
   c.checkpointed = graph && ctx.checkpoint;
+  c.input_versions.clear();
+  if (c.checkpointed) {
+    c.input_versions = versions_of(skip_inputs, x.tensors);
+  }
   c.seed = ctx.seed;
   Packet y;
   std::vector<torch::Tensor> outgoing;
@@ -243,6 +274,20 @@ Flow Stage::backward(
   // is done, also when it fails.
   BufferRestore buffers;
   if (c.checkpointed) {
+    const auto now = versions_of(c.skip_inputs, c.input.tensors);
+    for (const auto k : c10::irange(now.size())) {
+      TORCH_CHECK_VALUE(
+          now[k] == c.input_versions.at(k),
+          "a checkpointed partition's input was changed in place after its "
+          "forward began (its version went from ",
+          c.input_versions[k],
+          " to ",
+          now[k],
+          "): the backward recomputes the forward from that input, so the "
+          "gradients would be wrong. Make the layer that changes it out of "
+          "place (an in-place ReLU, a mul_ of its input), or do not "
+          "checkpoint (Checkpoint::Never)");
+    }
     torch::AutoGradMode grad_mode(true);
     RecomputingGuard recomputing;
     buffers.save(module_->buffers());

@@ -63,6 +63,10 @@ struct CellState {
   std::shared_ptr<WeightWork> weight;
   bool has_graph = false;  // backward has something to do
   bool checkpointed = false;
+  /// A checkpointed cell's: the version counters of its input and skip
+  /// leaves before its forward (Note [In-place changes to a checkpointed
+  /// input]).
+  std::vector<int64_t> input_versions;
   uint64_t seed = 0;
   RandomOutcome random;
 };
@@ -170,6 +174,11 @@ class Stage {
   Packet call(const Packet& input);
 
  private:
+  /// The version counters of `skips` then `inputs` (-1: undefined, or an
+  /// inference tensor, which has none).
+  static std::vector<int64_t> versions_of(
+      const std::vector<torch::Tensor>& skips,
+      const std::vector<torch::Tensor>& inputs);
   torch::Tensor loss_of(const torch::Tensor& y, const CellContext& ctx) const;
   // A checkpointed cell's loss, once its backward has recomputed the output
   // `y`: joins the loss's graph to y's (stage_loss.cpp).

@@ -105,6 +105,15 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
     torch::AutoGradMode grad_mode(ctx.grad);
     run_seeded(loss_random_, device_, ctx.training, ctx.loss_seed, body, rerun);
   }
+  // The plain model's loss.backward() refuses such a loss; here the step
+  // would return it and change nothing.
+  TORCH_CHECK_VALUE(
+      !grad || loss.requires_grad(),
+      "train_step expects loss_fn to return a loss that requires grad "
+      "(computed from the output), but it returned a ",
+      loss.scalar_type(),
+      " tensor that does not (detached, or of a dtype without gradients); "
+      "the step would change nothing");
   c.loss_value = loss.detach();
   if (grad && loss.requires_grad()) {
     c.loss_root = std::move(loss);
