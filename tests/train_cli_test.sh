@@ -341,11 +341,20 @@ elif [[ $mode == run ]]; then
   first=$(grep -o '^autotune: balance [^:]*' "$tmp/err" | sed 's/, threads per lane.*//')
   chunks=$(grep -o 'chunks [0-9]*' <<<"$first" | awk '{print $2}')
   run --data-dir "$data" --epochs 2 --limit 256 --test-limit 100 --json --autotune --save "$tmp/tuned" --resume
-  if [[ $status -ne 0 ]] || ! grep -q "^autotune: the choice saved in $tmp/tuned, not tuned again: chunks=$chunks " "$tmp/err" ||
+  if [[ $status -ne 0 ]] || ! grep -q "^autotune: the choice saved in $tmp/tuned, not tuned again: lanes=2 chunks=$chunks " "$tmp/err" ||
     grep -q '^autotune: balance' "$tmp/err"; then
     fail "--autotune --resume exited $status (first run: $first): $(head -c 800 "$tmp/err")"
   else
     echo "ok: --autotune --resume: $(grep '^autotune: ' "$tmp/err")"
+  fi
+  # Resumed on other lanes (any layout resumes): tuned for them.
+  run --data-dir "$data" --epochs 3 --limit 256 --test-limit 100 --json --autotune --partitions 3 \
+    --save "$tmp/tuned" --resume
+  if [[ $status -ne 0 ]] || ! grep -q "^autotune: the choice saved in $tmp/tuned was for 2 lanes; tuning for 3" "$tmp/err" ||
+    ! grep -q '^autotune: balance' "$tmp/err"; then
+    fail "--autotune --resume on 3 lanes exited $status: $(head -c 800 "$tmp/err")"
+  else
+    echo "ok: --autotune --resume on 3 lanes tunes again"
   fi
   # A limit nothing fits: a clear error naming the smallest peak, exit 1.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --autotune \

@@ -117,16 +117,36 @@ constexpr const char* kChoiceKey = "--autotune choice";
 // The choice of a run resumed from `args.save_path`, as it saved it
 // (autotune_choice_text), or nothing: none saved yet, or a run without
 // --autotune.
+// A checkpoint that cannot be read is left to --resume, which says why.
 std::optional<std::string> saved_choice(const Args& args) {
-  if (!args.resume || gpipe::latest_checkpoint(args.save_path).empty()) {
+  if (!args.resume) {
     return std::nullopt;
   }
-  const auto state = gpipe::read_training_state(args.save_path);
-  const auto found = state.user.find(kChoiceKey);
-  if (found == state.user.end()) {
+  try {
+    if (gpipe::latest_checkpoint(args.save_path).empty()) {
+      return std::nullopt;
+    }
+    const auto state = gpipe::read_training_state(args.save_path);
+    const auto found = state.user.find(kChoiceKey);
+    if (found == state.user.end()) {
+      return std::nullopt;
+    }
+    return found->second;
+  } catch (const c10::Error&) {
     return std::nullopt;
   }
-  return found->second;
+}
+
+// The value of `key` in autotune_choice_text's `text` ("" if none).
+std::string field_of(const std::string& text, const std::string& key) {
+  std::istringstream in(text);
+  std::string field;
+  while (in >> field) {
+    if (field.rfind(key + "=", 0) == 0) {
+      return field.substr(key.size() + 1);
+    }
+  }
+  return "";
 }
 
 // autotune_choice_text's fields into `w` (the words rank 0 sends) and
@@ -164,8 +184,12 @@ bool parse_choice(const std::string& text, int64_t* w, int64_t& threads) {
 
 std::string autotune_choice_text(const Args& args) {
   std::ostringstream text;
-  text << "chunks=" << args.chunks << " schedule=" << args.schedule
-       << " checkpoint=" << args.checkpoint
+  const int64_t lanes =
+      args.world_size > 1
+          ? args.pipeline_size
+          : args.partitions / std::max<int64_t>(1, args.stages_per_lane);
+  text << "lanes=" << lanes << " chunks=" << args.chunks
+       << " schedule=" << args.schedule << " checkpoint=" << args.checkpoint
        << " threads=" << args.threads_per_lane << " balance=";
   for (size_t k = 0; k < args.balance.size(); ++k) {
     text << (k == 0 ? "" : ",") << args.balance[k];
@@ -190,9 +214,19 @@ void autotune_args(
   const int64_t lanes = world != nullptr ? args.pipeline_size : args.partitions;
   auto words = torch::zeros({kWords}, torch::kLong);
   int64_t chosen_threads = args.threads_per_lane;
-  const auto resumed = world == nullptr || world->rank() == 0
-                           ? saved_choice(args)
-                           : std::nullopt;
+  auto resumed = world == nullptr || world->rank() == 0 ? saved_choice(args)
+                                                        : std::nullopt;
+  if (resumed && field_of(*resumed, "lanes") != std::to_string(lanes)) {
+    // Resumed in another layout (as any layout may): a choice for it.
+    std::fprintf(
+        out,
+        "autotune: the choice saved in %s was for %s lanes; tuning for "
+        "%lld\n",
+        args.save_path.c_str(),
+        field_of(*resumed, "lanes").c_str(),
+        static_cast<long long>(lanes));
+    resumed.reset();
+  }
   if (resumed) {
     // Tuning times the layers: a second tuning may choose otherwise, and
     // the resumed run would not be the one it goes on from.
