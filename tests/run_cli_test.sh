@@ -215,6 +215,20 @@ else
   ok "--grace 1: a rank ignoring SIGTERM is killed in ${elapsed}s"
 fi
 
+# ranks_left CHECK: in $left, the ranks (whose pids are in $tmp/pid.0 and
+# pid.1) that CHECK PID does not find ended; each of them is killed.
+ranks_left() {
+  local r pid
+  left=""
+  for r in 0 1; do
+    pid=$(cat "$tmp/pid.$r" 2>/dev/null)
+    if [[ -z $pid ]] || ! "$1" "$pid"; then
+      left+=" $r"
+      [[ -n $pid ]] && kill -9 "$pid"
+    fi
+  done
+}
+
 # SIGINT and SIGTERM to gpipe-run reach every rank.
 for sig in INT TERM; do
   rm -f "$tmp"/pid.*
@@ -231,14 +245,7 @@ for sig in INT TERM; do
   status=$?
   elapsed=$((SECONDS - start))
   expected=$((128 + $(kill -l "$sig")))
-  left=""
-  for r in 0 1; do
-    pid=$(cat "$tmp/pid.$r" 2>/dev/null)
-    if [[ -z $pid ]] || ! gone "$pid"; then
-      left+=" $r"
-      [[ -n $pid ]] && kill -9 "$pid"
-    fi
-  done
+  ranks_left gone
   if [[ $status -ne $expected ]] || ((elapsed > 8)); then
     fail "SIG$sig to gpipe-run: exit status $status after ${elapsed}s, expected $expected: $(cat "$tmp/err")"
   elif [[ -n $left ]]; then
@@ -267,14 +274,7 @@ launcher=$!
 wait_for "$tmp/pid.0" && wait_for "$tmp/pid.1"
 kill -9 "$launcher"
 wait "$launcher" 2>/dev/null
-left=""
-for r in 0 1; do
-  pid=$(cat "$tmp/pid.$r" 2>/dev/null)
-  if [[ -z $pid ]] || ! ended "$pid"; then
-    left+=" $r"
-    [[ -n $pid ]] && kill -9 "$pid"
-  fi
-done
+ranks_left ended
 if [[ -n $left ]]; then
   fail "SIGKILL to gpipe-run: rank(s)$left still running"
 else

@@ -388,27 +388,28 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
         accuracy,
         lr,
         total);
-    if (skipped_batches > 0) {
-      std::fprintf(
-          out,
-          "left out %lld short %s: %s into fewer micro-batches than --plan "
-          "has\n",
-          static_cast<long long>(skipped_batches),
-          skipped_batches == 1 ? "batch" : "batches",
-          skipped_batches == 1 ? "it cuts" : "they cut");
-      skipped_batches = 0;
-    }
-    if (uneven_batches > 0) {
-      std::fprintf(
-          out,
-          "left out %lld short %s: %s not split evenly over the %lld "
-          "replicas\n",
-          static_cast<long long>(uneven_batches),
-          uneven_batches == 1 ? "batch" : "batches",
-          uneven_batches == 1 ? "it does" : "they do",
-          static_cast<long long>(replicas));
-      uneven_batches = 0;
-    }
+    // The epoch's short batches left out, and why; counted afresh.
+    auto say_left_out = [&](int64_t& count, const std::string& why) {
+      if (count > 0) {
+        std::fprintf(
+            out,
+            "left out %lld short %s: %s %s\n",
+            static_cast<long long>(count),
+            count == 1 ? "batch" : "batches",
+            count == 1 ? "it" : "they",
+            why.c_str());
+        count = 0;
+      }
+    };
+    say_left_out(
+        skipped_batches,
+        std::string(skipped_batches == 1 ? "cuts" : "cut") +
+            " into fewer micro-batches than --plan has");
+    say_left_out(
+        uneven_batches,
+        std::string(uneven_batches == 1 ? "does" : "do") +
+            " not split evenly over the " + std::to_string(replicas) +
+            " replicas");
     if (epoch + 1 == epochs) {
       std::fprintf(out, "total time %.1f s\n", total);
       if (args.json) {
