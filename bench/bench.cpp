@@ -8,7 +8,10 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -91,10 +94,68 @@ double parallel_capacity(
   return serial / parallel;
 }
 
+// Whether `path` can be written now: opened for appending (which changes
+// nothing in a file that exists) and, if it did not exist, removed again.
+// A folder, a missing folder or a read-only place fails here, before the
+// sections run, rather than after them.
+bool writable(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ignored;
+  if (path.empty() || fs::is_directory(path, ignored)) {
+    return false;
+  }
+  const bool existed = fs::exists(path, ignored);
+  const bool opened = std::ofstream(path, std::ios::app).is_open();
+  if (opened && !existed) {
+    fs::remove(path, ignored);
+  }
+  return opened;
+}
+
+// Writes `text` to `path`; false if any of it could not be written.
+bool write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  out.close();
+  return !out.fail();
+}
+
+// A positive, finite number (CLI11's PositiveNumber prints its range's end,
+// DBL_MAX, in 309 digits, and lets NaN through).
+const CLI::Validator kPositiveFinite(
+    [](std::string& text) -> std::string {
+      char* end = nullptr;
+      const double value = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0' || !std::isfinite(value) || value <= 0) {
+        return "expected a positive number, but got '" + text + "'";
+      }
+      return std::string();
+    },
+    /*validator_desc=*/"POSITIVE");
+
+int bench_main(int argc, char** argv);
+
 }  // namespace
 
+// Bad flags: one line, exit status 2, before any section runs. An error in a
+// section: one line without LibTorch's backtrace, exit status 1.
 int main(int argc, char** argv) {
+  try {
+    return bench_main(argc, argv);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "gpipe-bench: %s\n", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpipe-bench: %s\n", e.what());
+  }
+  return 1;
+}
+
+namespace {
+
+int bench_main(int argc, char** argv) {
   CLI::App app{"gpipe benchmark: speed-up, memory and overhead on CPU lanes"};
+  // --help shows every option's default beside it.
+  app.option_defaults()->always_capture_default();
   int64_t blocks = 16;
   int64_t width = 1024;
   int64_t batch = 256;
@@ -103,16 +164,25 @@ int main(int argc, char** argv) {
   std::vector<int64_t> chunk_list{1, 2, 4, 8, 16, 32};
   bool quick = false;
   std::vector<std::string> only;
-  app.add_option("--blocks", blocks, "Linear+ReLU blocks of the speed model");
-  app.add_option("--width", width, "Features of each Linear");
-  app.add_option("--batch", batch, "Mini-batch size");
   app.add_option(
-      "--iters",
-      iters,
-      "Timed iterations per configuration (median); cell-cost: runs of 101 "
-      "pairs");
+         "--blocks",
+         blocks,
+         "Linear+ReLU blocks of the speed model (at least 2: its rows cut it "
+         "in two)")
+      ->check(CLI::Range(int64_t{2}, int64_t{4096}));
+  app.add_option("--width", width, "Features of each Linear")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  app.add_option("--batch", batch, "Mini-batch size")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option(
-      "--chunks", chunk_list, "Chunk counts for the 2-partition rows");
+         "--iters",
+         iters,
+         "Timed iterations per configuration (median); cell-cost: runs of 101 "
+         "pairs")
+      ->check(CLI::Range(1, 100000));
+  app.add_option(
+         "--chunks", chunk_list, "Chunk counts for the 2-partition rows")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   app.add_option("--json", json_path, "Where to write the JSON results");
   app.add_flag(
       "--quick", quick, "Only chunks 8 and checkpoint never (smoke run)");
@@ -166,7 +236,7 @@ int main(int argc, char** argv) {
   double budget_mib = 256;
   app.add_option(
          "--budget-mib", budget_mib, "unet-memory: MiB per device (lane)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositiveFinite);
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   app.add_option("--data-dir", data_dir, "accuracy: Fashion-MNIST's folder");
   int seeds = 3;
@@ -181,20 +251,58 @@ int main(int argc, char** argv) {
          accuracy_limit,
          "accuracy: the first N training images")
       ->check(CLI::Range(int64_t{128}, int64_t{60000}));
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help is a ParseError with exit code 0; the others get exit status 2
+    // rather than CLI11's codes (above 100), on one line.
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
+      return app.exit(e);
+    }
+    std::fprintf(
+        stderr, "gpipe-bench: %s (see gpipe-bench --help)\n", e.what());
+    return 2;
+  }
+  for (const auto& [flag, path] :
+       {std::pair<const char*, const std::string&>{"--json", json_path},
+        {"--markdown", markdown_path}}) {
+    if ((flag == std::string("--json") || !path.empty()) && !writable(path)) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: %s '%s' cannot be written (a folder, a missing "
+          "folder or no permission); name a file in a writable folder\n",
+          flag,
+          path.c_str());
+      return 2;
+    }
+  }
   auto named = [&only](const std::string& section) {
     return std::find(only.begin(), only.end(), section) != only.end();
   };
   auto want = [&only, &named](const std::string& section) {
     return only.empty() || named(section);
   };
+  // The exit status: 1 when a file could not be written after all.
   auto write_results = [&](const json& results) {
-    std::ofstream(json_path) << results.dump(2) << std::endl;
+    if (!write_file(json_path, results.dump(2) + "\n")) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: could not write --json '%s'\n",
+          json_path.c_str());
+      return 1;
+    }
     std::printf("\n# JSON written to %s\n", json_path.c_str());
     if (!markdown_path.empty()) {
-      std::ofstream(markdown_path) << gpipe::bench::to_markdown(results);
+      if (!write_file(markdown_path, gpipe::bench::to_markdown(results))) {
+        std::fprintf(
+            stderr,
+            "gpipe-bench: could not write --markdown '%s'\n",
+            markdown_path.c_str());
+        return 1;
+      }
       std::printf("# Markdown written to %s\n", markdown_path.c_str());
     }
+    return 0;
   };
   // Started as one rank of several (gpipe-run, torchrun): the dist section
   // (the default) or the U-Net speed table across the ranks, printed and
@@ -238,18 +346,22 @@ int main(int argc, char** argv) {
       out["unet_speed_ranks"] =
           gpipe::bench::unet_speed_dist_section(world, iters);
     }
-    if (world.rank() == 0) {
-      write_results(out);
-    }
-    return 0;
+    return world.rank() == 0 ? write_results(out) : 0;
   }
 #endif
-  if (!only.empty() && want("dist") && only.size() == 1) {
-    std::fprintf(
-        stderr,
-        "gpipe-bench: --only dist needs ranks: run `gpipe-run -n 2 -- "
-        "gpipe-bench --only dist`\n");
-    return 2;
+  // The sections across processes, named without a launcher.
+  for (const auto& [section, ranks] :
+       {std::pair<const char*, int>{"dist", 2}, {"mesh", 4}}) {
+    if (named(section)) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: --only %s needs ranks: run `gpipe-run -n %d -- "
+          "gpipe-bench --only %s`\n",
+          section,
+          ranks,
+          section);
+      return 2;
+    }
   }
   if (quick) {
     chunk_list = {8};
@@ -526,6 +638,7 @@ int main(int argc, char** argv) {
     out["accuracy"] = gpipe::bench::accuracy_section(
         data_dir, seeds, accuracy_epochs, accuracy_limit);
   }
-  write_results(out);
-  return 0;
+  return write_results(out);
 }
+
+}  // namespace

@@ -68,8 +68,14 @@ TEST(PlacementTest, BadListsAreRefused) {
       error_of([] {
         Placement({0, 999999999});
       })
-          .find("stage 1 is on lane 999999999, but 2 stages fill at most "
-                "lanes 0 to 1"),
+          .find("stage 1 is on lane 999999999, but 2 stages can fill at "
+                "most lanes 0 to 1"),
+      std::string::npos);
+  // One stage, in the singular ("1 stage fill" before).
+  EXPECT_NE(
+      error_of([] {
+        Placement({1});
+      }).find("but 1 stage can fill at most lanes 0 to 0"),
       std::string::npos);
   EXPECT_THROW(Placement::modulo(0), c10::ValueError);
   EXPECT_THROW(Placement::modulo(2, 0), c10::ValueError);

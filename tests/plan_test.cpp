@@ -67,6 +67,16 @@ TEST(PlanTest, EveryErrorIsAC10Error) {
   EXPECT_THROW(training_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
   EXPECT_THROW(make_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
   EXPECT_THROW(lane_order(Schedule::FillDrain, 2, 2, 2), c10::IndexError);
+  // A Phase outside the enum (a cast): gpipe's ValueError, not an internal
+  // assertion that asks to report a bug to PyTorch.
+  const auto msg = error_of([] {
+    (void)to_string(Cell{0, 0, static_cast<Phase>(99)});
+  });
+  EXPECT_NE(
+      msg.find("expected a gpipe::Phase, but got the value 99"),
+      std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find("PyTorch"), std::string::npos) << msg;
 }
 
 TEST(PlanTest, FromCsvSaysANumberIsOutOfRange) {
@@ -80,6 +90,17 @@ TEST(PlanTest, FromCsvSaysANumberIsOutOfRange) {
       EXPECT_EQ(msg.find("expected an action"), std::string::npos) << msg;
     }
   }
+  // A number of 100,000 digits is quoted by its ends and its length, not
+  // in full twice (a 200,000-character message before).
+  const auto digits = std::string(100000, '1');
+  const auto long_msg = error_of([&] { Plan::from_csv("0F" + digits); });
+  EXPECT_LT(long_msg.size(), 600u) << long_msg.substr(0, 600);
+  EXPECT_NE(long_msg.find("(100000 characters)"), std::string::npos)
+      << long_msg;
+  EXPECT_NE(long_msg.find("(100002 characters)"), std::string::npos)
+      << long_msg;
+  const auto junk_msg = error_of([&] { Plan::from_csv("0Q" + digits); });
+  EXPECT_LT(junk_msg.size(), 600u) << junk_msg.substr(0, 600);
   // The largest number accepted, and a malformed action still named so.
   EXPECT_EQ(Plan::from_csv("0F999999999").micro_batches, 1000000000);
   const auto msg = error_of([] { Plan::from_csv("0X1"); });
@@ -156,6 +177,16 @@ TEST(PlanTest, CsvRoundTrips) {
     for (size_t l = 0; l < plan.lanes.size(); ++l) {
       EXPECT_EQ(back.lanes[l], plan.lanes[l]) << to_string(schedule);
     }
+  }
+  // A plan of 0 micro-batches has no cells to show its stages and their
+  // lanes: its placement line carries them (they came back as 0 stages).
+  for (auto schedule : kSchedules) {
+    const auto plan = make_plan(schedule, 0, 2, 2);
+    const auto back = Plan::from_csv(plan.to_csv());
+    EXPECT_EQ(back.micro_batches, 0) << to_string(schedule);
+    EXPECT_EQ(back.stages, plan.stages) << to_string(schedule);
+    EXPECT_EQ(back.placement, plan.placement) << to_string(schedule);
+    EXPECT_EQ(back.lanes.size(), plan.lanes.size()) << to_string(schedule);
   }
 }
 

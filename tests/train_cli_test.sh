@@ -164,6 +164,11 @@ if [[ $mode == bad ]]; then
   bad "more than --batch-size 1" "${d[@]}" --plan "$tmp/two.csv" --batch-size 1
   printf '0F1000000000,0B0\n' >"$tmp/huge.csv"
   bad "out of range" "${d[@]}" --plan "$tmp/huge.csv"
+  # A forward-only plan (valid for inference) was refused by train_step
+  # after profiling and building the model, with exit status 1.
+  printf '0F0,0F1\r\n1F0,1F1\r\n' >"$tmp/forward-only.csv"
+  bad "--plan '$tmp/forward-only.csv': it has 4 forwards and no backward" \
+    "${d[@]}" --plan "$tmp/forward-only.csv"
 
   bad --lr-schedule "${d[@]}" --lr-schedule linear
   bad --devices "${d[@]}" --devices gpu:0,cpu

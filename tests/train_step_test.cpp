@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "common.h"
+#include "error_of.h"
 
 namespace gpipe {
 namespace {
@@ -285,6 +286,22 @@ TEST(TrainStepRandomTest, ARefusedStepLeavesTheGeneratorAlone) {
   model->train_step(x, y, loss);
   EXPECT_FALSE(
       torch::equal(at::detail::getDefaultCPUGenerator().get_state(), before));
+}
+
+// A plan without backward actions is refused with both counts, in the
+// singular where they are one ("1 forwards" before).
+TEST(TrainStepRandomTest, AForwardOnlyPlanIsRefusedWithItsCounts) {
+  GPipe model(model_of(false), GPipeOptions({8}).chunks(1));
+  const auto x = torch::randn({4, 5});
+  const auto y = torch::randn({4, 4});
+  auto loss = [](torch::Tensor out, torch::Tensor target) {
+    return torch::mse_loss(out, target);
+  };
+  const auto msg = testing::error_of(
+      [&] { model->train_step(x, y, loss, forward_plan(1, 1)); });
+  EXPECT_NE(
+      msg.find("it has 1 forward and 0 backward actions"), std::string::npos)
+      << msg;
 }
 
 }  // namespace

@@ -45,6 +45,23 @@ void read_plan(const CLI::App& app, Args& args) {
         count_of(args.partitions, "partition", "partitions"),
         " on ",
         count_of(lanes, "lane", "lanes"));
+    // validate() takes a forward-only plan (inference); train_step would
+    // refuse it after the model is built.
+    int64_t forwards = 0;
+    bool backward = false;
+    for (const auto& row : args.plan.lanes) {
+      for (const auto& c : row) {
+        forwards += c.phase == gpipe::Phase::Forward ? 1 : 0;
+        backward = backward || c.phase == gpipe::Phase::Backward ||
+                   c.phase == gpipe::Phase::BackwardInput;
+      }
+    }
+    TORCH_CHECK_VALUE(
+        args.plan.micro_batches == 0 || backward,
+        "it has ",
+        count_of(forwards, "forward", "forwards"),
+        " and no backward; training needs a plan with a B (or an I and a "
+        "W) for every F");
   } catch (const c10::Error& e) {
     usage_check(
         false, "--plan '", args.plan_path, "': ", e.what_without_backtrace());

@@ -147,10 +147,9 @@ void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
       m == 0 || (forwards > 0 && backwards > 0),
       "train_step: expected a plan with every forward and every backward, "
       "but it has ",
-      forwards,
-      " forwards and ",
-      backwards,
-      " backward actions");
+      count_of(forwards, "forward", "forwards"),
+      " and ",
+      count_of(backwards, "backward action", "backward actions"));
 }
 
 std::shared_ptr<const Plan> Pipeline::training_plan(

@@ -112,7 +112,10 @@ const std::vector<ActionInfo>& action_table() {
 const ActionInfo& action_info(Phase phase) {
   const auto& table = action_table();
   const auto k = static_cast<size_t>(phase);
-  TORCH_INTERNAL_ASSERT(k < table.size() && table[k].phase == phase);
+  TORCH_CHECK_VALUE(
+      k < table.size() && table[k].phase == phase,
+      "expected a gpipe::Phase, but got the value ",
+      static_cast<int>(phase));
   return table[k];
 }
 

@@ -45,7 +45,7 @@ Placement::Placement(std::vector<int64_t> lane_of_stage)
         ", but ",
         detail::count_of(
             static_cast<int64_t>(lane_of_stage_.size()), "stage", "stages"),
-        " fill at most lanes 0 to ",
+        " can fill at most lanes 0 to ",
         lane_of_stage_.size() - 1,
         "; number the lanes from 0 without gaps");
     if (static_cast<size_t>(l) >= used.size()) {

@@ -23,7 +23,9 @@ constexpr const char* kPlacementLine = "# placement:";
 
 std::string Plan::to_csv() const {
   std::ostringstream out;
-  if (!placement.empty() && !placement.is_modulo()) {
+  // A modulo placement shows in the rows, unless there are none to show it
+  // (a plan of 0 micro-batches).
+  if (!placement.empty() && (!placement.is_modulo() || micro_batches == 0)) {
     out << kPlacementLine;
     for (const auto lane : placement.lane_of_stage()) {
       out << ' ' << lane;
@@ -57,6 +59,22 @@ std::string trim(const std::string& s) {
 constexpr int64_t kMaxNumber = 999999999;
 
 enum class Parsed { Ok, Malformed, OutOfRange };
+
+// `text` as a message quotes it: whole when short, else its first and last
+// characters and its length (a field of 100,000 digits).
+std::string quoted(const std::string& text) {
+  constexpr size_t kEnds = 16;
+  if (text.size() <= 3 * kEnds) {
+    return text;
+  }
+  return c10::str(
+      text.substr(0, kEnds),
+      "...",
+      text.substr(text.size() - kEnds),
+      " (",
+      text.size(),
+      " characters)");
+}
 
 // "12F3" -> (12, "F", 3), "0SEND_F3" -> (0, "SEND_F", 3). A number of more
 // digits than kMaxNumber has is out of range (`too_large` names it), which
@@ -227,9 +245,9 @@ Plan Plan::from_csv(const std::string& text) {
           ", column ",
           column,
           ": the number ",
-          too_large,
+          quoted(too_large),
           " in '",
-          field,
+          quoted(field),
           "' is out of range: stages and micro-batches go up to ",
           kMaxNumber);
       TORCH_CHECK_VALUE(
@@ -241,7 +259,7 @@ Plan Plan::from_csv(const std::string& text) {
           ": expected an action <stage><kind><micro-batch> such as 0F3 or "
           "1RECV_F3 (kind F, B, I, W, L, SEND_F, RECV_F, SEND_B or RECV_B), "
           "but got '",
-          field,
+          quoted(field),
           "'");
       if (phase == Phase::BackwardWeight) {
         weights.insert({micro, stage});

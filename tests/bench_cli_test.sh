@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# gpipe-bench's command line: each bad flag exits with status 2 and one line
+# on stderr naming the flag, before any section runs (no crash, no LibTorch
+# backtrace, no CLI11 exit code, no JSON written); a cheap valid run writes
+# its JSON and Markdown where asked.
+#
+#   bench_cli_test.sh GPIPE_BENCH
+set -uo pipefail
+
+bench=$(realpath "$1")
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ulimit -c 0
+cd "$tmp" || exit 1
+failures=0
+
+# Each case: the flag stderr must name, a tab, then the arguments (eval'd,
+# so that '' is an empty argument).
+while IFS=$'\t' read -r flag args; do
+  [[ -z $flag || $flag == \#* ]] && continue
+  eval "set -- $args"
+  timeout 60 "$bench" "$@" >out 2>err
+  status=$?
+  lines=$(wc -l <err)
+  if [[ $status -ne 2 || $lines -ne 1 ]] || ! grep -qF -- "$flag" err ||
+    grep -q "frame #" err || [[ -e gpipe-bench.json ]]; then
+    echo "FAIL: gpipe-bench $args: status $status, $lines stderr lines: $(head -c 400 err)"
+    failures=$((failures + 1))
+    rm -f gpipe-bench.json
+  else
+    echo "ok: $args -> $(cat err)"
+  fi
+done <<'EOF'
+--iters	--only random --iters 0
+--iters	--only checkpoint --iters -3
+--iters	--only checkpoint --iters ''
+--iters	--only random --iters 3x
+--iters	--only random --iters 1 --iters 2
+--width	--only random --width -5
+--batch	--only random --batch 0
+--blocks	--only speed --blocks 1 --quick
+--blocks	--only speed --blocks 0 --quick
+--chunks	--only speed --chunks 0
+--budget-mib	--only unet-memory --budget-mib 0
+--budget-mib	--only unet-memory --budget-mib nan
+--budget-mib	--only unet-memory --budget-mib inf
+--only	--only nope
+--only	--only ''
+--bogus	--bogus
+--only mesh	--only mesh
+--only dist	--only dist
+--json	--only random --json /nonexistent/folder/x.json
+--json	--only random --json .
+--json	--only random --json ''
+--markdown	--only random --markdown /nonexistent/folder/x.md
+EOF
+
+# A valid run: the cheapest section, its results where they were asked for.
+if ! timeout 120 "$bench" --only random --json r.json --markdown r.md >out 2>err; then
+  echo "FAIL: gpipe-bench --only random failed: $(head -c 400 err)"
+  failures=$((failures + 1))
+elif [[ ! -s r.json || ! -s r.md ]] || ! grep -q '"random"' r.json; then
+  echo "FAIL: gpipe-bench --only random wrote no results: $(ls -la)"
+  failures=$((failures + 1))
+else
+  echo "ok: --only random --json r.json --markdown r.md"
+fi
+
+if [[ $failures -gt 0 ]]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all gpipe-bench command-line checks passed"
