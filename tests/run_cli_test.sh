@@ -312,7 +312,7 @@ limit=15 run -n 3 "${grace[@]}" -- bash -c '
       echo "rank 0 wrapper: not reached" >&2 ;;
     *) exec sleep 60 ;;
   esac' "$tmp"
-verdict='rank 1 failed first (exited with code 3); stopped rank(s) 0, 2'
+verdict='rank 1 failed first (exited with code 3); stopped ranks 0, 2'
 if [[ $status -ne 3 ]] || ((elapsed > 6)); then
   fail "last lines: exit status $status after ${elapsed}s, expected 3: $(cat "$tmp/err")"
 elif ! grep -qxF '[1] log: rank 1 last words' "$tmp/err"; then
@@ -351,10 +351,38 @@ if [[ $status -ne 3 ]] || ((elapsed > 5)); then
 elif [[ -z $sleeper ]] || ! gone "$sleeper"; then
   fail "a failed rank's leftover ('$sleeper') is still running"
   [[ -n $sleeper ]] && kill "$sleeper"
-elif ! grep -qF 'sending SIGKILL to rank(s) 1' "$tmp/err"; then
+elif ! grep -qF 'sending SIGKILL to what rank 1 left' "$tmp/err"; then
   fail "a failed rank's leftover: no line saying SIGKILL was sent: $(cat "$tmp/err")"
 else
   ok "a failed rank's leftover holding its output is killed after --grace"
+fi
+
+# What ranks that ended well left running holding their output gets SIGTERM
+# after --grace (it kept gpipe-run for ever), and the exit status stays 0.
+rm -f "$tmp/sleeper"*
+limit=10 run -n 2 --grace 1 -- sh -c 'sleep 60 & echo $! >"$0/sleeper$RANK"; echo started' "$tmp"
+left=""
+for file in "$tmp"/sleeper*; do
+  pid=$(cat "$file" 2>/dev/null)
+  [[ -n $pid ]] && ! gone "$pid" && left="$left $pid" && kill "$pid" 2>/dev/null
+done
+if [[ $status -ne 0 ]] || ((elapsed > 4)); then
+  fail "ranks that ended well, leaving processes: exit status $status after ${elapsed}s: $(cat "$tmp/err")"
+elif [[ -n $left ]]; then
+  fail "ranks that ended well: what they left ($left) is still running"
+elif ! grep -qxF 'gpipe-run: ranks 0, 1 ended 1 s ago, but what they left still holds their output; sending it SIGTERM' "$tmp/err"; then
+  fail "ranks that ended well, leaving processes: $(cat "$tmp/err")"
+else
+  ok "what ranks that ended well left is stopped after --grace: $(cat "$tmp/err")"
+fi
+
+# One rank that fails: one line, the verdict (the same failure was said
+# twice).
+run -n 1 -- sh -c 'exit 3'
+if [[ $status -ne 3 || $(cat "$tmp/err") != 'gpipe-run: rank 0 failed (exited with code 3)' ]]; then
+  fail "one failing rank: exit status $status: $(cat "$tmp/err")"
+else
+  ok "one failing rank, one line: $(cat "$tmp/err")"
 fi
 
 # A process outside the rank's group holding its output does not keep
@@ -401,7 +429,7 @@ rm -f "$tmp/printed" "$tmp/exited1" "$tmp/release"
 }
 status=$(cat "$tmp/status")
 verdict='rank 1 failed first (exited with code 3); rank 0 exited with code 4 too'
-if [[ $status -ne 3 ]] || ! grep -qF 'rank 1 exited with code 3' "$tmp/err"; then
+if [[ $status -ne 3 ]]; then
   fail "first to exit: exit status $status, expected rank 1's 3: $(cat "$tmp/err")"
 elif [[ $(tail -n 1 "$tmp/err") != "gpipe-run: $verdict" ]] ||
   ! grep -qxF '[0] rank 0 fails second' "$tmp/err" ||
@@ -432,7 +460,7 @@ limit=8 run --nnodes 3 --node_rank 2 -n 2 --master-addr 127.0.0.1 \
   --master-port 12345 --grace 30 -- sh -c '
   if [ "$RANK" = 5 ]; then exit 3; fi
   exec sleep 60'
-verdict='rank 5 failed first (exited with code 3); stopped rank(s) 4'
+verdict='rank 5 failed first (exited with code 3); stopped rank 4'
 if [[ $status -ne 3 ]] || ((elapsed > 4)) ||
   ! grep -qxF 'gpipe-run: rank 5 exited with code 3; sending SIGTERM to the other ranks' "$tmp/err" ||
   [[ $(tail -n 1 "$tmp/err") != "gpipe-run: $verdict" ]]; then
@@ -528,7 +556,7 @@ else
 fi
 # A rank that always fails: R restarts, then the failing rank's status.
 limit=20 run -n 2 --max-restarts 2 -- sh -c '[ "$RANK" = 0 ] || exit 4'
-starts=$(grep -c 'rank 1 exited with code 4' "$tmp/err")
+starts=$(grep -c 'rank 1 failed first (exited with code 4)' "$tmp/err")
 if [[ $status -ne 4 || $starts -ne 3 ]] ||
   [[ $(tail -1 "$tmp/err") != "gpipe-run: gave up after 2 of at most 2 restarts" ]]; then
   fail "--max-restarts 2, always failing: exit status $status after $starts starts: $(cat "$tmp/err")"

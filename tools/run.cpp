@@ -24,6 +24,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -72,6 +73,12 @@ constexpr int kLeftoverCheckMs = 100;
 // for every writer of a pipe. Then the verdict, the last line: the rank that
 // failed first, the ranks stopped, the ranks that failed on their own.
 //
+// With no stop under way, what the ranks left is waited for --grace seconds
+// after the last rank ended; then it gets SIGTERM, and SIGKILL --grace
+// seconds later, as in a stop: a background process that never ends
+// (`sleep 600 &`) kept gpipe-run for ever, although every rank had ended
+// well (the exit status stays theirs).
+//
 // A group is signalled only while a process is left in it (checked just
 // before, with signal 0): the number of an empty group could name someone
 // else's by then.
@@ -116,6 +123,8 @@ class Launcher {
           " of at most " + std::to_string(args_.max_restarts) + ")");
       ranks_.clear();
       stopping_ = false;
+      leftovers_only_ = false;
+      leftovers_since_.reset();
       killed_ = false;
       exit_order_.clear();
       failed_rank_ = -1;
@@ -233,6 +242,7 @@ class Launcher {
       read_signals();
       reap();
       close_abandoned_output();
+      end_leftovers();
       if (stopping_ && !killed_ && Clock::now() >= deadline_) {
         kill_survivors(
             "still running " + format_seconds(args_.grace_seconds) +
@@ -300,10 +310,13 @@ class Launcher {
       if (failed(rank->status) && !stopping_) {
         failed_rank_ = rank->rank;
         failed_status_ = rank->status;
-        report(
-            "rank " + std::to_string(rank->rank) + " " +
-            describe_status(rank->status) +
-            (any_running() ? "; sending SIGTERM to the other ranks" : ""));
+        // With no other rank to stop, the verdict says it alone.
+        if (any_running()) {
+          report(
+              "rank " + std::to_string(rank->rank) + " " +
+              describe_status(rank->status) +
+              "; sending SIGTERM to the other ranks");
+        }
         stop();
       }
     }
@@ -350,15 +363,61 @@ class Launcher {
     }
   }
 
+  // See Note [Stopping the ranks]: what the ranks left, once they have all
+  // ended well, after the grace period.
+  void end_leftovers() {
+    if (stopping_ || any_running() || !any_output_left()) {
+      return;
+    }
+    const auto now = Clock::now();
+    if (!leftovers_since_) {
+      leftovers_since_ = now;
+      return;
+    }
+    if (now - *leftovers_since_ < grace()) {
+      return;
+    }
+    std::vector<int64_t> left;
+    for (const auto& rank : ranks_) {
+      if (output_left(rank) && group_alive(rank)) {
+        left.push_back(rank.rank);
+      }
+    }
+    if (left.empty()) {
+      return;  // close_abandoned_output() closes it on the next turn
+    }
+    report(
+        ranks_phrase(left) + " ended " + format_seconds(args_.grace_seconds) +
+        " ago, but what " + (left.size() == 1 ? "it" : "they") +
+        " left still holds " + (left.size() == 1 ? "its" : "their") +
+        " output; sending it SIGTERM");
+    stopping_ = true;
+    leftovers_only_ = true;
+    deadline_ = now + grace();
+    signal_ranks(SIGTERM, /*leftovers=*/true);
+  }
+
+  Clock::duration grace() const {
+    return std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(args_.grace_seconds));
+  }
+
+  // "rank 3", "ranks 0, 2".
+  static std::string ranks_phrase(const std::vector<int64_t>& ranks) {
+    std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t k = 0; k < ranks.size(); ++k) {
+      out += (k == 0 ? "" : ", ") + std::to_string(ranks[k]);
+    }
+    return out;
+  }
+
   // SIGTERM to every running rank's group; SIGKILL after the grace period.
   void stop() {
     if (stopping_) {
       return;
     }
     stopping_ = true;
-    deadline_ =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(args_.grace_seconds));
+    deadline_ = Clock::now() + grace();
     for (auto& rank : ranks_) {
       rank.stopped = rank.running;
     }
@@ -369,14 +428,21 @@ class Launcher {
   // their groups holding their output.
   void kill_survivors(const std::string& why) {
     killed_ = true;
-    std::string ranks;
+    std::vector<int64_t> running;
+    std::vector<int64_t> left;
     for (const auto& rank : ranks_) {
-      if (rank.running || (output_left(rank) && group_alive(rank))) {
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(rank.rank);
+      if (rank.running) {
+        running.push_back(rank.rank);
+      } else if (output_left(rank) && group_alive(rank)) {
+        left.push_back(rank.rank);
       }
     }
-    if (!ranks.empty()) {
-      report(why + "; sending SIGKILL to rank(s) " + ranks);
+    if (!running.empty() || !left.empty()) {
+      report(
+          why + "; sending SIGKILL to " +
+          (running.empty() ? "" : ranks_phrase(running)) +
+          (!running.empty() && !left.empty() ? " and " : "") +
+          (left.empty() ? "" : "what " + ranks_phrase(left) + " left"));
       signal_ranks(SIGKILL, /*leftovers=*/true);
     }
   }
@@ -400,7 +466,7 @@ class Launcher {
   // first (or the signal), those that failed on their own after it, and
   // those the stop ended.
   void report_verdict() const {
-    if (!stopping_ || launch_failed_) {
+    if (!stopping_ || launch_failed_ || leftovers_only_) {
       return;
     }
     std::string verdict = "got " + signal_name(signal_);
@@ -409,20 +475,20 @@ class Launcher {
                 (ranks_.size() > 1 ? " first" : "") + " (" +
                 describe_status(failed_status_) + ")";
     }
-    std::string stopped;
+    std::vector<int64_t> stopped;
     for (const auto& rank : ranks_) {
       if (rank.pid <= 0 || rank.rank == failed_rank_) {
         continue;
       }
       if (rank.stopped) {
-        stopped += (stopped.empty() ? "" : ", ") + std::to_string(rank.rank);
+        stopped.push_back(rank.rank);
       } else if (failed(rank.status)) {
         verdict += "; rank " + std::to_string(rank.rank) + " " +
                    describe_status(rank.status) + " too";
       }
     }
     if (!stopped.empty()) {
-      verdict += "; stopped rank(s) " + stopped;
+      verdict += "; stopped " + ranks_phrase(stopped);
     }
     report(verdict);
   }
@@ -467,6 +533,9 @@ class Launcher {
   std::vector<Rank> ranks_;
   int signal_read_ = -1;
   bool stopping_ = false;
+  // The stop is of what the ranks left after ending well.
+  bool leftovers_only_ = false;
+  std::optional<Clock::time_point> leftovers_since_;
   bool killed_ = false;
   Clock::time_point deadline_;
   bool launch_failed_ = false;

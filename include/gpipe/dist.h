@@ -72,7 +72,8 @@ class World {
   /// How long a rank waits for another before it gives up.
   std::chrono::milliseconds timeout() const;
   /// The c10d process group of this World's ranks (Gloo or NCCL, as
-  /// GPIPE_DIST_BACKEND says; null in a World of one rank); usable for
+  /// GPIPE_DIST_BACKEND says; null in a World of one rank that
+  /// World::split or a Mesh made); usable for
   /// collectives of one's own between passes. On Gloo gpipe's messages go
   /// over it too (point-to-point: tags from 2^30 up are yours); NCCL's
   /// tensors live on the rank's GPU.
@@ -116,16 +117,18 @@ class World {
 /// set it: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (and
 /// LOCAL_WORLD_SIZE when set). Rank 0 hosts the TCPStore unless torchrun's
 /// agent hosts it (TORCHELASTIC_USE_AGENT_STORE=True). Waits at most
-/// `timeout` for the others; a missing or malformed variable is a
-/// c10::ValueError naming it. Like init_from_store, it sets SIGPIPE to be
-/// ignored unless the program has a handler of its own, so that a write to
-/// a rank that died fails with an error naming it instead of ending this
-/// process without a word. The backend is GPIPE_DIST_BACKEND's ("gloo",
-/// the default, or "nccl" where the build has it); one this build lacks is
-/// a c10::ValueError before anything waits.
+/// `timeout` (at least 1 s) for the others, also when the port answers
+/// nothing; ranks with another WORLD_SIZE than the first to come, or a
+/// RANK that came twice, end every rank at once, saying so. A missing or
+/// malformed variable is a c10::ValueError naming it. Like init_from_store, it
+/// sets SIGPIPE to be ignored unless the program has a handler of its own, so
+/// that a write to a rank that died fails with an error naming it instead of
+/// ending this process without a word. The backend is GPIPE_DIST_BACKEND's
+/// ("gloo", the default, or "nccl" where the build has it); one this build
+/// lacks is a c10::ValueError before anything waits.
 World init_from_env(std::chrono::milliseconds timeout);
-/// As above, with the timeout from GPIPE_DIST_TIMEOUT (seconds; default
-/// 120).
+/// As above, with the timeout from GPIPE_DIST_TIMEOUT (seconds, in [1,
+/// 604800]; default 120).
 World init_from_env();
 
 /// Joins a job whose ranks meet in `store` (any c10d store: a TCPStore of

@@ -70,8 +70,9 @@ void verify_stage_options(
   }
   TORCH_CHECK_VALUE(
       !options.placement().empty() || n == ranks * v,
-      "gpipe::dist::PipelineStage puts partition j on rank j % world size, "
-      "so balance must have world size x stages_per_lane = ",
+      "gpipe::dist::PipelineStage puts partition j on pipeline rank j % "
+      "pipeline size (the World's size without a Mesh), so balance must "
+      "have pipeline size x stages_per_lane = ",
       ranks,
       " x ",
       v,

@@ -53,12 +53,12 @@ World solo(detail::Connection& parent, int64_t id) {
 World World::split(int64_t color, int64_t key) const {
   auto& parent = *connection_;
   parent.check();
-  TORCH_CHECK_VALUE(
-      color >= 0,
-      "gpipe::dist::World::split expects a color >= 0, but got ",
-      color);
   const auto id = parent.next_split_id();
   if (parent.size == 1) {
+    TORCH_CHECK_VALUE(
+        color >= 0,
+        "gpipe::dist::World::split expects a color >= 0, but got ",
+        color);
     return solo(parent, id);
   }
   // Every rank's (color, key), gathered through the parent's group (on its
@@ -76,6 +76,17 @@ World World::split(int64_t color, int64_t key) const {
       parent.group->allgather(all, input),
       "World::split (learning the other ranks' colors)");
   const auto gathered = torch::stack(all[0]).cpu();
+  // Checked once every rank's color is known, so that all refuse alike (a
+  // rank refusing alone left the others waiting for it until the timeout).
+  for (const auto r : c10::irange(parent.size)) {
+    const auto theirs = gathered[r][0].item<int64_t>();
+    TORCH_CHECK_VALUE(
+        theirs >= 0,
+        "gpipe::dist::World::split expects a color >= 0 on every rank, but ",
+        parent.rank_name(r),
+        " gave ",
+        theirs);
+  }
   std::vector<std::tuple<int64_t, int64_t>> members;  // (key, parent rank)
   for (const auto r : c10::irange(parent.size)) {
     const auto* v = gathered[r].data_ptr<int64_t>();

@@ -146,9 +146,9 @@ std::chrono::milliseconds default_timeout() {
   char* end = nullptr;
   const double seconds = std::strtod(value, &end);
   TORCH_CHECK_VALUE(
-      errno == 0 && end != value && *end == '\0' && seconds > 0 &&
+      errno == 0 && end != value && *end == '\0' && seconds >= 1 &&
           seconds <= 7 * 24 * 3600,
-      "GPIPE_DIST_TIMEOUT expects a number of seconds in (0, 604800], but got "
+      "GPIPE_DIST_TIMEOUT expects a number of seconds in [1, 604800], but got "
       "'",
       value,
       "'");
@@ -156,15 +156,225 @@ std::chrono::milliseconds default_timeout() {
 }
 
 World init_from_env() {
-  return init_from_env(default_timeout());
+  // Note [Errors without LibTorch's backtrace] in src/text.h.
+  try {
+    return init_from_env(default_timeout());
+  } catch (const c10::Error& e) {
+    gpipe::detail::rethrow_without_backtrace(e);
+  }
 }
 
 namespace {
 
+std::vector<uint8_t> bytes_of(const std::string& text) {
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
+// Note [Meeting within the timeout]
+// One deadline for the whole meeting: reaching the store, then every rank
+// joining. c10d's server would wait for its workers with the whole timeout
+// and then say nothing, and the Gloo group would wait the whole timeout
+// again (rank 0 alone gave up after twice the timeout); instead every rank
+// counts itself in under a key of ours and waits, until the deadline, for
+// the verdict: "ok" from the last rank to come, or the reason the job
+// cannot start, from the first rank that sees one (another WORLD_SIZE than
+// the first rank's, a RANK that came twice), so that the others end at
+// once, saying why, rather than at the deadline. The group is made once
+// everyone is there, which takes no time.
+//
+// c10d's client waits for its store's replies without a limit, except
+// after a wait(), which sets its socket's receive timeout and keeps it: a
+// port that accepts and never answers (another service, a stopped rank 0)
+// held a rank for ever. The meeting's first word is a wait for no key,
+// which a store answers at once, under the deadline; every reply after it
+// is bounded too.
+class Meeting {
+ public:
+  Meeting(
+      c10::intrusive_ptr<c10d::Store> store,
+      int64_t rank,
+      int64_t size,
+      std::string where,
+      std::chrono::steady_clock::time_point deadline,
+      std::chrono::milliseconds timeout,
+      bool hosts_store)
+      : store_(std::move(store)),
+        rank_(rank),
+        size_(size),
+        where_(std::move(where)),
+        deadline_(deadline),
+        timeout_(timeout),
+        hosts_store_(hosts_store) {}
+
+  void join() {
+    ask("answer", [&] { store_->wait({}, left()); });
+    const auto size = bytes_of(std::to_string(size_));
+    std::vector<uint8_t> first;
+    ask("agree on WORLD_SIZE",
+        [&] { first = store_->compareSet("world_size", {}, size); });
+    if (first != size) {
+      refuse(c10::str(
+          "rank ",
+          rank_,
+          " came with WORLD_SIZE ",
+          size_,
+          ", but the first rank to come had WORLD_SIZE ",
+          std::string(first.begin(), first.end()),
+          "; start every rank with the same WORLD_SIZE (gpipe-run: the same "
+          "-n and --nnodes on every host)"));
+    }
+    int64_t came = 0;
+    ask("count its RANK",
+        [&] { came = store_->add("rank_" + std::to_string(rank_), 1); });
+    if (came > 1) {
+      refuse(c10::str(
+          "two processes came as RANK ",
+          rank_,
+          " of ",
+          size_,
+          "; give each process a RANK of its own (gpipe-run: another "
+          "--node-rank on each host)"));
+    }
+    int64_t joined = 0;
+    ask("count itself in", [&] { joined = store_->add("joined", 1); });
+    if (joined == size_) {
+      ask("say that all came", [&] { give_verdict(kAllCame); });
+    }
+    std::vector<uint8_t> verdict;
+    try {
+      store_->wait({"verdict_given"}, left());
+      verdict = store_->get("verdict");
+    } catch (const std::exception&) {
+      int64_t now = 0;
+      try {
+        now = store_->add("joined", 0);
+      } catch (...) {
+        // (The store went away: the count stays unknown.)
+      }
+      gpipe::detail::fail_without_backtrace(c10::str(
+          "gpipe::dist::init_from_env: rank ",
+          rank_,
+          " waited ",
+          timeout_.count() / 1000.0,
+          " s at ",
+          where_,
+          ", but ",
+          now > 0 ? "only " + std::to_string(now) : std::string("not all"),
+          " of the ",
+          size_,
+          " ranks (WORLD_SIZE) came; start the others, or check that they "
+          "have the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"));
+    }
+    const std::string said(verdict.begin(), verdict.end());
+    if (said != kAllCame) {
+      try {
+        store_->add("verdict_read", 1);
+      } catch (...) {
+        // (The store went away: nobody waits for this rank to read.)
+      }
+      linger();
+      gpipe::detail::fail_without_backtrace(c10::str(
+          "gpipe::dist::init_from_env: rank ",
+          rank_,
+          " cannot join the job at ",
+          where_,
+          ": ",
+          said));
+    }
+  }
+
+ private:
+  static constexpr const char* kAllCame = "all came";
+
+  std::chrono::milliseconds left() const {
+    return std::max(
+        std::chrono::milliseconds(1),
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline_ - std::chrono::steady_clock::now()));
+  }
+
+  // The first verdict given stands; a compareSet wakes no waiter, a set
+  // does.
+  void give_verdict(const std::string& verdict) {
+    store_->compareSet("verdict", {}, bytes_of(verdict));
+    store_->set("verdict_given", {1});
+  }
+
+  // The store lives in the process of the rank that hosts it: when the
+  // job cannot start, that rank stays (a few seconds at most) until every
+  // rank that counted itself in has read why, rather than taking the
+  // verdict with it.
+  void linger() {
+    if (!hosts_store_) {
+      return;
+    }
+    const auto until = std::min(
+        deadline_, std::chrono::steady_clock::now() + std::chrono::seconds(3));
+    try {
+      while (std::chrono::steady_clock::now() < until) {
+        const auto joined = store_->add("joined", 0);
+        const auto read = store_->add("verdict_read", 0);
+        if (read >= joined) {
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (...) {
+      // (Nothing more to wait for.)
+    }
+  }
+
+  // Runs one exchange with the store; a store that does not answer, or
+  // answers nonsense, is named as such.
+  template <typename F>
+  void ask(const char* what, F&& exchange) {
+    try {
+      exchange();
+    } catch (const std::exception&) {
+      gpipe::detail::fail_without_backtrace(c10::str(
+          "gpipe::dist::init_from_env: rank ",
+          rank_,
+          " reached ",
+          where_,
+          ", but no store answered there (asked to ",
+          what,
+          ") within ",
+          timeout_.count() / 1000.0,
+          " s: MASTER_PORT may be another service's, or rank 0's process "
+          "stopped [c10d: ",
+          detail::message_of(std::current_exception()).substr(0, 300),
+          "]"));
+    }
+  }
+
+  // The job cannot start: says why to the ranks that wait (the first reason
+  // given wins), then here.
+  [[noreturn]] void refuse(const std::string& why) {
+    try {
+      give_verdict(why);
+    } catch (...) {
+      // (The others then end at the deadline.)
+    }
+    linger();
+    gpipe::detail::fail_without_backtrace(
+        c10::str("gpipe::dist::init_from_env: ", why));
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int64_t rank_;
+  int64_t size_;
+  std::string where_;
+  std::chrono::steady_clock::time_point deadline_;
+  std::chrono::milliseconds timeout_;
+  bool hosts_store_;
+};
+
 World join_from_env(std::chrono::milliseconds timeout) {
+  // c10d's store counts its connect timeout in whole seconds: under one it
+  // gives up at once, even for a job of one rank.
   TORCH_CHECK_VALUE(
-      timeout.count() > 0,
-      "gpipe::dist::init_from_env expects a positive timeout, but got ",
+      timeout >= std::chrono::seconds(1),
+      "gpipe::dist::init_from_env expects a timeout of at least 1 s, but got ",
       timeout.count(),
       " ms");
   // So that c10d's threads keep what they free too (Note [Lanes and glibc's
@@ -175,7 +385,7 @@ World join_from_env(std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(
       addr != nullptr,
       "gpipe::dist::init_from_env needs the environment variable MASTER_ADDR "
-      "(set by torchrun or gpipe-run), but it is not set");
+      "(set by torchrun or gpipe-run), but it is not set or empty");
   const auto port = env_int("MASTER_PORT", 1, 65535);
   const auto size = env_int("WORLD_SIZE", 1, 1 << 20);
   const auto rank = env_int("RANK", 0, size - 1);
@@ -190,14 +400,7 @@ World join_from_env(std::chrono::milliseconds timeout) {
   const bool agent_store = agent != nullptr && (std::string(agent) == "True" ||
                                                 std::string(agent) == "1");
 
-  // Note [Meeting within the timeout]
-  // One deadline for the whole meeting: reaching the store, then every
-  // rank joining. c10d's server would wait for its workers with the whole
-  // timeout and then say nothing, and the Gloo group would wait the whole
-  // timeout again (rank 0 alone gave up after twice the timeout); instead
-  // every rank counts itself in under a key of ours and waits, until the
-  // deadline, for the last one to say that all are in. The group is made
-  // once everyone is there, which takes no time.
+  // See Note [Meeting within the timeout].
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const auto seconds = timeout.count() / 1000.0;
   c10d::TCPStoreOptions options;
@@ -244,38 +447,15 @@ World join_from_env(std::chrono::milliseconds timeout) {
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       std::string("gpipe/attempt_") + (attempt != nullptr ? attempt : "0"),
       tcp);
-  // See Note [Meeting within the timeout].
-  if (store->add("joined", 1) == size) {
-    store->set("all_joined", std::vector<uint8_t>{1});
-  }
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - std::chrono::steady_clock::now());
-  try {
-    store->wait({"all_joined"}, std::max(left, std::chrono::milliseconds(1)));
-  } catch (const std::exception&) {
-    int64_t joined = 0;
-    try {
-      joined = store->add("joined", 0);
-    } catch (...) {
-      // (The store went away: the count stays unknown.)
-    }
-    TORCH_CHECK(
-        false,
-        "gpipe::dist::init_from_env: rank ",
-        rank,
-        " waited ",
-        seconds,
-        " s at ",
-        addr,
-        ":",
-        port,
-        ", but ",
-        joined > 0 ? "only " + std::to_string(joined) : std::string("not all"),
-        " of the ",
-        size,
-        " ranks (WORLD_SIZE) came; start the others, or check that they "
-        "have the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE");
-  }
+  Meeting(
+      store,
+      rank,
+      size,
+      c10::str(addr, ":", port),
+      deadline,
+      timeout,
+      options.isServer)
+      .join();
   auto groups = make_group(store, rank, size);
   return World(std::make_shared<detail::Connection>(
       store,
@@ -299,7 +479,9 @@ World init_from_env(std::chrono::milliseconds timeout) {
   }
 }
 
-World init_from_store(
+namespace {
+
+World join_store(
     c10::intrusive_ptr<c10d::Store> store,
     int64_t rank,
     int64_t size,
@@ -334,6 +516,21 @@ World init_from_store(
       /*local_size=*/size,
       timeout,
       std::move(make_group)));
+}
+
+}  // namespace
+
+World init_from_store(
+    c10::intrusive_ptr<c10d::Store> store,
+    int64_t rank,
+    int64_t size,
+    std::chrono::milliseconds timeout) {
+  // Note [Errors without LibTorch's backtrace] in src/text.h.
+  try {
+    return join_store(std::move(store), rank, size, timeout);
+  } catch (const c10::Error& e) {
+    gpipe::detail::rethrow_without_backtrace(e);
+  }
 }
 
 World::World(std::shared_ptr<detail::Connection> connection)
@@ -391,37 +588,70 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
 // Gloo aborts the process (an enforce in its event-loop thread, which no
 // caller can catch) when a rank receives more bytes than it posted: ranks
 // that pass tensors of other sizes to one collective would end the job
-// with SIGABRT. So a World's collective first agrees on the tensor's size
-// and dtype, in a collective of four numbers (the largest of each and of
-// its negative), and every rank refuses alike when they differ.
+// with SIGABRT. So a World's collective first agrees on the tensor's size,
+// dtype and shape (a hash of its sizes) and, for a broadcast, the root, in
+// one collective of a few numbers (the largest of each and of its
+// negative), and every rank refuses alike when they differ. What no rank
+// can do (a dtype the group cannot sum) is refused after it, alike too.
 void agree_on_tensor(
     detail::Connection& connection,
     const torch::Tensor& tensor,
-    const char* what) {
+    const char* what,
+    int64_t root = 0) {
   const int64_t n = tensor.numel();
   const auto dtype = static_cast<int64_t>(tensor.scalar_type());
-  std::vector<torch::Tensor> words{
-      torch::tensor(std::vector<int64_t>{n, dtype, -n, -dtype}, torch::kLong)};
+  uint64_t hash = static_cast<uint64_t>(tensor.dim());
+  for (const auto size : tensor.sizes()) {
+    hash = hash * 1000003u ^ static_cast<uint64_t>(size);
+  }
+  const auto shape = static_cast<int64_t>(hash >> 2);  // its negative fits
+  std::vector<torch::Tensor> words{torch::tensor(
+      std::vector<int64_t>{n, dtype, shape, root, -n, -dtype, -shape, -root},
+      torch::kLong)};
   connection.all_reduce(
       words,
       c10d::ReduceOp::MAX,
       std::string("World::") + what + " (its agreement on the tensor)");
   const auto* w = words[0].data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(
-      w[0] == -w[2] && w[1] == -w[3],
-      "gpipe::dist::World::",
-      what,
-      " expects a tensor of the same size and dtype on every rank, but the "
-      "ranks passed ",
-      -w[2] == w[0] ? "tensors of other dtypes"
-                    : "from " + std::to_string(-w[2]) + " to " +
-                          std::to_string(w[0]) + " elements",
+  const auto here = c10::str(
       " (",
       connection.rank_name(connection.rank),
       ": ",
       n,
       " of ",
       tensor.scalar_type(),
+      ", shape ",
+      tensor.sizes(),
+      ")");
+  TORCH_CHECK_VALUE(
+      w[0] == -w[4] && w[1] == -w[5],
+      "gpipe::dist::World::",
+      what,
+      " expects a tensor of the same size and dtype on every rank, but the "
+      "ranks passed ",
+      -w[4] == w[0] ? "tensors of other dtypes"
+                    : "from " + std::to_string(-w[4]) + " to " +
+                          std::to_string(w[0]) + " elements",
+      here);
+  TORCH_CHECK_VALUE(
+      w[2] == -w[6],
+      "gpipe::dist::World::",
+      what,
+      " expects a tensor of the same shape on every rank, but the ranks "
+      "passed tensors of other shapes",
+      here);
+  TORCH_CHECK_VALUE(
+      w[3] == -w[7],
+      "gpipe::dist::World::",
+      what,
+      " expects the same root on every rank, but the ranks passed roots from ",
+      -w[7],
+      " to ",
+      w[3],
+      " (",
+      connection.rank_name(connection.rank),
+      ": ",
+      root,
       ")");
 }
 
@@ -433,6 +663,12 @@ void World::all_reduce(torch::Tensor& tensor) const {
     return;
   }
   agree_on_tensor(*connection_, tensor, "all_reduce");
+  // Every rank has this dtype now: all refuse it alike.
+  TORCH_CHECK_VALUE(
+      tensor.scalar_type() != torch::kBool && !tensor.is_complex(),
+      "gpipe::dist::World::all_reduce sums, and expects a tensor of real "
+      "numbers, but got ",
+      tensor.scalar_type());
   std::vector<torch::Tensor> tensors{tensor};
   connection_->all_reduce(tensors, c10d::ReduceOp::SUM, "World::all_reduce");
 }
@@ -448,7 +684,7 @@ void World::broadcast(torch::Tensor& tensor, int64_t root) const {
   if (size() == 1) {
     return;
   }
-  agree_on_tensor(*connection_, tensor, "broadcast");
+  agree_on_tensor(*connection_, tensor, "broadcast", root);
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;

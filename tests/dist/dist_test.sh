@@ -282,7 +282,7 @@ case $mode in
     # Four partitions for 2 ranks without stages_per_lane 2: refused at
     # construction on both ranks, saying what fits.
     by_hand 2 --scenario bad-layout --stages-per-lane 2
-    expect_error "a balance that does not fit the ranks" "balance must have world size x stages_per_lane = 2 x 1 = 2 partitions, but it has 4" 2
+    expect_error "a balance that does not fit the ranks" "balance must have pipeline size x stages_per_lane = 2 x 1 = 2 partitions, but it has 4" 2
 
     # The last rank's loss throws in step 2: both ranks fail with it, and
     # neither hangs.
@@ -375,6 +375,49 @@ case $mode in
     fi
     kill "$holder" 2>/dev/null
     wait "$holder" 2>/dev/null
+    # Ranks that disagree on WORLD_SIZE, or two processes with one RANK:
+    # refused at once, and the ranks already waiting end as soon, saying
+    # why (they waited out the timeout, then counted "3 of the 2 ranks").
+    started_with() {  # started_with FILE VAR=VALUE...: a rank in the background
+      local file=$1
+      shift
+      env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port GPIPE_DIST_TIMEOUT=20 "$@" \
+        timeout 60 "$prog" >"$file" 2>&1 &
+    }
+    ended_soon() {  # ended_soon WHAT PID FILE TEXT
+      wait "$2"
+      local code=$? elapsed
+      elapsed=$(failed_after "$3")
+      if [[ $code -ne 3 ]] || ! grep -q "$4" "$3" || ((elapsed > 8)); then
+        fail "$1: exit $code after ${elapsed} s: $(head -c 600 "$3")"
+      else
+        echo "ok: $1 ends in ${elapsed} s: $(grep error "$3" | head -c 300)"
+      fi
+    }
+    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    started_with "$tmp/first" RANK=0 WORLD_SIZE=2
+    first=$!
+    if listening "$port" 30; then
+      refused "a rank with another WORLD_SIZE" 6 \
+        "rank 2 came with WORLD_SIZE 3, but the first rank to come had WORLD_SIZE 2" \
+        RANK=2 WORLD_SIZE=3
+    fi
+    ended_soon "rank 0, waiting when WORLD_SIZE 3 came" "$first" "$tmp/first" \
+      "rank 0 cannot join the job at .*WORLD_SIZE 3"
+    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    started_with "$tmp/first" RANK=0 WORLD_SIZE=3
+    first=$!
+    if listening "$port" 30; then
+      started_with "$tmp/second" RANK=1 WORLD_SIZE=3
+      second=$!
+      sleep 1
+      refused "a second process as RANK 1" 6 "two processes came as RANK 1 of 3" \
+        RANK=1 WORLD_SIZE=3
+      ended_soon "rank 1, waiting when another RANK 1 came" "$second" \
+        "$tmp/second" "rank 1 cannot join the job at .*two processes came as RANK 1"
+    fi
+    ended_soon "rank 0, waiting when a second RANK 1 came" "$first" "$tmp/first" \
+      "rank 0 cannot join the job at .*two processes came as RANK 1"
     ;;
   train)
     # Skipped (ctest's 77) only without the data: Debian's

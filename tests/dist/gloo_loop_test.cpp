@@ -9,10 +9,12 @@
 #include <sys/resource.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -202,6 +204,67 @@ TEST(GlooErrorsTest, CollectivesOfOtherSizesAreRefusedOnEveryRank) {
   for (const auto& e : errors) {
     EXPECT_NE(e.find("same size and dtype on every rank"), std::string::npos)
         << e;
+  }
+}
+
+// What the agreement did not cover: a shape of the same size ([2, 3]
+// against [3, 2] was summed silently), another root on each rank (both
+// waited out the timeout, and the World was broken after), a dtype no rank
+// can sum (blamed on a dead rank), and a negative color on one rank of a
+// split (the others waited out the timeout). Each is refused on every rank
+// at once, and the World works on afterwards.
+TEST(GlooErrorsTest, ShapesRootsDtypesAndColorsAreRefusedOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  const auto start = std::chrono::steady_clock::now();
+  gpipe::dist::testing::run_ranks(2, [&](gpipe::dist::World world) {
+    const auto r = world.rank();
+    auto note = [&](const std::function<void()>& f) {
+      try {
+        f();
+        std::lock_guard<std::mutex> lock(mutex);
+        errors.push_back("no error");
+      } catch (const c10::ValueError& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors.push_back(e.what_without_backtrace());
+      }
+    };
+    note([&] {
+      auto t = r == 0 ? torch::ones({2, 3}) : torch::ones({3, 2});
+      world.all_reduce(t);
+    });
+    note([&] {
+      auto t = torch::ones({4});
+      world.broadcast(t, r);
+    });
+    note([&] {
+      auto t = torch::ones({4}, torch::kBool);
+      world.all_reduce(t);
+    });
+    note([&] { world.split(r == 0 ? -1 : 0, 0); });
+    auto sum = torch::full({2}, static_cast<double>(r + 1));
+    world.all_reduce(sum);
+    EXPECT_TRUE(torch::equal(sum, torch::full({2}, 3.0)));
+  });
+  const std::chrono::duration<double> took =
+      std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took.count(), 10.0);
+  ASSERT_EQ(errors.size(), 8u);
+  const std::vector<std::string> expected{
+      "same shape on every rank",
+      "same root on every rank, but the ranks passed roots from 0 to 1",
+      "expects a tensor of real numbers, but got Bool",
+      "split expects a color >= 0 on every rank, but rank 0 gave -1"};
+  for (const auto& text : expected) {
+    EXPECT_EQ(
+        std::count_if(
+            errors.begin(),
+            errors.end(),
+            [&](const std::string& e) {
+              return e.find(text) != std::string::npos;
+            }),
+        2)
+        << text;
   }
 }
 

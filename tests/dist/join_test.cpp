@@ -112,5 +112,83 @@ TEST(JoinTest, AMalformedVariableIsAValueErrorWithoutABacktrace) {
   }
 }
 
+// A port that accepts connections and never answers (another service, or
+// rank 0's process stopped): the joining rank gave up only when killed,
+// waiting in c10d's receive without a limit.
+TEST(JoinTest, AStoreThatNeverAnswersEndsWithinTheTimeout) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), length), 0);
+  ASSERT_EQ(
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  // The kernel completes connections to a listening socket by itself; this
+  // one never reads or writes.
+  ASSERT_EQ(::listen(fd, 16), 0);
+  Environment env(
+      {{"MASTER_ADDR", "127.0.0.1"},
+       {"MASTER_PORT", std::to_string(ntohs(address.sin_port))},
+       {"RANK", "1"},
+       {"WORLD_SIZE", "2"},
+       {"LOCAL_RANK", "0"},
+       {"LOCAL_WORLD_SIZE", "1"}});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    dist::init_from_env(std::chrono::milliseconds(2000));
+    ADD_FAILURE() << "rank 1 joined a port where nothing answers";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("but no store answered there"),
+        std::string::npos)
+        << e.what();
+    expect_no_backtrace(e);
+  }
+  const std::chrono::duration<double> took =
+      std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took.count(), 6.0);
+  ::close(fd);
+}
+
+// A timeout under a second failed at once, even for a job of one rank
+// (c10d's store counts its connect timeout in whole seconds): refused as
+// such. GPIPE_DIST_TIMEOUT's errors carry no backtrace either.
+TEST(JoinTest, ATimeoutUnderASecondIsRefused) {
+  Environment env(
+      {{"MASTER_ADDR", "127.0.0.1"},
+       {"MASTER_PORT", std::to_string(free_port())},
+       {"RANK", "0"},
+       {"WORLD_SIZE", "1"}});
+  try {
+    dist::init_from_env(std::chrono::milliseconds(900));
+    ADD_FAILURE() << "a 0.9 s timeout was taken";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("expects a timeout of at least 1 s, but "
+                                   "got 900 ms"),
+        std::string::npos)
+        << e.what();
+    expect_no_backtrace(e);
+  }
+  for (const char* value : {"0.5", "abc", "-5", "1e20"}) {
+    Environment timeout(
+        std::map<std::string, std::string>{{"GPIPE_DIST_TIMEOUT", value}});
+    try {
+      dist::init_from_env();
+      ADD_FAILURE() << "GPIPE_DIST_TIMEOUT=" << value << " was taken";
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(
+          std::string(e.what()).find(
+              "GPIPE_DIST_TIMEOUT expects a number of seconds in [1, "
+              "604800], but got '" +
+              std::string(value) + "'"),
+          std::string::npos)
+          << e.what();
+      expect_no_backtrace(e);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gpipe
