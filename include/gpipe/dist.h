@@ -199,6 +199,9 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 /// `forward` are collective. A pass that fails on one rank fails on every
 /// rank still in it, with the first rank's error; after such a failure the
 /// connection is closed and later passes are refused (restart the job).
+/// Except for rank 0's own arguments (its input, loss_fn, grad mode),
+/// checked before the pass begins: without replicas every rank refuses
+/// that pass alike, nothing runs, and the stage stays usable.
 ///
 /// With a Mesh, each of its `data_size()` replicas runs its own pipeline
 /// over `mesh.pipeline()` on its own shard of the batch, and train_step

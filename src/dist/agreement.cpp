@@ -13,6 +13,8 @@
 #include <sstream>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "dist/backend.h"
+#include "dist/collective_pass.h"
 #include "engine/partitions.h"
 #include "text.h"
 
@@ -315,6 +317,63 @@ void agree_on_build(
   }
 }
 
+namespace {
+
+// The kinds of c10::Error a refusal carries, by number.
+constexpr int64_t kRefusalError = 0;
+constexpr int64_t kRefusalValue = 1;
+constexpr int64_t kRefusalType = 2;
+constexpr int64_t kRefusalIndex = 3;
+
+int64_t refusal_kind_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::ValueError&) {
+    return kRefusalValue;
+  } catch (const c10::TypeError&) {
+    return kRefusalType;
+  } catch (const c10::IndexError&) {
+    return kRefusalIndex;
+  } catch (...) {
+    return kRefusalError;
+  }
+}
+
+std::exception_ptr refusal_error(int64_t kind, std::string message) {
+  switch (kind) {
+    case kRefusalValue:
+      return std::make_exception_ptr(c10::ValueError(std::move(message), {}));
+    case kRefusalType:
+      return std::make_exception_ptr(c10::TypeError(std::move(message), {}));
+    case kRefusalIndex:
+      return std::make_exception_ptr(c10::IndexError(std::move(message), {}));
+    default:
+      return std::make_exception_ptr(c10::Error(std::move(message), {}));
+  }
+}
+
+}  // namespace
+
+void refuse_pass(
+    detail::Connection& connection,
+    int64_t pass,
+    const std::exception_ptr& error,
+    std::vector<c10::intrusive_ptr<c10d::Work>>& sends) {
+  TORCH_INTERNAL_ASSERT(connection.rank == 0);
+  Begin refused;
+  refused.refusal = message_of(error);
+  refused.refusal_kind = refusal_kind_of(error);
+  for (const auto r : c10::irange(int64_t{1}, connection.size)) {
+    connection.send(
+        r,
+        pass,
+        MessageId{MessageKind::Begin, 0, 0},
+        Message{{refused.encode()}, true},
+        sends);
+  }
+  throw AgreedRefusal{error};
+}
+
 Begin begin_pass(
     detail::Connection& connection,
     int64_t pass,
@@ -337,6 +396,18 @@ Begin begin_pass(
   auto m = connection.recv(0, pass, MessageId{MessageKind::Begin, 0, 0});
   TORCH_CHECK(m.tensors.size() == 1, "gpipe::dist: malformed begin message");
   auto theirs = Begin::decode(m.tensors[0]);
+  if (!theirs.refusal.empty()) {
+    throw AgreedRefusal{refusal_error(
+        theirs.refusal_kind,
+        c10::str(
+            "gpipe::dist: ",
+            connection.rank_name(0),
+            " refused the pass before it began (",
+            detail::describe_pass(pass),
+            "): ",
+            theirs.refusal,
+            "; nothing ran, and the stage stays usable"))};
+  }
   auto differ = [&](const std::string& what,
                     const std::string& here,
                     const std::string& there) {

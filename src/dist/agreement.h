@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -36,8 +37,19 @@ struct Begin {
   uint64_t seed = 0;
   uint64_t plan_hash = 0;      // with schedule == kPlanSchedule
   std::vector<int64_t> sizes;  // rows of each micro-batch
+  // Not empty: rank 0 refused the pass before it began (refuse_pass), with
+  // this message and this kind of c10::Error (kRefusal*).
+  std::string refusal;
+  int64_t refusal_kind = 0;
+
+  static constexpr int64_t kRefused = -1;  // in the kind's word
 
   torch::Tensor encode() const {
+    if (!refusal.empty()) {
+      std::vector<int64_t> words{kRefused, refusal_kind, 0, 0, 0, 0};
+      words.insert(words.end(), refusal.begin(), refusal.end());
+      return torch::tensor(words, torch::kLong);
+    }
     std::vector<int64_t> words{
         static_cast<int64_t>(kind),
         schedule,
@@ -58,6 +70,13 @@ struct Begin {
     auto w = t.contiguous();
     const auto* p = w.data_ptr<int64_t>();
     Begin b;
+    if (p[0] == kRefused) {
+      b.refusal_kind = p[1];
+      for (int64_t k = 6; k < w.numel(); ++k) {
+        b.refusal.push_back(static_cast<char>(p[k]));
+      }
+      return b;
+    }
     b.kind = static_cast<PassKind>(p[0]);
     b.schedule = p[1];
     b.checkpoint_stop = p[2];
@@ -142,6 +161,17 @@ void agree_on_build(
 /// fail at once with it.
 void publish_build_error(
     Connection& connection, const std::string& prefix, const std::string& why);
+
+/// Rank 0 refuses pass `pass` before it begins (its own input or arguments
+/// are wrong: `error`, a c10::Error): the others get a begin message that
+/// says so and refuse it too, and every rank throws an AgreedRefusal
+/// (collective_pass.h), so that the connection stays open. Only where the
+/// pass involves no other replica (their all-reduce would wait).
+[[noreturn]] void refuse_pass(
+    detail::Connection& connection,
+    int64_t pass,
+    const std::exception_ptr& error,
+    std::vector<c10::intrusive_ptr<c10d::Work>>& sends);
 
 /// Rank 0 starts a pass; the others learn what it is and check it against
 /// what they were asked to run (`local`), failing with both sides named.

@@ -179,6 +179,31 @@ using detail::RankEndpoints;
 using detail::scatter_input;
 using detail::Sends;
 
+namespace {
+
+// Rank 0's own arguments (its input, loss_fn, grad mode), checked before
+// the pass begins: a mistake there is refused by every rank alike and the
+// connection stays open, where nothing else depends on this pass (with
+// replicas, the others' gradient all-reduce would wait for this one).
+void refusable(
+    const Mesh& mesh,
+    detail::Connection& connection,
+    int64_t pass,
+    Sends& begin_sends,
+    const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const c10::Error&) {
+    if (mesh.data_size() == 1) {
+      detail::refuse_pass(
+          connection, pass, std::current_exception(), begin_sends);
+    }
+    throw;
+  }
+}
+
+}  // namespace
+
 torch::Tensor PipelineStageImpl::train_step(
     torch::Tensor input,
     torch::Tensor target,
@@ -212,14 +237,20 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
           Sends& begin_sends,
           std::unique_lock<std::mutex>& held) {
         // A mistake on one rank fails the pass on every rank, rather than
-        // leaving the others waiting.
-        TORCH_CHECK_VALUE(
-            static_cast<bool>(loss_fn),
-            "train_step expects a loss_fn, but got none");
-        TORCH_CHECK(
-            torch::GradMode::is_enabled(),
-            "train_step needs grad mode on, but it is off (torch::NoGradGuard "
-            "or InferenceMode)");
+        // leaving the others waiting; on rank 0, before the pass begins, it
+        // is refused by every rank (refusable).
+        auto check_arguments = [&] {
+          TORCH_CHECK_VALUE(
+              static_cast<bool>(loss_fn),
+              "train_step expects a loss_fn, but got none");
+          TORCH_CHECK(
+              torch::GradMode::is_enabled(),
+              "train_step needs grad mode on, but it is off "
+              "(torch::NoGradGuard or InferenceMode)");
+        };
+        if (!first) {
+          check_arguments();
+        }
         Begin local;
         local.kind = PassKind::Train;
         local.schedule = static_cast<int64_t>(schedule);
@@ -244,8 +275,11 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         ends.chunks = options.chunks();
         ends.device = device_;
         if (first) {
-          ends.inputs = scatter_input(
-              input, options.chunks(), "train_step", *engine_->connection);
+          refusable(mesh_, *engine_->connection, pass_id, begin_sends, [&] {
+            check_arguments();
+            ends.inputs = scatter_input(
+                input, options.chunks(), "train_step", *engine_->connection);
+          });
           ends.originals = {input};
         }
         auto loss = engine_->pipeline->train(
@@ -287,8 +321,10 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
             world_.size());
         ends.replica = mesh_.data_rank();
         if (first) {
-          ends.inputs = scatter_input(
-              input, options.chunks(), "forward", *engine_->connection);
+          refusable(mesh_, *engine_->connection, pass_id, begin_sends, [&] {
+            ends.inputs = scatter_input(
+                input, options.chunks(), "forward", *engine_->connection);
+          });
         }
         auto done = engine_->pipeline->forward(
             ends, gpipe::detail::PassOptions{is_training(), 0});

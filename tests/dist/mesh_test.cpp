@@ -777,6 +777,112 @@ TEST(MeshTest, AMissingInputOrTargetNamesTheRankInTheJob) {
   }
 }
 
+// Rank 0's own mistakes before a pass begins (no input, an empty batch, no
+// loss_fn, grad mode off) closed the connection for good: every later step
+// was refused with "restart the job". Now every rank refuses that pass, with
+// rank 0's message and kind, and the next correct step runs, equal to a
+// stage that never saw the mistake. (With replicas, a mistake still ends
+// the job: the other replicas' all-reduce would wait for this one.)
+TEST(MeshTest, RankZerosMistakeBeforeAPassLeavesTheStageUsable) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(2);
+  const auto fresh = nets_of_ranks(2);
+  std::mutex mutex;
+  std::vector<std::vector<std::string>> errors(2);
+  std::vector<torch::Tensor> losses(2);
+  std::vector<torch::Tensor> expected(2);
+  run_ranks(2, [&](World world) {
+    const auto r = world.rank();
+    dist::PipelineStage stage(nets[r], options, world);
+    dist::PipelineStage clean(fresh[r], options, world);
+    const bool first = r == 0;
+    const auto y = first ? torch::Tensor() : batch.y;
+    auto note = [&](const std::function<void()>& mistake) {
+      try {
+        mistake();
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r].push_back("no error");
+      } catch (const c10::TypeError& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r].push_back(
+            std::string("TypeError: ") + e.what_without_backtrace());
+      } catch (const c10::ValueError& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r].push_back(
+            std::string("ValueError: ") + e.what_without_backtrace());
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r].push_back(
+            std::string("Error: ") + e.what_without_backtrace());
+      }
+    };
+    note([&] {
+      stage->train_step(torch::Tensor(), y, cross_entropy, Schedule::OneFOneB);
+    });
+    note([&] {
+      stage->train_step(
+          first ? batch.x.narrow(0, 0, 0) : torch::Tensor(),
+          y,
+          cross_entropy,
+          Schedule::OneFOneB);
+    });
+    note([&] {
+      stage->train_step(
+          first ? batch.x : torch::Tensor(),
+          y,
+          first ? LossFunction() : LossFunction(cross_entropy),
+          Schedule::OneFOneB);
+    });
+    note([&] { stage->forward(torch::Tensor()); });
+    losses[r] = stage->train_step(
+        first ? batch.x : torch::Tensor(),
+        y,
+        cross_entropy,
+        Schedule::OneFOneB);
+    expected[r] = clean->train_step(
+        first ? batch.x : torch::Tensor(),
+        y,
+        cross_entropy,
+        Schedule::OneFOneB);
+    for (size_t k = 0; k < stage->parameters().size(); ++k) {
+      EXPECT_TRUE(torch::allclose(
+          stage->parameters()[k].grad(),
+          clean->parameters()[k].grad(),
+          1e-12,
+          1e-12));
+    }
+  });
+  ASSERT_EQ(errors[0].size(), 4u);
+  ASSERT_EQ(errors[1].size(), 4u);
+  EXPECT_NE(
+      errors[0][0].find("TypeError: train_step expects the input on rank 0"),
+      std::string::npos)
+      << errors[0][0];
+  EXPECT_NE(errors[0][1].find("ValueError: "), std::string::npos)
+      << errors[0][1];
+  EXPECT_NE(
+      errors[0][2].find("ValueError: train_step expects a loss_fn"),
+      std::string::npos)
+      << errors[0][2];
+  EXPECT_NE(
+      errors[0][3].find("TypeError: forward expects the input on rank 0"),
+      std::string::npos)
+      << errors[0][3];
+  for (size_t k = 0; k < 4; ++k) {
+    const auto kind = errors[0][k].substr(0, errors[0][k].find(':'));
+    EXPECT_EQ(
+        errors[1][k].rfind(
+            kind + ": gpipe::dist: rank 0 refused the pass before it began", 0),
+        0u)
+        << errors[1][k];
+    EXPECT_NE(errors[1][k].find("the stage stays usable"), std::string::npos)
+        << errors[1][k];
+  }
+  EXPECT_TRUE(torch::allclose(losses[1], expected[1], 1e-12, 1e-12));
+}
+
 TEST(MeshTest, AFailureInOneReplicaFailsEveryRank) {
   expect_a_failure_in_one_replica_to_fail_every_rank(2);  // 2 x 2
   expect_a_failure_in_one_replica_to_fail_every_rank(1);  // 4 x 1
