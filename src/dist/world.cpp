@@ -266,21 +266,25 @@ class Meeting {
           "have the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"));
     }
     const std::string said(verdict.begin(), verdict.end());
-    if (said != kAllCame) {
-      try {
-        store_->add("verdict_read", 1);
-      } catch (...) {
-        // (The store went away: nobody waits for this rank to read.)
-      }
-      linger();
-      gpipe::detail::fail_without_backtrace(c10::str(
-          "gpipe::dist::init_from_env: rank ",
-          rank_,
-          " cannot join the job at ",
-          where_,
-          ": ",
-          said));
+    if (said == kAllCame) {
+      // Every reply from now on may take the whole timeout again (the last
+      // wait left the socket's limit at what was left of the deadline).
+      ask("answer", [&] { store_->wait({}, timeout_); });
+      return;
     }
+    try {
+      store_->add("verdict_read", 1);
+    } catch (...) {
+      // (The store went away: nobody waits for this rank to read.)
+    }
+    linger();
+    gpipe::detail::fail_without_backtrace(c10::str(
+        "gpipe::dist::init_from_env: rank ",
+        rank_,
+        " cannot join the job at ",
+        where_,
+        ": ",
+        said));
   }
 
  private:
