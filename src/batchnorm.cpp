@@ -99,6 +99,15 @@ torch::Tensor DeferredBatchNormImpl::forward(torch::Tensor input) {
         options.eps(),
         torch::globalContext().userEnabledCuDNN());
   }
+  // As BatchNorm refuses it: a micro-batch of one value per channel would
+  // be normalised to zeros, whatever the input.
+  TORCH_CHECK_VALUE(
+      input.size(1) == 0 || input.numel() / input.size(1) > 1,
+      "DeferredBatchNorm expects more than 1 value per channel when "
+      "training, as BatchNorm does, but got input size ",
+      input.sizes(),
+      " (one row per micro-batch normalises to zeros: give fewer chunks or a "
+      "larger batch)");
   auto output = torch::batch_norm(
       input,
       weight,

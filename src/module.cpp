@@ -273,6 +273,10 @@ int64_t GPipeImpl::size() const {
 std::shared_ptr<torch::nn::Module> GPipeImpl::operator[](int64_t index) const {
   const auto total = size();
   TORCH_CHECK_INDEX(
+      total > 0,
+      "layer index out of range: the model has no layers, but got ",
+      index);
+  TORCH_CHECK_INDEX(
       index >= -total && index < total,
       "layer index out of range: expected -",
       total,

@@ -201,12 +201,16 @@ torch::Tensor PlainSkipTracker::pop(const SkipKey& key) {
   return tensor;
 }
 
+PlainSkipTracker& plain_skip_tracker() {
+  thread_local PlainSkipTracker plain;
+  return plain;
+}
+
 SkipTracker& current_skip_tracker() {
   if (installed_tracker != nullptr) {
     return *installed_tracker;
   }
-  thread_local PlainSkipTracker plain;
-  return plain;
+  return plain_skip_tracker();
 }
 
 SkipTrackerGuard::SkipTrackerGuard(SkipTracker* tracker)
@@ -338,5 +342,12 @@ bool SkipLayout::any_copy() const {
 }
 
 }  // namespace detail
+
+int64_t clear_stashed_skips() {
+  auto& plain = detail::plain_skip_tracker();
+  const auto dropped = static_cast<int64_t>(plain.size());
+  plain.clear();
+  return dropped;
+}
 
 }  // namespace gpipe

@@ -33,6 +33,9 @@ class PlainSkipTracker final : public SkipTracker {
   size_t size() const {
     return tensors_.size();
   }
+  void clear() {
+    tensors_.clear();
+  }
 
  private:
   std::map<SkipKey, torch::Tensor> tensors_;
@@ -41,6 +44,8 @@ class PlainSkipTracker final : public SkipTracker {
 /// The tracker of the running thread: the one a guard installed, else the
 /// thread's own PlainSkipTracker.
 SkipTracker& current_skip_tracker();
+/// This thread's own PlainSkipTracker.
+PlainSkipTracker& plain_skip_tracker();
 
 /// Installs `tracker` on this thread for its lifetime.
 class SkipTrackerGuard {

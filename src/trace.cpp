@@ -2,6 +2,7 @@
 #include <gpipe/trace.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -76,13 +77,29 @@ std::string to_string(TraceKind kind) {
 
 Trace::Trace() : origin_(std::chrono::steady_clock::now()) {}
 
+namespace {
+
+// The most rows a trace draws: a lane (or rank) number beyond made an SVG
+// of gigabytes. As many as a job has ranks (WORLD_SIZE's limit).
+constexpr int64_t kMaxTraceLanes = int64_t{1} << 20;
+
+}  // namespace
+
 void Trace::record(
     int64_t lane,
     int64_t micro_batch,
     TraceKind kind,
     std::chrono::steady_clock::time_point start,
     std::chrono::steady_clock::time_point end) {
-  TORCH_INTERNAL_ASSERT(lane >= 0, "Trace::record: lane ", lane);
+  TORCH_CHECK_INDEX(
+      lane >= 0 && lane < kMaxTraceLanes,
+      "Trace::record: expected a lane in [0, ",
+      kMaxTraceLanes,
+      "), got ",
+      lane);
+  TORCH_CHECK_VALUE(
+      end >= start,
+      "Trace::record: expected an interval that ends at or after its start");
   std::lock_guard<std::mutex> lock(mutex_);
   using us = std::chrono::duration<double, std::micro>;
   events_.push_back(TraceEvent{
@@ -95,7 +112,17 @@ void Trace::record(
 
 void Trace::add(const TraceEvent& event) {
   TORCH_CHECK_INDEX(
-      event.lane >= 0, "Trace::add: expected a lane >= 0, got ", event.lane);
+      event.lane >= 0 && event.lane < kMaxTraceLanes,
+      "Trace::add: expected a lane in [0, ",
+      kMaxTraceLanes,
+      "), got ",
+      event.lane);
+  TORCH_CHECK_VALUE(
+      std::isfinite(event.start_us) && std::isfinite(event.end_us),
+      "Trace::add: expected finite times, got start_us ",
+      event.start_us,
+      " and end_us ",
+      event.end_us);
   TORCH_CHECK_VALUE(
       event.end_us >= event.start_us,
       "Trace::add: expected an event that ends at or after its start, got ",
@@ -200,9 +227,58 @@ std::string Trace::row_label() const {
   return row_label_;
 }
 
+namespace {
+
+// `text` inside a JSON string.
+std::string json_escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char code[8];
+      std::snprintf(code, sizeof(code), "\\u%04x", c);
+      out += code;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// `text` as XML character data or an attribute's value.
+std::string xml_escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        // Control characters other than tab and newline are not XML.
+        out += static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n'
+                   ? ' '
+                   : c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string Trace::chrome_json() const {
   const auto events = this->events();
-  const auto label = row_label();
+  const auto label = json_escaped(row_label());
   int64_t lanes = 0;
   for (const auto& e : events) {
     lanes = std::max(lanes, e.lane + 1);
@@ -234,7 +310,8 @@ std::string Trace::chrome_json() const {
 
 std::string Trace::svg() const {
   const auto events = this->events();
-  const auto label = row_label();
+  const auto raw_label = row_label();
+  const auto label = xml_escaped(raw_label);
   int64_t lanes = 0;
   double begin = events.empty() ? 0 : events.front().start_us;
   double end = begin;
@@ -243,7 +320,13 @@ std::string Trace::svg() const {
     end = std::max(end, e.end_us);
   }
   const double span = std::max(end - begin, 1.0);
-  const double left = 70, top = 30, row = 28, width = 1000;
+  // The label column fits "<label> <last lane>" (about 6.5 px a character
+  // at 11 px), at least the 70 px that "lane 12" takes.
+  const double label_chars = static_cast<double>(
+      raw_label.size() + 1 +
+      std::to_string(std::max<int64_t>(lanes - 1, 0)).size());
+  const double left = std::max(70.0, 8 + 6.5 * label_chars);
+  const double top = 30, row = 28, width = 1000;
   const double height = top + row * static_cast<double>(lanes) + 50;
   auto x_of = [&](double t) { return left + (t - begin) / span * width; };
 
@@ -252,9 +335,17 @@ std::string Trace::svg() const {
       << fixed(left + width + 20, 0) << "\" height=\"" << fixed(height, 0)
       << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
   out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  out << "<text x=\"" << left << "\" y=\"18\" font-size=\"13\">gpipe "
-      << "timeline: " << events.size() << " intervals on " << lanes << " "
-      << label << "s, " << fixed(span / 1000.0, 2) << " ms</text>\n";
+  // "lane" and "rank" (gpipe's labels) take an s; another label is named
+  // as given.
+  const bool plain_noun = raw_label == "lane" || raw_label == "rank";
+  out << "<text x=\"" << fixed(left, 0)
+      << "\" y=\"18\" font-size=\"13\">gpipe timeline: " << events.size()
+      << (events.size() == 1 ? " interval" : " intervals") << " on " << lanes
+      << " "
+      << (plain_noun
+              ? label + (lanes == 1 ? "" : "s")
+              : std::string(lanes == 1 ? "row" : "rows") + " (" + label + ")")
+      << ", " << fixed(span / 1000.0, 2) << " ms</text>\n";
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const double y = top + row * static_cast<double>(lane);
     out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">" << label
@@ -283,9 +374,9 @@ std::string Trace::svg() const {
           << "</text>\n";
     }
   }
-  // Time axis and legend.
+  // Time axis (none without intervals) and legend.
   const double axis = top + row * static_cast<double>(lanes) + 14;
-  for (int k = 0; k <= 4; ++k) {
+  for (int k = 0; k <= 4 && !events.empty(); ++k) {
     const double t = span * k / 4;
     // The last label ends at the axis's end, inside the picture.
     out << "<text x=\"" << fixed(left + width * k / 4, 1) << "\" y=\""

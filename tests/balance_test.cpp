@@ -472,6 +472,18 @@ TEST_F(BalanceTest, BalanceCostMinimisesTheLargestPartition) {
   EXPECT_EQ(
       gpipe::balance_cost({1, 2, 3, 4, 5, 6}, 2), (std::vector<int64_t>{4, 2}));
   EXPECT_EQ(gpipe::balance_cost({0, 0}, 2), (std::vector<int64_t>{1, 1}));
+  // Huge but finite costs split as their ratios do (1e160 hit an internal
+  // assertion: the search's squares overflowed).
+  EXPECT_EQ(
+      gpipe::balance_cost({1e160, 1e160, 1e160, 1e160}, 2),
+      (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(
+      gpipe::balance_cost({1e308, 1e308, 1, 1}, 2),
+      (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(
+      gpipe::balance_cost({100e300, 1e300, 1e300, 1e300}, 2),
+      (std::vector<int64_t>{1, 3}));
+  EXPECT_THROW(gpipe::balance_cost({1, INFINITY}, 2), c10::ValueError);
 }
 
 // ---------------------------------------------------------------------------

@@ -114,6 +114,35 @@ TEST_F(DeferredBatchNormTest, BadInput) {
   EXPECT_THROW(DeferredBatchNorm(0), c10::ValueError);
 }
 
+// One value per channel in training normalised to zeros, whatever the input
+// (the output of a GPipe with one row per micro-batch did not depend on it);
+// BatchNorm refuses it, and so does DeferredBatchNorm now. In eval mode, and
+// with more than one value (one row of a 2x2 image), it runs.
+TEST_F(DeferredBatchNormTest, OneValuePerChannelInTrainingIsRefused) {
+  DeferredBatchNorm dbn(3);
+  EXPECT_THROW(dbn(torch::randn({1, 3})), c10::ValueError);
+  EXPECT_NO_THROW(dbn(torch::randn({1, 3, 2, 2})));
+  dbn->eval();
+  EXPECT_NO_THROW(dbn(torch::randn({1, 3})));
+  torch::nn::Sequential net(
+      torch::nn::Linear(3, 3),
+      torch::nn::BatchNorm1d(3),
+      torch::nn::Linear(3, 3));
+  GPipe model(net, GPipeOptions({2, 1}).chunks(4).deferred_batch_norm(true));
+  try {
+    model->forward(torch::randn({4, 3}));
+    ADD_FAILURE() << "one row per micro-batch was normalised";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what_without_backtrace())
+            .find("expects more than 1 value per channel when training"),
+        std::string::npos)
+        << e.what_without_backtrace();
+  }
+  // Two rows per micro-batch run.
+  EXPECT_NO_THROW(model->forward(torch::randn({8, 3})));
+}
+
 TEST_F(DeferredBatchNormTest, Convert) {
   DeferredBatchNorm already(DeferredBatchNormOptions(3).chunks(kChunks));
   torch::nn::Sequential net(

@@ -83,6 +83,11 @@ TEST_F(GPipeTest, IndexesLayersAcrossPartitions) {
     EXPECT_THROW(model[2], c10::IndexError);
     EXPECT_THROW(model[-3], c10::IndexError);
   }
+  // An empty model (taken, as torchgpipe takes it: forward returns the
+  // input) has no layer to index ("expected -0 <= index < 0" before).
+  GPipe empty(torch::nn::Sequential(), GPipeOptions(std::vector<int64_t>{}));
+  const auto msg = message_of([&] { empty[0]; });
+  EXPECT_TRUE(contains(msg, "the model has no layers, but got 0")) << msg;
 }
 
 TEST_F(GPipeTest, BalanceOfWrongLengthIsRefusedWithAdvice) {

@@ -229,6 +229,31 @@ TEST_F(SkipStashPopTest, PlainSequentialRunsSkippableLayers) {
   EXPECT_TRUE(torch::equal(y, torch::full({2}, 4.0f)));
 }
 
+// A forward outside GPipe that throws between a stash and its pop leaves
+// the tensor in the thread's table, where the next pop of that name (in
+// another model too) would take it: clear_stashed_skips() drops it, and the
+// pop is refused again. (Inside GPipe a failed step leaves nothing.)
+TEST_F(SkipStashPopTest, ClearStashedSkipsDropsWhatAFailedForwardLeft) {
+  torch::nn::Sequential failing(
+      Stash("skip", 3.0),
+      torch::nn::Functional([](torch::Tensor x) -> torch::Tensor {
+        TORCH_CHECK(false, "bad input");
+        return x;
+      }),
+      PopMaybeAdd());
+  EXPECT_THROW(failing->forward(torch::ones({2})), c10::Error);
+  EXPECT_EQ(clear_stashed_skips(), 1);
+  EXPECT_EQ(clear_stashed_skips(), 0);
+  PopMaybeAdd other;
+  EXPECT_CONTAINS(
+      message_of([&] { other(torch::ones({1})); }),
+      ("'skip' has not been stashed"));
+  // Inside GPipe the same failure leaves nothing in the caller's table.
+  GPipe model(failing, GPipeOptions({2, 1}).chunks(2));
+  EXPECT_THROW(model->forward(torch::ones({2, 1})), c10::Error);
+  EXPECT_EQ(clear_stashed_skips(), 0);
+}
+
 // --- trackers (tests/skip/test_tracker.py) ---
 
 TEST(SkipTrackerTest, EachThreadHasItsOwnDefaultTracker) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -95,6 +96,50 @@ TEST_F(TraceTest, AddRejectsABadEvent) {
   }
   EXPECT_TRUE(trace.events().empty());
   EXPECT_EQ(trace.summary().span, 0.0);
+  // Times that are not finite, and lanes so high that the picture would
+  // take gigabytes, were taken; record() asserted on a negative lane.
+  EXPECT_THROW(
+      trace.add(TraceEvent{0, 0, TraceKind::Forward, 0, INFINITY}),
+      c10::ValueError);
+  EXPECT_THROW(
+      trace.add(TraceEvent{3000000, 0, TraceKind::Forward, 0, 1}),
+      c10::IndexError);
+  const auto now = std::chrono::steady_clock::now();
+  EXPECT_THROW(
+      trace.record(-1, 0, TraceKind::Forward, now, now), c10::IndexError);
+  EXPECT_THROW(
+      trace.record(
+          0, 0, TraceKind::Forward, now, now - std::chrono::milliseconds(5)),
+      c10::ValueError);
+  EXPECT_TRUE(trace.events().empty());
+}
+
+// A row label is the user's text: escaped in both files (a label with <, &
+// or " made the SVG and the JSON unreadable), its column as wide as it
+// needs, and named as given in the title ("12 pipeline-stages" before).
+TEST_F(TraceTest, ARowLabelIsEscapedAndFitsItsColumn) {
+  Trace trace;
+  trace.add(TraceEvent{0, 0, TraceKind::Forward, 0, 10});
+  trace.add(TraceEvent{1, 0, TraceKind::Forward, 10, 20});
+  trace.set_row_label("GPU<0> & \"stage\"");
+  const auto json = trace.chrome_json();
+  EXPECT_NE(
+      json.find("\"name\":\"GPU<0> & \\\"stage\\\" 1\""), std::string::npos)
+      << json;
+  const auto svg = trace.svg();
+  EXPECT_NE(
+      svg.find(">GPU&lt;0&gt; &amp; &quot;stage&quot; 1</text>"),
+      std::string::npos)
+      << svg;
+  EXPECT_NE(
+      svg.find("on 2 rows (GPU&lt;0&gt; &amp; &quot;stage&quot;)"),
+      std::string::npos)
+      << svg;
+  EXPECT_EQ(svg.find("GPU<0>"), std::string::npos) << svg;
+  // The boxes start right of the longest label (18 characters here).
+  EXPECT_NE(svg.find("<rect x=\"125\""), std::string::npos) << svg;
+  trace.set_row_label("lane");
+  EXPECT_NE(trace.svg().find("on 2 lanes,"), std::string::npos);
 }
 
 TEST_F(TraceTest, SummaryOfAStepOnFixedCostLayers) {

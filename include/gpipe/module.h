@@ -92,7 +92,10 @@ class GPipeImpl : public torch::nn::Module {
   void to(torch::Device device, bool non_blocking = false) override;
 
   /// Records every cell of later passes into `trace` (see gpipe/trace.h);
-  /// nullptr stops recording. Call between passes.
+  /// nullptr stops recording. Call between steps: a forward's backward
+  /// (`loss.backward()`, recomputations included) records into the trace
+  /// its forward had. Two models recording into one trace share its lane
+  /// numbers; give each its own trace to tell them apart.
   void set_trace(std::shared_ptr<Trace> trace);
   /// The trace being recorded into, or nullptr.
   std::shared_ptr<Trace> trace() const;

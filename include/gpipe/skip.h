@@ -30,7 +30,8 @@
 // stashing partition to the popping one (copying it across devices when they
 // differ) and its gradient back the same way. In a plain Sequential (or any
 // code outside GPipe) stash and pop go through a per-thread table, so the same
-// layers run unchanged.
+// layers run unchanged; a forward that throws between a stash and its pop
+// leaves the tensor in that table (`clear_stashed_skips`).
 //
 // Each name must be stashed by one layer and popped by one later layer of the
 // Sequential. A block used more than once puts its names in a `Namespace` of
@@ -142,5 +143,13 @@ const Skippable* as_skippable(const torch::nn::Module& module);
 /// only in another namespace. Throws `c10::TypeError` listing every problem.
 /// `gpipe::GPipe` calls it on construction.
 void verify_skippables(const torch::nn::Sequential& module);
+
+/// Outside GPipe, drops what this thread's table of stashed skips still
+/// holds and returns how many it dropped. A forward that throws between a
+/// stash and its pop leaves the stashed tensor there, and the next pop of
+/// that name on this thread (in any model) would take it; call this where
+/// such an error is caught. (Inside GPipe each cell has a table of its own,
+/// and a failed step leaves nothing behind.)
+int64_t clear_stashed_skips();
 
 }  // namespace gpipe

@@ -84,7 +84,8 @@ class Trace {
       std::chrono::steady_clock::time_point end);
 
   /// Adds an event whose times are already relative to origin(); throws
-  /// `c10::Error` for a negative lane or an end before the start.
+  /// `c10::Error` for a lane outside [0, 2^20), a time that is not finite,
+  /// or an end before the start.
   void add(const TraceEvent& event);
   /// When the trace began (times are microseconds since then).
   std::chrono::steady_clock::time_point origin() const;

@@ -243,7 +243,20 @@ std::vector<std::vector<double>> solve_block_partition(
 }
 
 std::vector<int64_t> balance_cost(
-    const std::vector<double>& costs, int64_t partitions) {
+    const std::vector<double>& given, int64_t partitions) {
+  check_finite(given);
+  // The partition depends on the costs' ratios alone: scaled so that the
+  // largest is 1, costs of 1e160 (whose squares overflow) split as 1s do.
+  double largest = 0;
+  for (const auto c : given) {
+    largest = std::max(largest, std::abs(c));
+  }
+  std::vector<double> costs = given;
+  if (largest > 0) {
+    for (auto& c : costs) {
+      c /= largest;
+    }
+  }
   auto splits = block_partition_splits(costs, partitions);
   std::vector<double> prefix(costs.size() + 1, 0.0);
   for (const auto i : c10::irange(costs.size())) {
