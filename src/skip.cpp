@@ -46,7 +46,31 @@ std::ostream& operator<<(std::ostream& stream, const SkipKey& key) {
 
 Skippable::Skippable(
     std::vector<std::string> stash, std::vector<std::string> pop)
-    : stash_names_(std::move(stash)), pop_names_(std::move(pop)) {}
+    : stash_names_(std::move(stash)), pop_names_(std::move(pop)) {
+  // A name twice in one list, or an empty one, is a mistake the layer's
+  // author makes once: said here, not when a GPipe verifies the model.
+  for (const auto* names : {&stash_names_, &pop_names_}) {
+    const char* what = names == &stash_names_ ? "stash" : "pop";
+    for (size_t i = 0; i < names->size(); ++i) {
+      TORCH_CHECK_VALUE(
+          !(*names)[i].empty(),
+          "Skippable expects non-empty skip names, but the ",
+          what,
+          " names ",
+          quoted_list(*names),
+          " have an empty one");
+      TORCH_CHECK_VALUE(
+          std::find(names->begin(), names->begin() + i, (*names)[i]) ==
+              names->begin() + i,
+          "Skippable expects each ",
+          what,
+          " name once, but got '",
+          (*names)[i],
+          "' twice in ",
+          quoted_list(*names));
+    }
+  }
+}
 
 Skippable::~Skippable() = default;
 

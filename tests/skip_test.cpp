@@ -136,6 +136,27 @@ TEST(SkipApiTest, NamespaceCopiesAreEqual) {
   EXPECT_EQ(a, copy);
 }
 
+// A name twice in one list, or an empty name, was taken by the layer and
+// refused only when a GPipe verified the model (or never, outside one).
+TEST(SkipApiTest, ANameTwiceOrEmptyIsRefusedWhenTheLayerIsMade) {
+  using Names = std::vector<std::string>;
+  EXPECT_CONTAINS(
+      message_of([] {
+        Declare(Names{"a", "a"}, Names{});
+      }),
+      ("expects each stash name once, but got 'a' twice in 'a', 'a'"));
+  EXPECT_CONTAINS(
+      message_of([] {
+        Declare(Names{}, Names{"b", "c", "b"});
+      }),
+      ("expects each pop name once, but got 'b' twice"));
+  EXPECT_CONTAINS(
+      message_of([] { Declare(Names{""}, Names{}); }),
+      ("expects non-empty skip names"));
+  EXPECT_THROW(Declare(Names{"a", "a"}, Names{}), c10::ValueError);
+  EXPECT_NO_THROW(Declare(Names{"a"}, Names{"a"}));  // stash and pop one
+}
+
 TEST(SkipApiTest, IsolateMapsAllOrOnlySomeNames) {
   Namespace ns1;
   Namespace ns2;
