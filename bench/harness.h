@@ -259,6 +259,15 @@ struct CopyGradientImpl : torch::nn::Module {
 };
 TORCH_MODULE(CopyGradient);
 
+// One training step (forward, loss, backward) of any module.
+template <typename M>
+std::function<void()> train_step(M& model, const torch::Tensor& x) {
+  return [&model, x] {
+    model->zero_grad();
+    model->forward(x).pow(2).mean().backward();
+  };
+}
+
 /// Peak bytes allocated above the baseline while `step` runs.
 inline double peak_mib(const std::function<void()>& step) {
   auto& counter = CountingAllocator::install();

@@ -9,6 +9,8 @@
 #include <set>
 #include <sstream>
 
+#include "text.h"
+
 namespace gpipe::bench {
 
 namespace {
@@ -31,26 +33,6 @@ const char* const kPalette[] = {
     "#000000",
     "#999999"};
 constexpr int kColours = sizeof(kPalette) / sizeof(kPalette[0]);
-
-std::string escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '&':
-        out += "&amp;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
 
 // A tick step of 1, 2 or 5 times a power of ten that cuts `span` into
 // about five parts.
@@ -123,7 +105,8 @@ void write_line_plot(
       << kHeight << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       << "<text x=\"" << kWidth / 2 << "\" y=\"22\" text-anchor=\"middle\" "
-      << "font-size=\"14\">" << escape(options.title) << "</text>\n";
+      << "font-size=\"14\">" << gpipe::detail::xml_escaped(options.title)
+      << "</text>\n";
   // Grid and y ticks.
   for (double y = y_min; y <= y_max + y_step / 2; y += y_step) {
     svg << "<line x1=\"" << kLeft << "\" x2=\"" << kRight << "\" y1=\"" << fy(y)
@@ -151,10 +134,11 @@ void write_line_plot(
       << kRight - kLeft << "\" height=\"" << kBottom - kTop
       << "\" fill=\"none\" stroke=\"black\"/>\n"
       << "<text x=\"" << (kLeft + kRight) / 2 << "\" y=\"" << kBottom + 38
-      << "\" text-anchor=\"middle\">" << escape(options.x_label) << "</text>\n"
+      << "\" text-anchor=\"middle\">"
+      << gpipe::detail::xml_escaped(options.x_label) << "</text>\n"
       << "<text transform=\"translate(18," << (kTop + kBottom) / 2
-      << ") rotate(-90)\" text-anchor=\"middle\">" << escape(options.y_label)
-      << "</text>\n";
+      << ") rotate(-90)\" text-anchor=\"middle\">"
+      << gpipe::detail::xml_escaped(options.y_label) << "</text>\n";
 
   // The lines, then the legend beside the plot.
   for (size_t k = 0; k < series.size(); ++k) {
@@ -190,7 +174,7 @@ void write_line_plot(
       svg << " stroke-dasharray=\"" << dash << "\"";
     }
     svg << "/>\n<text x=\"" << kRight + 46 << "\" y=\"" << ly + 4 << "\">"
-        << escape(s.label) << "</text>\n";
+        << gpipe::detail::xml_escaped(s.label) << "</text>\n";
   }
   svg << "</svg>\n";
   std::ofstream file(path);

@@ -2,15 +2,29 @@
 
 // gpipe-bench's sections that live in files of their own.
 
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace gpipe::dist {
 class World;
 }  // namespace gpipe::dist
 
 namespace gpipe::bench {
+
+/// --only speed: the speed model `net` on `x` as the plain Sequential and
+/// through GPipe on one and two lanes at each of `chunk_list` (only chunks 8
+/// and checkpoint never when `quick`).
+nlohmann::json speed_section(
+    torch::nn::Sequential net,
+    const torch::Tensor& x,
+    int iters,
+    const std::vector<int64_t>& chunk_list,
+    bool quick);
 
 /// The cost of Note [Random streams of concurrent cells] per cell: the
 /// shared lease with two generator snapshots (a cell that draws nothing),

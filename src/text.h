@@ -67,4 +67,31 @@ inline std::string count_of(int64_t n, const char* one, const char* many) {
   return c10::str(n, ' ', n == 1 ? one : many);
 }
 
+// `text` as XML character data or an attribute's value.
+inline std::string xml_escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        // Control characters other than tab and newline are not XML.
+        out += static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n'
+                   ? ' '
+                   : c;
+    }
+  }
+  return out;
+}
+
 }  // namespace gpipe::detail

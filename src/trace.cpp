@@ -7,6 +7,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "text.h"
+
 namespace gpipe {
 
 namespace {
@@ -247,33 +249,6 @@ std::string json_escaped(const std::string& text) {
   return out;
 }
 
-// `text` as XML character data or an attribute's value.
-std::string xml_escaped(const std::string& text) {
-  std::string out;
-  for (const char c : text) {
-    switch (c) {
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '&':
-        out += "&amp;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        // Control characters other than tab and newline are not XML.
-        out += static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n'
-                   ? ' '
-                   : c;
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 std::string Trace::chrome_json() const {
@@ -311,7 +286,7 @@ std::string Trace::chrome_json() const {
 std::string Trace::svg() const {
   const auto events = this->events();
   const auto raw_label = row_label();
-  const auto label = xml_escaped(raw_label);
+  const auto label = detail::xml_escaped(raw_label);
   int64_t lanes = 0;
   double begin = events.empty() ? 0 : events.front().start_us;
   double end = begin;

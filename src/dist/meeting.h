@@ -1,0 +1,31 @@
+#pragma once
+
+// Joining a job (init_from_env): every rank meets the others at rank 0's
+// store, under one deadline. See Note [Meeting within the timeout] in
+// dist/meeting.cpp.
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace gpipe::dist::detail {
+
+/// Counts rank `rank` of `size` in at `store` (`where` names it in
+/// messages: "host:port") and returns once every rank has come; throws a
+/// c10::Error without backtrace when the store does not answer, when the
+/// ranks disagree on WORLD_SIZE or a RANK came twice (every waiting rank
+/// then fails at once, saying why), or at `deadline`. The rank that
+/// `hosts_store` stays until the others have read why the job cannot start.
+void meet(
+    c10::intrusive_ptr<c10d::Store> store,
+    int64_t rank,
+    int64_t size,
+    std::string where,
+    std::chrono::steady_clock::time_point deadline,
+    std::chrono::milliseconds timeout,
+    bool hosts_store);
+
+}  // namespace gpipe::dist::detail
