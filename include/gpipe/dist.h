@@ -200,8 +200,10 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 /// rank still in it, with the first rank's error; after such a failure the
 /// connection is closed and later passes are refused (restart the job).
 /// Except for rank 0's own arguments (its input, loss_fn, grad mode),
-/// checked before the pass begins: without replicas every rank refuses
-/// that pass alike, nothing runs, and the stage stays usable.
+/// checked before the pass begins: every rank refuses that pass alike,
+/// nothing runs, and the stage stays usable. With replicas the first
+/// stages agree before a training step, so that one replica's mistake, or
+/// shards of different rows, is refused alike by every replica.
 ///
 /// With a Mesh, each of its `data_size()` replicas runs its own pipeline
 /// over `mesh.pipeline()` on its own shard of the batch, and train_step

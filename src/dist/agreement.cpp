@@ -325,6 +325,8 @@ constexpr int64_t kRefusalValue = 1;
 constexpr int64_t kRefusalType = 2;
 constexpr int64_t kRefusalIndex = 3;
 
+}  // namespace
+
 int64_t refusal_kind_of(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
@@ -351,8 +353,6 @@ std::exception_ptr refusal_error(int64_t kind, std::string message) {
       return std::make_exception_ptr(c10::Error(std::move(message), {}));
   }
 }
-
-}  // namespace
 
 void refuse_pass(
     detail::Connection& connection,

@@ -162,6 +162,12 @@ void agree_on_build(
 void publish_build_error(
     Connection& connection, const std::string& prefix, const std::string& why);
 
+/// The kind of c10::Error `error` is (ValueError, TypeError, IndexError or
+/// plain Error), as a number a message can carry; refusal_error makes an
+/// error of that kind again.
+int64_t refusal_kind_of(const std::exception_ptr& error);
+std::exception_ptr refusal_error(int64_t kind, std::string message);
+
 /// Rank 0 refuses pass `pass` before it begins (its own input or arguments
 /// are wrong: `error`, a c10::Error): the others get a begin message that
 /// says so and refuse it too, and every rank throws an AgreedRefusal

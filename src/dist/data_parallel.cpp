@@ -13,10 +13,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <sstream>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <utility>
 
+#include "dist/agreement.h"
 #include "dist/connection.h"
 #include "dist/stage_engine.h"
 
@@ -336,6 +338,62 @@ void broadcast_from_first_replica(
   }
 }
 
+std::exception_ptr agree_to_start(
+    const World& data, int64_t rows, const std::exception_ptr& mine) {
+  const auto& connection = *data.connection();
+  const auto replicas = data.size();
+  const auto here = data.rank();
+  // A replica's slot: its rows (at least 1), or -1 - the kind of its error.
+  auto slots = torch::zeros({replicas}, torch::kLong);
+  slots[here] = mine ? -1 - refusal_kind_of(mine) : rows;
+  // On the CPU: run_collective stages it where the group needs it.
+  std::vector<torch::Tensor> list{slots};
+  data.connection()->all_reduce(
+      list,
+      c10d::ReduceOp::SUM,
+      "agreement of the replicas' first stages before a training step");
+  const auto all = list[0].cpu();
+  const auto* slot = all.data_ptr<int64_t>();
+  if (mine) {
+    return mine;
+  }
+  for (const auto k : c10::irange(replicas)) {
+    if (slot[k] < 0) {
+      return refusal_error(
+          -1 - slot[k],
+          c10::str(
+              "gpipe::dist: the first stage of replica ",
+              k,
+              " (",
+              connection.rank_name(k),
+              ") refused this training step before it began (its own error "
+              "says why), so every replica refuses it: nothing ran, and the "
+              "stage stays usable"));
+    }
+  }
+  bool equal = true;
+  std::ostringstream sizes;
+  for (const auto k : c10::irange(replicas)) {
+    equal = equal && slot[k] == slot[0];
+    sizes << (k > 0 ? ", " : "") << slot[k];
+  }
+  if (!equal) {
+    return std::make_exception_ptr(c10::ValueError(
+        c10::str(
+            "gpipe::dist: the replicas' shards differ in rows (",
+            sizes.str(),
+            ", by replica; this is replica ",
+            here,
+            "), but their gradients are averaged with equal weights, which "
+            "would weigh a row of a smaller shard more than one of a larger: "
+            "give every replica the same rows (drop the last, smaller batch, "
+            "or cut the batch into equal shards). Nothing ran, and the stage "
+            "stays usable"),
+        {}));
+  }
+  return nullptr;
+}
+
 }  // namespace gpipe::dist::detail
 
 namespace gpipe::dist {
@@ -409,39 +467,14 @@ torch::Tensor PipelineStageImpl::run_train_step(
     for (auto& buckets : engine_->buckets) {
       buckets->finish(trace.get(), world_.rank());
     }
-    // The loss's sum, with the rows' and their squares' sums: the shards
-    // are equal exactly when D * sum(rows^2) == sum(rows)^2, a test every
-    // rank makes alike, at no cost but two numbers more in the loss's
-    // all-reduce.
-    const auto rows = static_cast<double>(engine_->step_rows);
-    const auto on = torch::TensorOptions(torch::kDouble).device(loss.device());
-    auto sums = torch::stack(
-        {loss.detach().to(torch::kDouble).reshape({}),
-         torch::tensor(rows, on),
-         torch::tensor(rows * rows, on)});
-    // Three numbers on every rank: no need of World::all_reduce's agreement
-    // on the size.
-    std::vector<torch::Tensor> summed_on{sums};
+    // The loss's sum over the replicas (their shards were agreed equal
+    // before the step began: agree_to_start).
+    std::vector<torch::Tensor> summed_on{
+        loss.detach().to(torch::kDouble).reshape({1})};
     data.connection()->all_reduce(
         summed_on, c10d::ReduceOp::SUM, "loss all-reduce over the replicas");
     const auto replicas = static_cast<double>(data.size());
-    const auto on_cpu = sums.cpu();  // one copy from a GPU, not three
-    const auto* summed = on_cpu.data_ptr<double>();
-    const auto all_rows = summed[1];
-    TORCH_CHECK_VALUE(
-        replicas * summed[2] == all_rows * all_rows,
-        "gpipe::dist: the replicas trained on shards of different sizes "
-        "(this replica's has ",
-        engine_->step_rows,
-        " rows; the ",
-        data.size(),
-        " replicas' have ",
-        all_rows,
-        " in all): their gradients are averaged with equal weights, which "
-        "weighs a row of a smaller shard more than one of a larger; give "
-        "every replica the same rows (drop the last, smaller batch, or cut "
-        "the batch into equal shards). This step ran: zero its gradients "
-        "before the next one");
+    auto sums = summed_on[0];
     loss = (sums[0] / replicas).to(loss.scalar_type());  // on loss's device
   }
   return loss;

@@ -43,6 +43,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -136,5 +137,15 @@ class GradientBuckets {
 /// replica's, bucket by bucket, so that the replicas start equal.
 void broadcast_from_first_replica(
     const World& data, const std::vector<torch::Tensor>& tensors);
+
+/// Before a training step begins, the first stages of the replicas (`data`,
+/// the data World of pipeline rank 0) agree that every one of them can run
+/// it: each gives its shard's rows, or `mine`, the error its own arguments
+/// met. Returns the error every replica refuses the step with alike (this
+/// replica's own, the news that another refused it, or shards of
+/// different sizes, which an average with equal weights would weigh
+/// wrongly), or null when the step may begin. One all-reduce of D numbers.
+std::exception_ptr agree_to_start(
+    const World& data, int64_t rows, const std::exception_ptr& mine);
 
 }  // namespace gpipe::dist::detail

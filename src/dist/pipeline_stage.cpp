@@ -27,6 +27,7 @@
 #include "dist/c10d_transport.h"
 #include "dist/collective_pass.h"
 #include "dist/connection.h"
+#include "dist/data_parallel.h"
 #include "dist/rank_endpoints.h"
 #include "dist/stage_engine.h"
 #include "engine/autograd_node.h"
@@ -183,22 +184,29 @@ namespace {
 
 // Rank 0's own arguments (its input, loss_fn, grad mode), checked before
 // the pass begins: a mistake there is refused by every rank alike and the
-// connection stays open, where nothing else depends on this pass (with
-// replicas, the others' gradient all-reduce would wait for this one).
+// connection stays open. With replicas, a training step's gradients are
+// all-reduced over them, so the replicas' first stages agree first
+// (agree_to_start): one that refuses the step, or shards of different
+// rows, make every replica refuse it.
 void refusable(
     const Mesh& mesh,
+    bool train,
     detail::Connection& connection,
     int64_t pass,
     Sends& begin_sends,
-    const std::function<void()>& check) {
+    const std::function<int64_t()>& check) {
+  std::exception_ptr error;
+  int64_t rows = 0;
   try {
-    check();
+    rows = check();
   } catch (const c10::Error&) {
-    if (mesh.data_size() == 1) {
-      detail::refuse_pass(
-          connection, pass, std::current_exception(), begin_sends);
-    }
-    throw;
+    error = std::current_exception();
+  }
+  if (train && mesh.data_size() > 1) {
+    error = detail::agree_to_start(mesh.data(), rows, error);
+  }
+  if (error) {
+    detail::refuse_pass(connection, pass, error, begin_sends);
   }
 }
 
@@ -275,11 +283,21 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         ends.chunks = options.chunks();
         ends.device = device_;
         if (first) {
-          refusable(mesh_, *engine_->connection, pass_id, begin_sends, [&] {
-            check_arguments();
-            ends.inputs = scatter_input(
-                input, options.chunks(), "train_step", *engine_->connection);
-          });
+          refusable(
+              mesh_,
+              /*train=*/true,
+              *engine_->connection,
+              pass_id,
+              begin_sends,
+              [&] {
+                check_arguments();
+                ends.inputs = scatter_input(
+                    input,
+                    options.chunks(),
+                    "train_step",
+                    *engine_->connection);
+                return input.size(0);
+              });
           ends.originals = {input};
         }
         auto loss = engine_->pipeline->train(
@@ -287,7 +305,6 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
             loss_fn,
             gpipe::detail::pass_options(is_training(), options),
             held);
-        engine_->step_rows = ends.rows();
         return loss;
       });
 }
@@ -321,10 +338,17 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
             world_.size());
         ends.replica = mesh_.data_rank();
         if (first) {
-          refusable(mesh_, *engine_->connection, pass_id, begin_sends, [&] {
-            ends.inputs = scatter_input(
-                input, options.chunks(), "forward", *engine_->connection);
-          });
+          refusable(
+              mesh_,
+              /*train=*/false,
+              *engine_->connection,
+              pass_id,
+              begin_sends,
+              [&] {
+                ends.inputs = scatter_input(
+                    input, options.chunks(), "forward", *engine_->connection);
+                return input.size(0);
+              });
         }
         auto done = engine_->pipeline->forward(
             ends, gpipe::detail::PassOptions{is_training(), 0});

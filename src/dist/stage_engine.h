@@ -27,9 +27,7 @@ struct PipelineStageImpl::Engine {
   // With replicas: per local stage (in the order of partitions()), its
   // gradients' all-reduce over the data World.
   int64_t bucket_bytes = detail::kDefaultBucketBytes;
-  int64_t buckets_made_with = 0;
-  int64_t step_rows = 0;  // of this replica's last train_step  // the
-                          // bucket_bytes `buckets` were made with
+  int64_t buckets_made_with = 0;  // the bucket_bytes `buckets` were made with
   std::vector<std::unique_ptr<detail::GradientBuckets>> buckets;
   mutable std::mutex trace_mutex;
   std::shared_ptr<Trace> trace;  // guarded by trace_mutex

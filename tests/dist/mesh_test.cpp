@@ -781,8 +781,7 @@ TEST(MeshTest, AMissingInputOrTargetNamesTheRankInTheJob) {
 // loss_fn, grad mode off) closed the connection for good: every later step
 // was refused with "restart the job". Now every rank refuses that pass, with
 // rank 0's message and kind, and the next correct step runs, equal to a
-// stage that never saw the mistake. (With replicas, a mistake still ends
-// the job: the other replicas' all-reduce would wait for this one.)
+// stage that never saw the mistake (with replicas: the next test).
 TEST(MeshTest, RankZerosMistakeBeforeAPassLeavesTheStageUsable) {
   const auto options =
       GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
@@ -976,9 +975,11 @@ TEST(MeshTest, AFailureNamesTheRankWhereItHappenedOnEveryRank) {
 
 // Replicas whose shards differ in rows would have their gradients averaged
 // with equal weights, which no single pipeline on the whole batch does:
-// every rank refuses the step alike, naming the sizes, and the next step
-// on equal shards trains (2 replicas of 2 stages, shards of 4 and 3 rows).
-TEST(MeshTest, ShardsOfDifferentSizesAreRefusedOnEveryRank) {
+// the replicas' first stages agree before the step begins, so every rank
+// refuses it alike, naming the sizes, before anything ran (no gradient),
+// and the next step on equal shards trains (2 replicas of 2 stages, shards
+// of 4 and 3 rows).
+TEST(MeshTest, ShardsOfDifferentSizesAreRefusedOnEveryRankBeforeTheyRun) {
   const auto options =
       GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
   const auto batch = batch_of(8);
@@ -986,6 +987,7 @@ TEST(MeshTest, ShardsOfDifferentSizesAreRefusedOnEveryRank) {
   std::mutex mutex;
   std::vector<std::string> errors(4);
   std::vector<double> losses(4, 0.0);
+  std::vector<int> gradients_after_refusal(4, -1);
   run_ranks(4, [&](World world) {
     Mesh mesh(world, 2);
     dist::PipelineStage stage(nets[world.rank()], options, mesh);
@@ -1005,26 +1007,135 @@ TEST(MeshTest, ShardsOfDifferentSizesAreRefusedOnEveryRank) {
       std::lock_guard<std::mutex> lock(mutex);
       errors[world.rank()] = e.what_without_backtrace();
     }
+    int defined = 0;
+    for (const auto& p : stage->parameters()) {
+      defined += p.grad().defined() ? 1 : 0;
+    }
     const auto loss = step(4).item<double>();
     std::lock_guard<std::mutex> lock(mutex);
+    gradients_after_refusal[world.rank()] = defined;
     losses[world.rank()] = loss;
   });
   for (int r = 0; r < 4; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r) + ": " + errors[r]);
     EXPECT_NE(
-        errors[r].find("the replicas trained on shards of different sizes"),
+        errors[r].find("the replicas' shards differ in rows (4, 3, by "
+                       "replica"),
         std::string::npos);
-    EXPECT_NE(
-        errors[r].find(
-            "has " + std::to_string(r < 2 ? 4 : 3) +
-            " rows; the 2 replicas' "
-            "have 7 in all"),
-        std::string::npos);
-    // The step ran before it was refused: the message says what to do.
-    EXPECT_NE(errors[r].find("zero its gradients"), std::string::npos);
+    if (r % 2 == 1) {  // the last stages hear it from their first stage
+      EXPECT_NE(
+          errors[r].find(
+              "rank " + std::to_string(r - 1) +
+              " refused the pass before it began"),
+          std::string::npos);
+    }
+    EXPECT_NE(errors[r].find("Nothing ran"), std::string::npos);
+    EXPECT_EQ(gradients_after_refusal[r], 0);
     EXPECT_GT(losses[r], 0.0);
     EXPECT_EQ(losses[r], losses[0]);
   }
+}
+
+// With replicas, a first stage's own mistakes before a step (no input, an
+// empty batch, no loss_fn) used to end the job: the other replicas'
+// gradient all-reduce would have waited for this one. The first stages now
+// agree before the step, so every rank of every replica refuses it with the
+// mistake's kind, and the next step trains as on stages that never saw it.
+TEST(MeshTest, AReplicasMistakeBeforeAStepIsRefusedByEveryReplica) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(4);
+  const auto fresh = nets_of_ranks(4);
+  std::mutex mutex;
+  std::vector<std::vector<std::string>> errors(4);
+  run_ranks(4, [&](World world) {
+    const auto r = world.rank();
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[r], options, mesh);
+    dist::PipelineStage clean(fresh[r], options, mesh);
+    const auto d = mesh.data_rank();
+    const bool first = mesh.pipeline_rank() == 0;
+    const bool wrong = first && d == 1;  // replica 1's first stage
+    const auto x = first ? batch.x.narrow(0, 4 * d, 4) : torch::Tensor();
+    const auto y = first ? torch::Tensor() : batch.y.narrow(0, 4 * d, 4);
+    auto note = [&](const std::function<void()>& mistake) {
+      std::string seen = "no error";
+      try {
+        mistake();
+      } catch (const c10::TypeError& e) {
+        seen = std::string("TypeError: ") + e.what_without_backtrace();
+      } catch (const c10::ValueError& e) {
+        seen = std::string("ValueError: ") + e.what_without_backtrace();
+      } catch (const c10::Error& e) {
+        seen = std::string("Error: ") + e.what_without_backtrace();
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[r].push_back(seen);
+    };
+    note([&] {
+      stage->train_step(
+          wrong ? torch::Tensor() : x, y, cross_entropy, Schedule::OneFOneB);
+    });
+    note([&] {
+      stage->train_step(
+          wrong ? x.narrow(0, 0, 0) : x, y, cross_entropy, Schedule::OneFOneB);
+    });
+    note([&] {
+      stage->train_step(
+          x,
+          y,
+          wrong ? LossFunction() : LossFunction(cross_entropy),
+          Schedule::OneFOneB);
+    });
+    const auto loss =
+        stage->train_step(x, y, cross_entropy, Schedule::OneFOneB);
+    const auto expected =
+        clean->train_step(x, y, cross_entropy, Schedule::OneFOneB);
+    EXPECT_EQ(loss.item<double>(), expected.item<double>());
+    for (size_t k = 0; k < stage->parameters().size(); ++k) {
+      EXPECT_TRUE(torch::allclose(
+          stage->parameters()[k].grad(),
+          clean->parameters()[k].grad(),
+          1e-12,
+          1e-12));
+    }
+  });
+  const std::vector<std::string> kinds{"TypeError", "ValueError", "ValueError"};
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_EQ(errors[r].size(), 3u) << "rank " << r;
+    for (size_t k = 0; k < 3; ++k) {
+      const auto& e = errors[r][k];
+      SCOPED_TRACE(
+          "rank " + std::to_string(r) + ", mistake " + std::to_string(k) +
+          ": " + e);
+      EXPECT_EQ(e.rfind(kinds[k] + ": ", 0), 0u);
+      if (r == 2) {
+        continue;  // its own message
+      }
+      if (r == 3) {  // replica 1's last stage hears it from rank 2
+        EXPECT_NE(
+            e.find("rank 2 refused the pass before it began"),
+            std::string::npos);
+        EXPECT_NE(
+            e.find(errors[2][k].substr(kinds[k].size() + 2)),
+            std::string::npos);
+        continue;
+      }
+      EXPECT_NE(
+          e.find("the first stage of replica 1 (rank 2) refused this "
+                 "training step before it began"),
+          std::string::npos);
+      EXPECT_NE(e.find("the stage stays usable"), std::string::npos);
+    }
+  }
+  EXPECT_NE(
+      errors[2][0].find("train_step expects the input on rank 2"),
+      std::string::npos)
+      << errors[2][0];
+  EXPECT_NE(
+      errors[2][2].find("train_step expects a loss_fn"), std::string::npos)
+      << errors[2][2];
 }
 
 // As DDP's, the buckets are filled from the last parameter to the first,
