@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "../tools/cli_message.h"
 #include "harness.h"
 #include "sections.h"
 
@@ -197,7 +198,9 @@ int bench_main(int argc, char** argv) {
       return app.exit(e);
     }
     std::fprintf(
-        stderr, "gpipe-bench: %s (see gpipe-bench --help)\n", e.what());
+        stderr,
+        "gpipe-bench: %s (see gpipe-bench --help)\n",
+        gpipe::tools::cli_message(e).c_str());
     return 2;
   }
   for (const auto& [flag, path] :

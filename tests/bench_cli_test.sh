@@ -35,7 +35,10 @@ done <<'EOF'
 --iters	--only checkpoint --iters -3
 --iters	--only checkpoint --iters ''
 --iters	--only random --iters 3x
---iters	--only random --iters 1 --iters 2
+--iters was given 2 times; give it once	--only random --iters 1 --iters 2
+--iters expects a number from 1 to 100000, but got '3x'	--only random --iters 3x
+--json expects a value after it	--only random --json
+unknown flag '--bogus'	--bogus --only random
 --width	--only random --width -5
 --batch	--only random --batch 0
 --blocks	--only speed --blocks 1 --quick

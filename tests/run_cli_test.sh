@@ -594,7 +594,8 @@ bad -n -n 1.5 -- true
 bad -n -n 99999999999999999999 -- true
 bad -n -n 100000 -- true
 bad -n -- true
-bad -n -n 2 -n 3 -- true
+bad "-n was given 2 times; give it once" -n 2 -n 3 -- true
+bad "--nnodes expects a value after it" -n 2 --nnodes
 bad -n -n
 bad "'--'" -n 2 true
 bad "'--'" -n 2

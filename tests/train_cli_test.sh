@@ -70,12 +70,14 @@ if [[ $mode == bad ]]; then
   # CLI11's own errors, mapped to 2.
   bad --no-such-flag "${d[@]}" --no-such-flag
   bad --no-such-flag "${d[@]}" --no-such-flag=3
-  bad --chunks "${d[@]}" --chunks
+  bad "--chunks expects a value after it" "${d[@]}" --chunks
   bad --chunks "${d[@]}" --chunks abc
   bad --chunks "${d[@]}" --chunks 1.5
-  bad --chunks "${d[@]}" --chunks 3 --chunks 5
+  bad "--chunks was given 2 times; give it once" "${d[@]}" --chunks 3 --chunks 5
   bad --epochs "${d[@]}" --epochs 1e3
-  bad --lr "${d[@]}" --lr abc
+  bad "--lr expects a number, but got 'abc'" "${d[@]}" --lr abc
+  bad "unknown flag '--no-such-flag'" "${d[@]}" --no-such-flag
+  bad "unexpected argument 'stray'" "${d[@]}" stray
   bad --json "${d[@]}" --json=maybe
   bad --model "${d[@]}" --model vgg
   bad --schedule "${d[@]}" --schedule gpipe

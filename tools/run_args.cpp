@@ -15,6 +15,8 @@
 #include <system_error>
 #include <vector>
 
+#include "cli_message.h"
+
 namespace gpipe_run {
 namespace {
 
@@ -224,7 +226,7 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
       app.exit(e);
       return false;
     }
-    throw UsageError(std::string(e.what()) + " (see gpipe-run --help)");
+    throw UsageError(gpipe::tools::cli_message(e) + " (see gpipe-run --help)");
   }
 
   const auto extras = app.remaining();
