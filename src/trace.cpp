@@ -92,7 +92,8 @@ void Trace::record(
     int64_t micro_batch,
     TraceKind kind,
     std::chrono::steady_clock::time_point start,
-    std::chrono::steady_clock::time_point end) {
+    std::chrono::steady_clock::time_point end,
+    bool failed) {
   TORCH_CHECK_INDEX(
       lane >= 0 && lane < kMaxTraceLanes,
       "Trace::record: expected a lane in [0, ",
@@ -109,7 +110,8 @@ void Trace::record(
       micro_batch,
       kind,
       us(start - origin_).count(),
-      us(end - origin_).count()});
+      us(end - origin_).count(),
+      failed});
 }
 
 void Trace::add(const TraceEvent& event) {
@@ -273,11 +275,13 @@ std::string Trace::chrome_json() const {
   for (const auto& e : events) {
     comma();
     const char kind_letter = to_string(e.kind)[0] - ('a' - 'A');
-    out << "{\"name\":\"" << kind_letter << e.micro_batch << "\",\"cat\":\""
-        << to_string(e.kind) << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.lane
+    out << "{\"name\":\"" << kind_letter << e.micro_batch
+        << (e.failed ? " failed" : "") << "\",\"cat\":\"" << to_string(e.kind)
+        << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.lane
         << ",\"ts\":" << fixed(e.start_us)
         << ",\"dur\":" << fixed(e.end_us - e.start_us)
-        << ",\"args\":{\"micro_batch\":" << e.micro_batch << "}}";
+        << ",\"args\":{\"micro_batch\":" << e.micro_batch
+        << (e.failed ? ",\"failed\":true" : "") << "}}";
   }
   out << "\n]}\n";
   return out.str();
@@ -338,10 +342,11 @@ std::string Trace::svg() const {
     out << "<rect x=\"" << fixed(x0, 2) << "\" y=\""
         << fixed(beside ? y + row - 7 : y + 3, 1) << "\" width=\""
         << fixed(w, 2) << "\" height=\"" << (beside ? 5.0 : row - 6)
-        << "\" fill=\"" << colour_of(e.kind) << "\"><title>"
-        << to_string(e.kind) << " micro-batch " << e.micro_batch << ", "
-        << fixed(e.start_us / 1000.0) << "-" << fixed(e.end_us / 1000.0)
-        << " ms</title></rect>\n";
+        << "\" fill=\"" << colour_of(e.kind) << "\""
+        << (e.failed ? " stroke=\"#d00000\" stroke-width=\"2\"" : "")
+        << "><title>" << to_string(e.kind) << " micro-batch " << e.micro_batch
+        << (e.failed ? " (failed)" : "") << ", " << fixed(e.start_us / 1000.0)
+        << "-" << fixed(e.end_us / 1000.0) << " ms</title></rect>\n";
     if (w > 14 && !beside) {
       out << "<text x=\"" << fixed(x0 + w / 2, 2) << "\" y=\""
           << fixed(y + row * 0.65, 1)
@@ -374,6 +379,15 @@ std::string Trace::svg() const {
         << "\"/><text x=\"" << fixed(lx + 16, 1) << "\" y=\""
         << fixed(axis + 20, 1) << "\">" << to_string(kind) << "</text>\n";
     lx += 100;
+  }
+  if (std::any_of(events.begin(), events.end(), [](const TraceEvent& e) {
+        return e.failed;
+      })) {
+    out << "<rect x=\"" << fixed(lx, 1) << "\" y=\"" << fixed(axis + 10, 1)
+        << "\" width=\"12\" height=\"12\" fill=\"white\" stroke=\"#d00000\" "
+           "stroke-width=\"2\"/><text x=\""
+        << fixed(lx + 16, 1) << "\" y=\"" << fixed(axis + 20, 1)
+        << "\">failed</text>\n";
   }
   out << "</svg>\n";
   return out.str();

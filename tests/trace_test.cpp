@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -283,6 +284,86 @@ TEST_F(TraceTest, SvgDrawsEveryIntervalAndWritesFiles) {
 
   trace->clear();
   EXPECT_TRUE(trace->events().empty());
+}
+
+// A layer that throws on one micro-batch's forward (its rows are marked
+// with a NaN in the first column).
+struct ThrowOnMarkImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) {
+    TORCH_CHECK_VALUE(
+        !x.select(1, 0).isnan().any().item<bool>(), "a marked micro-batch");
+    return x;
+  }
+};
+TORCH_MODULE(ThrowOnMark);
+
+// A step that failed used to leave a trace of the cells that ran and
+// nothing of the one that threw: it is recorded where it failed, marked as
+// failed (and only it), outlined in red in the SVG, flagged in the JSON; the
+// next step's trace has none.
+TEST_F(TraceTest, TheCellThatFailedIsMarked) {
+  auto net = linears();
+  net->push_back(ThrowOnMark());
+  GPipe model(net, GPipeOptions({2, 3}).chunks(4));
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  auto x = torch::randn({8, 8});
+  auto marked = x.clone();
+  marked[5][0] = std::numeric_limits<float>::quiet_NaN();  // micro-batch 2
+  // A NaN stays NaN through Linear and Tanh.
+  EXPECT_THROW(model->forward(marked), c10::ValueError);
+  std::vector<TraceEvent> failed;
+  for (const auto& e : trace->events()) {
+    if (e.failed) {
+      failed.push_back(e);
+    }
+  }
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].lane, 1);
+  EXPECT_EQ(failed[0].micro_batch, 2);
+  EXPECT_EQ(failed[0].kind, TraceKind::Forward);
+  EXPECT_GE(failed[0].end_us, failed[0].start_us);
+  const auto svg = trace->svg();
+  EXPECT_NE(svg.find("stroke=\"#d00000\""), std::string::npos);
+  EXPECT_NE(svg.find("micro-batch 2 (failed)"), std::string::npos);
+  EXPECT_NE(svg.find(">failed</text>"), std::string::npos);  // the legend
+  const auto json = nlohmann::json::parse(trace->chrome_json());
+  int flagged = 0;
+  for (const auto& e : json["traceEvents"]) {
+    if (e.contains("args") && e["args"].contains("failed")) {
+      ++flagged;
+      EXPECT_EQ(e["name"], "F2 failed");
+    }
+  }
+  EXPECT_EQ(flagged, 1);
+
+  // A loss that throws, in train_step: a Loss interval, failed.
+  trace->clear();
+  EXPECT_THROW(
+      model->train_step(
+          x,
+          x,
+          [](torch::Tensor, torch::Tensor) -> torch::Tensor {
+            TORCH_CHECK_VALUE(false, "no loss today");
+          },
+          Schedule::OneFOneB),
+      c10::ValueError);
+  failed.clear();
+  for (const auto& e : trace->events()) {
+    if (e.failed) {
+      failed.push_back(e);
+    }
+  }
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].kind, TraceKind::Loss);
+  EXPECT_EQ(failed[0].micro_batch, 0);
+
+  trace->clear();
+  model->forward(x).sum().backward();
+  for (const auto& e : trace->events()) {
+    EXPECT_FALSE(e.failed);
+  }
+  EXPECT_EQ(trace->svg().find("d00000"), std::string::npos);
 }
 
 }  // namespace

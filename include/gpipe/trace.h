@@ -49,6 +49,9 @@ struct TraceEvent {
   TraceKind kind = TraceKind::Forward;
   double start_us = 0;
   double end_us = 0;
+  /// The cell threw: the interval ends where it failed (the step's error
+  /// names the same partition and micro-batch). Drawn outlined in red.
+  bool failed = false;
 };
 
 /// What a trace says about how busy its lanes were, as `gpipe::simulate`
@@ -75,13 +78,15 @@ class Trace {
  public:
   Trace();
 
-  /// Adds an event (called by the engine's lanes).
+  /// Adds an event (called by the engine's lanes); `failed`: the cell
+  /// threw at `end`.
   void record(
       int64_t lane,
       int64_t micro_batch,
       TraceKind kind,
       std::chrono::steady_clock::time_point start,
-      std::chrono::steady_clock::time_point end);
+      std::chrono::steady_clock::time_point end,
+      bool failed = false);
 
   /// Adds an event whose times are already relative to origin(); throws
   /// `c10::Error` for a lane outside [0, 2^20), a time that is not finite,
@@ -107,8 +112,8 @@ class Trace {
   /// per lane.
   std::string chrome_json() const;
   /// An SVG timeline: one row per lane, one box per interval coloured by
-  /// kind and labelled with its micro-batch; idle time (the bubble) stays
-  /// white.
+  /// kind and labelled with its micro-batch (outlined in red where the cell
+  /// failed); idle time (the bubble) stays white.
   std::string svg() const;
   /// Write those to `path`; throw `c10::Error` if the file cannot be
   /// written.

@@ -58,7 +58,8 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
              static_cast<double>(e.micro_batch),
              static_cast<double>(static_cast<int>(e.kind)),
              e.start_us + origin,
-             e.end_us + origin});
+             e.end_us + origin,
+             e.failed ? 1.0 : 0.0});
       }
       connection.send(
           0,
@@ -90,13 +91,14 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
       auto t = m.tensors[0].contiguous();
       const auto* p = t.data_ptr<double>();
       std::vector<TraceEvent> events;
-      for (int64_t k = 0; k + 5 <= t.numel(); k += 5) {
+      for (int64_t k = 0; k + 6 <= t.numel(); k += 6) {
         TraceEvent e;
         e.lane = static_cast<int64_t>(p[k]);
         e.micro_batch = static_cast<int64_t>(p[k + 1]);
         e.kind = static_cast<TraceKind>(static_cast<int>(p[k + 2]));
         e.start_us = p[k + 3];
         e.end_us = p[k + 4];
+        e.failed = p[k + 5] != 0.0;
         events.push_back(e);
       }
       add(events, 0.0);

@@ -9,6 +9,7 @@
 #include <optional>
 #include <utility>
 
+#include "engine/cell.h"
 #include "engine/lane_threads.h"
 #include "engine/pipeline.h"
 #include "engine/wide_cells.h"
@@ -355,6 +356,7 @@ void Pass::gradients_final(int64_t stage, bool before) {
 
 void Pass::run_cell(
     const Cell& cell, int64_t lane, const ComputeOn* compute_on) {
+  const auto started = trace_ ? CellClock::now() : CellClock::time_point();
   try {
     if (transport_->aborted()) {
       return;  // a cell that depends on a failed one never starts
@@ -417,6 +419,15 @@ void Pass::run_cell(
     error_.set(std::current_exception());
     transport_->relay(e.origin());
   } catch (...) {
+    if (trace_) {  // the cell that failed, outlined in the pictures
+      trace_->record(
+          lane,
+          cell.micro_batch,
+          action_info(cell.phase).trace_kind,
+          started,
+          CellClock::now(),
+          /*failed=*/true);
+    }
     auto error = with_context(
         std::current_exception(),
         "partition " + std::to_string(cell.partition) + ", micro-batch " +

@@ -13,6 +13,7 @@
 
 #include <gpipe/plan.h>
 #include <gpipe/schedule.h>
+#include <gpipe/trace.h>
 
 #include <cstdint>
 #include <map>
@@ -67,6 +68,8 @@ struct ActionInfo {
   const char* short_name;
   /// In error messages: ", forward", ", backward (input part)", ...
   const char* context;
+  /// How a trace draws it (a failed one, and the lanes' own records).
+  TraceKind trace_kind;
   /// Takes a time step (a compute action); a loss and a message are
   /// instant.
   bool step;
