@@ -372,7 +372,7 @@ TEST(PlacementTest, LoopedBfsRunsEachStageBreadthFirst) {
   EXPECT_EQ(to_string(lane1[3]), "L(0,3)");
   // One stage per lane: fill-drain's order.
   EXPECT_EQ(
-      make_plan(Schedule::LoopedBFS, 3, 3).to_csv(),
+      make_plan(Schedule::LoopedBFS, 3, 3, 1).to_csv(),
       make_plan(Schedule::FillDrain, 3, 3).to_csv());
   for (int64_t n = 1; n <= 4; ++n) {
     for (int64_t v = 1; v <= 3; ++v) {

@@ -122,7 +122,7 @@ TEST(PlanTest, ZeroBubbleDefersWeightsByTheStage) {
 
 TEST(PlanTest, LossesFollowTheirForwardAndTakeNoStep) {
   for (auto schedule : kSchedules) {
-    const auto plan = make_plan(schedule, 4, 2);
+    const auto plan = make_plan(schedule, 4, 2, 1);
     const auto compute = training_plan(schedule, 4, 2);
     // Each loss right after the last stage's forward, nothing else moved.
     std::vector<Cell> without;
@@ -244,7 +244,31 @@ TEST(PlanTest, ValidateNamesTheProblem) {
 TEST(PlanTest, MakePlanRefusesBadSizes) {
   EXPECT_THROW(make_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
   EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 0), c10::ValueError);
-  EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 2, 0), c10::ValueError);
+  EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 2, -1), c10::ValueError);
+}
+
+// make_plan on lanes takes the placement the schedule chooses, as
+// placement_for does (it took one stage per lane: interleaved silently ran
+// as 1F1B, and ZB-V was refused for a stages_per_lane nobody gave).
+TEST(PlanTest, MakePlanOnLanesTakesTheSchedulesPlacement) {
+  for (const auto schedule : schedules()) {
+    SCOPED_TRACE(to_string(schedule));
+    const auto chosen = placement_for(schedule, 2);
+    const auto plan = make_plan(schedule, 4, 2);
+    EXPECT_EQ(plan.placement, chosen);
+    EXPECT_EQ(plan.stages, chosen.stages());
+    EXPECT_EQ(plan.to_csv(), make_plan(schedule, 4, chosen).to_csv());
+  }
+  EXPECT_EQ(
+      make_plan(Schedule::ZeroBubbleV, 4, 2).placement, Placement::v_shape(2));
+  EXPECT_EQ(
+      make_plan(Schedule::Interleaved1F1B, 4, 2).placement,
+      Placement::modulo(2, 2));
+  EXPECT_EQ(
+      make_plan(Schedule::OneFOneB, 4, 2).placement, Placement::modulo(2, 1));
+  EXPECT_EQ(
+      make_plan(Schedule::Interleaved1F1B, 4, 2, 1).placement,
+      Placement::modulo(2, 1));
 }
 
 // The targets of the schedules, in unit costs: F = 1, B = W = 1 (a whole

@@ -120,23 +120,26 @@ Placement placement_for(
 
 /// The training step of `schedule` on `lanes` lanes holding
 /// `stages_per_lane` stages each, for `micro_batches` micro-batches, on
-/// `placement_for(schedule, lanes, stages_per_lane)`. Throws
-/// `c10::ValueError` for sizes below 1 (0 micro-batches gives an empty
-/// plan).
+/// `placement_for(schedule, lanes, stages_per_lane)`: with
+/// `stages_per_lane` 0 (the default) the schedule chooses, as there.
+/// Throws `c10::ValueError` for `lanes` below 1, negative sizes (0
+/// micro-batches gives an empty plan), or a `stages_per_lane` the
+/// schedule cannot run on.
 Plan make_plan(
     Schedule schedule,
     int64_t micro_batches,
     int64_t lanes,
-    int64_t stages_per_lane = 1);
+    int64_t stages_per_lane = 0);
 
 /// The training step of `schedule` for `micro_batches` micro-batches on
 /// `placement`'s lanes; the plan carries the placement. Fill-drain, 1F1B
 /// and zero bubble run on any placement (each lane runs its stages' cells
 /// in the order of the one-lane-per-stage plan's time steps), as does
-/// looped BFS; interleaved 1F1B needs `Placement::modulo` and ZB-V
-/// `Placement::v_shape`. Every micro-batch's loss is listed right after the
-/// last stage's forward. Throws `c10::ValueError` naming the schedule and
-/// the placement it needs when the placement does not fit.
+/// looped BFS; interleaved 1F1B needs `Placement::modulo` where a lane
+/// holds several stages (with one stage per lane it is 1F1B, on any
+/// placement) and ZB-V `Placement::v_shape`. Every micro-batch's loss is listed
+/// right after the last stage's forward. Throws `c10::ValueError` naming the
+/// schedule and the placement it needs when the placement does not fit.
 Plan make_plan(
     Schedule schedule, int64_t micro_batches, const Placement& placement);
 

@@ -108,8 +108,9 @@ Plan make_plan(
   TORCH_CHECK_VALUE(
       lanes >= 1, "make_plan: expected lanes >= 1, but got ", lanes);
   TORCH_CHECK_VALUE(
-      stages_per_lane >= 1,
-      "make_plan: expected stages_per_lane >= 1, but got ",
+      stages_per_lane >= 0,
+      "make_plan: expected stages_per_lane >= 0 (0: the schedule's own "
+      "choice), but got ",
       stages_per_lane);
   return make_plan(
       schedule, micro_batches, placement_for(schedule, lanes, stages_per_lane));
