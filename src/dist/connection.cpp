@@ -84,19 +84,24 @@ constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 void Connection::listen() {
   // Polls the store for another rank's failure (see Note [Failure notices]).
+  // After a failure it goes on checking, only so that a store whose host
+  // ended is noticed and let go of (Note [Letting go of a store whose host
+  // ended] in store_client.h).
+  bool heard = false;
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      failure_cv_.wait_for(lock, kPollInterval, [this] {
-        return stopping_.load() || failure_.has_value();
+      failure_cv_.wait_for(lock, kPollInterval, [this, heard] {
+        return stopping_.load() || (!heard && failure_.has_value());
       });
-      if (stopping_ || failure_) {
+      if (stopping_) {
         return;
       }
+      heard = heard || failure_.has_value();
     }
     std::string text;
     try {
-      if (!store->check({kFailure})) {
+      if (!store->check({kFailure}) || heard) {
         continue;
       }
       const auto value = store->get(kFailure);
@@ -107,7 +112,7 @@ void Connection::listen() {
       return;
     }
     record_failure(text);
-    return;
+    heard = true;
   }
 }
 

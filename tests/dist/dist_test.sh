@@ -275,6 +275,15 @@ case $mode in
     parity 2 --plan "$tmp/plan_transfers.csv" --checkpoint except_last --dropout 0.3
     ;;
   failures)
+    # Rank 0 (the store's host) ends first and rank 1 sleeps on: it takes
+    # no CPU meanwhile (c10d's store client spun on a core).
+    by_hand 2 --scenario outlive
+    if [[ $status -ne 0 ]]; then
+      fail "a rank that outlives rank 0: $(head -c 600 "$tmp/out")"
+    else
+      echo "ok: a rank that outlives rank 0 sleeps: $(grep 'rank 1' "$tmp/out")"
+    fi
+
     # Another balance on rank 1: refused at construction on both ranks.
     by_hand 2 --scenario mismatch
     expect_error "another balance" "rank [01] has balance .* but rank [01] has" 2

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -211,6 +212,35 @@ int main(int argc, char** argv) {
     auto world = gpipe::dist::init_from_env();
     kept_world = world;
     const auto r = world.rank();
+    if (scenario == "outlive") {
+      // Rank 0, which hosts the store, ends first; rank 1 goes on without
+      // gpipe for a while, and should take no CPU meanwhile (LibTorch
+      // 1.13's store client spun on a core once its host had gone: Note
+      // [Letting go of a store whose host ended]).
+      world.barrier();
+      if (r == 0) {
+        std::printf("rank 0: OK (ends first)\n");
+        return 0;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      const auto cpu_before = std::clock();
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      const double cpu =
+          static_cast<double>(std::clock() - cpu_before) / CLOCKS_PER_SEC;
+      if (cpu > 0.4) {
+        std::printf(
+            "rank %lld: error: %.2f s of CPU in 2 s of sleep after rank 0 "
+            "ended\n",
+            static_cast<long long>(r),
+            cpu);
+        return 1;
+      }
+      std::printf(
+          "rank %lld: OK (%.2f s of CPU in 2 s after rank 0 ended)\n",
+          static_cast<long long>(r),
+          cpu);
+      return 0;
+    }
     gpipe::dist::Mesh mesh(
         world, pipeline_size > 0 ? pipeline_size : world.size());
     const auto n = mesh.pipeline_size();
