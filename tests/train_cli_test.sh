@@ -221,6 +221,12 @@ if [[ $mode == bad ]]; then
   bad --stages-per-lane "${d[@]}" --stages-per-lane 0
   bad --devices "${d[@]}" --schedule 1f1b --devices cpu,cpu
   bad "for 2 micro-batches, but --chunks is 8" "${d[@]}" --plan "$tmp/two.csv" --chunks 8
+  # With replicas, each cuts its own shard: checked against the shard.
+  export WORLD_SIZE=4
+  bad "--chunks 8 is more than each replica's shard of 4 rows (--batch-size 8 over 2 replicas)" \
+    "${d[@]}" --pipeline-size 2 --chunks 8 --batch-size 8
+  bad "more than each replica's shard of 1 row (--batch-size 2 over 2 replicas)" \
+    "${d[@]}" --pipeline-size 2 --plan "$tmp/two.csv" --batch-size 2
   export WORLD_SIZE=two
   bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0

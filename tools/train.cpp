@@ -198,6 +198,8 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   int64_t step = resumed.step;
   int64_t skipped_batches = 0;
   int64_t uneven_batches = 0;
+  int64_t trained_rows = 0;  // by this run (since a resume), all epochs
+  int64_t epoch_rows = 0;    // by the last epoch: the short batches left out
   double last_loss = 0;
   double lr = args.lr;
   double train_seconds = 0;
@@ -227,6 +229,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
         torch::kLong);
     auto window_start = Clock::now();
     int64_t window_samples = 0;
+    epoch_rows = 0;
     const int64_t first_batch = epoch == resumed.epoch ? resumed.position : 0;
     for (int64_t begin = first_batch * batch_size; begin < n;
          begin += batch_size) {
@@ -314,6 +317,8 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
         trace.reset();
       }
       window_samples += idx.size(0);
+      trained_rows += idx.size(0);
+      epoch_rows += idx.size(0);
       last_loss = loss.item<double>();
       // As a trainer should: a loss that is no longer finite ends the run
       // (every rank has the loss, so every rank stops here).
@@ -435,16 +440,13 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
             {"epochs", epochs},
             {"batch_size", batch_size},
             {"steps", step},
-            {"train_samples", n},
+            {"train_samples", epoch_rows},
             {"test_samples", test_x.size(0)},
             {"final_loss", last_loss},
             {"test_accuracy", accuracy},
             {"train_seconds", train_seconds},
             {"resumed_at_step", resumed.step},
-            {"train_samples_per_second",
-             double(
-                 n * (epochs - resumed.epoch) - resumed.position * batch_size) /
-                 train_seconds},
+            {"train_samples_per_second", double(trained_rows) / train_seconds},
             {"total_seconds", total}};
         std::cout << summary.dump() << std::endl;
       }

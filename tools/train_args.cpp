@@ -265,8 +265,11 @@ void verify_args(const CLI::App& app, Args& args) {
       args.batch_size);
   usage_check(
       args.chunks >= 1, "--chunks must be at least 1, but got ", args.chunks);
+  // (--autotune chooses the chunks; a --plan's count is checked when it is
+  // read, and --chunks may be left at its default then.)
   usage_check(
-      args.autotune || args.chunks <= args.batch_size,  // it chooses them
+      args.autotune || app.count("--plan") > 0 ||
+          args.chunks <= args.batch_size,
       "--chunks ",
       args.chunks,
       " is more than --batch-size ",
@@ -326,7 +329,7 @@ void verify_args(const CLI::App& app, Args& args) {
       args.world_size,
       " ranks the launcher started (WORLD_SIZE)");
   // Replicas train on equal shards of every batch (their step refuses
-  // others only after it ran).
+  // others).
   const int64_t replicas = args.world_size / args.pipeline_size;
   usage_check(
       args.batch_size % replicas == 0,
@@ -340,6 +343,20 @@ void verify_args(const CLI::App& app, Args& args) {
       args.world_size,
       " ranks): give a multiple of ",
       replicas);
+  // Each replica cuts its own shard into the micro-batches (a --plan's
+  // count is checked when it is read).
+  usage_check(
+      args.autotune || replicas == 1 || app.count("--plan") > 0 ||
+          args.chunks <= args.batch_size / replicas,
+      "--chunks ",
+      args.chunks,
+      " is more than each replica's shard of ",
+      count_of(args.batch_size / replicas, "row", "rows"),
+      " (--batch-size ",
+      args.batch_size,
+      " over ",
+      replicas,
+      " replicas); every micro-batch needs at least one sample");
   const int64_t pipeline_ranks = args.pipeline_size;
   if (args.world_size > 1) {
     // The autograd schedule needs the whole pipeline in one process.

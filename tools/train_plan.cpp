@@ -3,6 +3,7 @@
 
 #include <gpipe/plan.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <system_error>
@@ -85,14 +86,26 @@ void read_plan(const CLI::App& app, Args& args) {
     args.chunks = m;
     args.chunks_from_plan = true;
   }
+  // Under a launcher with replicas, each cuts its own shard.
+  const int64_t replicas =
+      args.pipeline_size > 0 ? args.world_size / args.pipeline_size : 1;
+  const int64_t rows = args.batch_size / std::max<int64_t>(replicas, 1);
   usage_check(
-      args.chunks <= args.batch_size,
+      args.chunks <= rows,
       "--plan '",
       args.plan_path,
       "' is for ",
       count_of(m, "micro-batch", "micro-batches"),
-      ", more than --batch-size ",
-      args.batch_size,
+      ", more than ",
+      replicas > 1 ? c10::str(
+                         "each replica's shard of ",
+                         count_of(rows, "row", "rows"),
+                         " (--batch-size ",
+                         args.batch_size,
+                         " over ",
+                         replicas,
+                         " replicas)")
+                   : c10::str("--batch-size ", args.batch_size),
       "; every micro-batch needs at least one sample");
   args.schedule = "plan";
 }
