@@ -406,7 +406,10 @@ Begin begin_pass(
             detail::describe_pass(pass),
             "): ",
             theirs.refusal,
-            "; nothing ran, and the stage stays usable"))};
+            // (A replicas' refusal says so already.)
+            theirs.refusal.find("the stage stays usable") == std::string::npos
+                ? "; nothing ran, and the stage stays usable"
+                : ""))};
   }
   auto differ = [&](const std::string& what,
                     const std::string& here,

@@ -162,6 +162,11 @@ struct Connection : std::enable_shared_from_this<Connection> {
   /// process's failure (a RelayedFailure) is passed on as it came, any other
   /// error as this rank's ("rank 3: ...").
   void fail_with(const std::exception_ptr& error);
+  /// Runs a World's collective (`run`); if it fails or times out, the
+  /// connection fails with that error, and it is thrown: the ranks may be
+  /// out of step (Gloo closes its pairs after a timeout), so the World is
+  /// closed, later collectives say why, and every rank hears it.
+  void closing_on_failure(const std::function<void()>& run);
   /// The failure, if any.
   std::optional<std::string> failure() const;
   /// Throws the failure as a c10::Error if there is one.

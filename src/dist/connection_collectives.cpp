@@ -93,6 +93,15 @@ void Connection::wait_collective(
       "]"));
 }
 
+void Connection::closing_on_failure(const std::function<void()>& run) {
+  try {
+    run();
+  } catch (const c10::Error&) {
+    fail_with(std::current_exception());
+    throw;
+  }
+}
+
 void Connection::await_failure_notice() {
   std::unique_lock<std::mutex> lock(mutex_);
   failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {

@@ -339,10 +339,23 @@ void broadcast_from_first_replica(
 }
 
 std::exception_ptr agree_to_start(
-    const World& data, int64_t rows, const std::exception_ptr& mine) {
+    const World& data,
+    int64_t pass,
+    int64_t rows,
+    const std::exception_ptr& mine) {
   const auto& connection = *data.connection();
   const auto replicas = data.size();
   const auto here = data.rank();
+  // A refusal's words go through the store, read by the others only when
+  // one refused (set before the all-reduce below, so there once it ends).
+  const auto key = [&](int64_t replica) {
+    return "refusal/" + std::to_string(pass) + "/" + std::to_string(replica);
+  };
+  if (mine) {
+    const auto why = message_of(mine);
+    connection.store->set(
+        key(here), std::vector<uint8_t>(why.begin(), why.end()));
+  }
   // A replica's slot: its rows (at least 1), or -1 - the kind of its error.
   auto slots = torch::zeros({replicas}, torch::kLong);
   slots[here] = mine ? -1 - refusal_kind_of(mine) : rows;
@@ -359,6 +372,7 @@ std::exception_ptr agree_to_start(
   }
   for (const auto k : c10::irange(replicas)) {
     if (slot[k] < 0) {
+      const auto why = connection.store->get(key(k));
       return refusal_error(
           -1 - slot[k],
           c10::str(
@@ -366,9 +380,10 @@ std::exception_ptr agree_to_start(
               k,
               " (",
               connection.rank_name(k),
-              ") refused this training step before it began (its own error "
-              "says why), so every replica refuses it: nothing ran, and the "
-              "stage stays usable"));
+              ") refused this training step before it began (",
+              std::string(why.begin(), why.end()),
+              "), so every replica refuses it: nothing ran, and the stage "
+              "stays usable"));
     }
   }
   bool equal = true;

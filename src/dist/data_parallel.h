@@ -144,8 +144,13 @@ void broadcast_from_first_replica(
 /// met. Returns the error every replica refuses the step with alike (this
 /// replica's own, the news that another refused it, or shards of
 /// different sizes, which an average with equal weights would weigh
-/// wrongly), or null when the step may begin. One all-reduce of D numbers.
+/// wrongly), or null when the step may begin. One all-reduce of D numbers
+/// (`pass`: the step's number, the same on every replica); a refusal's
+/// words go through the store.
 std::exception_ptr agree_to_start(
-    const World& data, int64_t rows, const std::exception_ptr& mine);
+    const World& data,
+    int64_t pass,
+    int64_t rows,
+    const std::exception_ptr& mine);
 
 }  // namespace gpipe::dist::detail

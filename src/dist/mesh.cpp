@@ -72,9 +72,12 @@ World World::split(int64_t color, int64_t key) const {
     all[0].push_back(torch::empty({2}, on));
   }
   std::vector<torch::Tensor> input{mine};
-  parent.wait_collective(
-      parent.group->allgather(all, input),
-      "World::split (learning the other ranks' colors)");
+  parent.check();
+  parent.closing_on_failure([&] {
+    parent.wait_collective(
+        parent.group->allgather(all, input),
+        "World::split (learning the other ranks' colors)");
+  });
   const auto gathered = torch::stack(all[0]).cpu();
   // Checked once every rank's color is known, so that all refuse alike (a
   // rank refusing alone left the others waiting for it until the timeout).

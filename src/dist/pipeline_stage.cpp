@@ -94,7 +94,19 @@ PipelineStageImpl::PipelineStageImpl(
   engine_->stage_id = stage_id;
   const auto fields = detail::fingerprint(module, options, size);
   const auto details = detail::fingerprint_details(module);
-  detail::agree_on_build(*connection, prefix, fields, details);
+  try {
+    detail::agree_on_build(*connection, prefix, fields, details);
+  } catch (...) {
+    // This replica's ranks differ: the other replicas, which wait for this
+    // rank in their own agreement below, hear why at once.
+    if (replicas->size > 1) {
+      detail::publish_build_error(
+          *replicas,
+          replicas_prefix,
+          detail::message_of(std::current_exception()));
+    }
+    throw;
+  }
   if (replicas->size > 1) {
     detail::agree_on_build(*replicas, replicas_prefix, fields, details);
   }
@@ -203,7 +215,7 @@ void refusable(
     error = std::current_exception();
   }
   if (train && mesh.data_size() > 1) {
-    error = detail::agree_to_start(mesh.data(), rows, error);
+    error = detail::agree_to_start(mesh.data(), pass, rows, error);
   }
   if (error) {
     detail::refuse_pass(connection, pass, error, begin_sends);

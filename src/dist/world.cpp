@@ -23,6 +23,7 @@
 #include "dist/backend.h"
 #include "dist/connection.h"
 #include "dist/meeting.h"
+#include "dist/store_client.h"
 #include "engine/lane.h"
 #include "text.h"
 
@@ -239,6 +240,11 @@ World join_from_env(std::chrono::milliseconds timeout) {
         why.substr(0, 300),
         "]");
   }
+  if (!options.isServer) {
+    // Note [Letting go of a store whose host ended] in store_client.h.
+    tcp = c10::make_intrusive<detail::StoreClient>(
+        std::move(tcp), c10::str(addr, ":", port));
+  }
   // Our own keys, apart from torchrun's and from an earlier attempt's after
   // an elastic restart.
   const char* attempt = env("TORCHELASTIC_RESTART_COUNT");
@@ -369,7 +375,9 @@ void wait_collective(
     const char* what,
     const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
   connection.check();
-  connection.wait_collective(start(), std::string("World::") + what);
+  connection.closing_on_failure([&] {
+    connection.wait_collective(start(), std::string("World::") + what);
+  });
 }
 
 void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
@@ -388,28 +396,52 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
 // with SIGABRT. So a World's collective first agrees on the tensor's size,
 // dtype and shape (a hash of its sizes) and, for a broadcast, the root, in
 // one collective of a few numbers (the largest of each and of its
-// negative), and every rank refuses alike when they differ. What no rank
-// can do (a dtype the group cannot sum) is refused after it, alike too.
+// negative), and every rank refuses alike when they differ. So are the
+// arguments a rank refuses on its own (`mine`: an undefined tensor, a root
+// out of range): refused there alone, they left the others waiting in this
+// agreement, which the refusing rank's next collective then answered,
+// out of step. What no rank can do (a dtype the group cannot sum) is
+// refused after it, alike too.
 void agree_on_tensor(
     detail::Connection& connection,
     const torch::Tensor& tensor,
     const char* what,
-    int64_t root = 0) {
-  const int64_t n = tensor.numel();
-  const auto dtype = static_cast<int64_t>(tensor.scalar_type());
-  uint64_t hash = static_cast<uint64_t>(tensor.dim());
-  for (const auto size : tensor.sizes()) {
+    int64_t root,
+    const std::exception_ptr& mine) {
+  const bool usable = !mine && tensor.defined();
+  const int64_t n = usable ? tensor.numel() : 0;
+  const auto dtype = usable ? static_cast<int64_t>(tensor.scalar_type()) : 0;
+  uint64_t hash = usable ? static_cast<uint64_t>(tensor.dim()) : 0;
+  for (const auto size : usable ? tensor.sizes() : c10::IntArrayRef()) {
     hash = hash * 1000003u ^ static_cast<uint64_t>(size);
   }
   const auto shape = static_cast<int64_t>(hash >> 2);  // its negative fits
+  // The last word: 1 + the highest rank that refused its own arguments.
+  const int64_t refused = mine ? connection.rank + 1 : 0;
   std::vector<torch::Tensor> words{torch::tensor(
-      std::vector<int64_t>{n, dtype, shape, root, -n, -dtype, -shape, -root},
+      std::vector<int64_t>{
+          n, dtype, shape, root, -n, -dtype, -shape, -root, refused},
       torch::kLong)};
-  connection.all_reduce(
-      words,
-      c10d::ReduceOp::MAX,
-      std::string("World::") + what + " (its agreement on the tensor)");
+  connection.closing_on_failure([&] {
+    connection.all_reduce(
+        words,
+        c10d::ReduceOp::MAX,
+        std::string("World::") + what + " (its agreement on the tensor)");
+  });
+  if (mine) {
+    std::rethrow_exception(mine);
+  }
   const auto* w = words[0].data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(
+      w[8] == 0,
+      "gpipe::dist::World::",
+      what,
+      ": ",
+      connection.rank_name(w[8] - 1),
+      " refused its own arguments (its error says why), so every rank "
+      "refuses this ",
+      what,
+      "; the World stays usable");
   const auto here = c10::str(
       " (",
       connection.rank_name(connection.rank),
@@ -452,14 +484,28 @@ void agree_on_tensor(
       ")");
 }
 
+// The error `check` throws, if any.
+std::exception_ptr refused_by(const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const c10::Error&) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 void World::all_reduce(torch::Tensor& tensor) const {
-  check_collective_tensor(tensor, "all_reduce");
+  const auto mine =
+      refused_by([&] { check_collective_tensor(tensor, "all_reduce"); });
+  if (size() == 1 && mine) {
+    std::rethrow_exception(mine);
+  }
   if (size() == 1) {
     return;
   }
-  agree_on_tensor(*connection_, tensor, "all_reduce");
+  agree_on_tensor(*connection_, tensor, "all_reduce", 0, mine);
   // Every rank has this dtype now: all refuse it alike.
   TORCH_CHECK_VALUE(
       tensor.scalar_type() != torch::kBool && !tensor.is_complex(),
@@ -467,31 +513,40 @@ void World::all_reduce(torch::Tensor& tensor) const {
       "numbers, but got ",
       tensor.scalar_type());
   std::vector<torch::Tensor> tensors{tensor};
-  connection_->all_reduce(tensors, c10d::ReduceOp::SUM, "World::all_reduce");
+  connection_->closing_on_failure([&] {
+    connection_->all_reduce(tensors, c10d::ReduceOp::SUM, "World::all_reduce");
+  });
 }
 
 void World::broadcast(torch::Tensor& tensor, int64_t root) const {
-  check_collective_tensor(tensor, "broadcast");
-  TORCH_CHECK_INDEX(
-      root >= 0 && root < size(),
-      "gpipe::dist::World::broadcast expects a root rank in [0, ",
-      size(),
-      "), but got ",
-      root);
+  const auto mine = refused_by([&] {
+    check_collective_tensor(tensor, "broadcast");
+    TORCH_CHECK_INDEX(
+        root >= 0 && root < size(),
+        "gpipe::dist::World::broadcast expects a root rank in [0, ",
+        size(),
+        "), but got ",
+        root);
+  });
+  if (size() == 1 && mine) {
+    std::rethrow_exception(mine);
+  }
   if (size() == 1) {
     return;
   }
-  agree_on_tensor(*connection_, tensor, "broadcast", root);
+  agree_on_tensor(*connection_, tensor, "broadcast", root, mine);
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   connection_->check();
-  connection_->run_collective(
-      tensors,
-      [&](std::vector<torch::Tensor>& ts) {
-        return connection_->group->broadcast(ts, options);
-      },
-      "World::broadcast");
+  connection_->closing_on_failure([&] {
+    connection_->run_collective(
+        tensors,
+        [&](std::vector<torch::Tensor>& ts) {
+          return connection_->group->broadcast(ts, options);
+        },
+        "World::broadcast");
+  });
 }
 
 void World::barrier() const {

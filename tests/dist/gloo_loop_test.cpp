@@ -268,4 +268,117 @@ TEST(GlooErrorsTest, ShapesRootsDtypesAndColorsAreRefusedOnEveryRank) {
   }
 }
 
+// An argument that one rank refuses on its own (an undefined or strided
+// tensor, a root out of range) was refused there alone: the others waited
+// in the collective's agreement, which the refusing rank's next collective
+// answered, out of step ("the ranks passed from 1 to 3 elements"), and the
+// World was broken. Now every rank refuses it, the refusing rank with its
+// own error, the others naming it, and the World stays usable.
+TEST(GlooErrorsTest, AnArgumentOneRankRefusesIsRefusedOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::vector<std::string>> errors(2);
+  gpipe::dist::testing::run_ranks(2, [&](gpipe::dist::World world) {
+    const auto r = world.rank();
+    auto note = [&](const std::function<void()>& f) {
+      std::string seen = "no error";
+      try {
+        f();
+      } catch (const c10::IndexError& e) {
+        seen = std::string("IndexError: ") + e.what_without_backtrace();
+      } catch (const c10::ValueError& e) {
+        seen = std::string("ValueError: ") + e.what_without_backtrace();
+      } catch (const c10::Error& e) {
+        seen = std::string("Error: ") + e.what_without_backtrace();
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[r].push_back(seen);
+    };
+    note([&] {
+      auto t = r == 1 ? torch::Tensor() : torch::ones({3});
+      world.all_reduce(t);
+    });
+    note([&] {
+      auto t = r == 0 ? torch::ones({3, 2}).t() : torch::ones({2, 3});
+      world.all_reduce(t);
+    });
+    note([&] {
+      auto t = torch::ones({3});
+      world.broadcast(t, r == 1 ? 7 : 0);
+    });
+    auto sum = torch::full({2}, static_cast<double>(r + 1));
+    world.all_reduce(sum);
+    EXPECT_TRUE(torch::equal(sum, torch::full({2}, 3.0)));
+    auto root = torch::full({1}, static_cast<double>(r));
+    world.broadcast(root, 1);
+    EXPECT_EQ(root.item<double>(), 1.0);
+  });
+  // Who refused: rank 1, rank 0, rank 1.
+  const std::vector<int> refuser{1, 0, 1};
+  const std::vector<std::string> own{
+      "ValueError: gpipe::dist::World::all_reduce expects a dense contiguous "
+      "tensor, but got an undefined one",
+      "ValueError: gpipe::dist::World::all_reduce expects a dense contiguous "
+      "tensor, but got one that is not",
+      "IndexError: gpipe::dist::World::broadcast expects a root rank in [0, "
+      "2), but got 7"};
+  for (size_t k = 0; k < 3; ++k) {
+    const auto& mine = errors[refuser[k]][k];
+    const auto& other = errors[1 - refuser[k]][k];
+    EXPECT_EQ(mine.rfind(own[k], 0), 0u) << mine;
+    EXPECT_NE(
+        other.find(
+            "ValueError: gpipe::dist::World::" +
+            std::string(k < 2 ? "all_reduce" : "broadcast") + ": rank " +
+            std::to_string(refuser[k]) + " refused its own arguments"),
+        std::string::npos)
+        << other;
+  }
+}
+
+// A World whose collective timed out is closed (Gloo closes its pairs after
+// a timeout): it used to throw at once, and the next collective blamed a
+// dead rank ("Application timeout caused pair closure"). Now every rank
+// hears the first error, and later collectives say the World is closed.
+TEST(GlooErrorsTest, AWorldWhoseCollectiveTimedOutIsClosedOnEveryRank) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::mutex mutex;
+  std::vector<std::vector<std::string>> errors(2);
+  gpipe::dist::testing::run_threads(2, [&](int64_t r) {
+    auto world = gpipe::dist::init_from_store(
+        store, r, 2, std::chrono::milliseconds(1500));
+    auto note = [&](const std::function<void()>& f) {
+      std::string seen = "no error";
+      try {
+        f();
+      } catch (const c10::Error& e) {
+        seen = e.what_without_backtrace();
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[r].push_back(seen);
+    };
+    if (r == 0) {
+      note([&] { world.barrier(); });  // rank 1 skips it
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    }
+    note([&] {
+      auto t = torch::ones({2});
+      world.all_reduce(t);
+    });
+  });
+  ASSERT_EQ(errors[0].size(), 2u);
+  ASSERT_EQ(errors[1].size(), 1u);
+  EXPECT_NE(
+      errors[0][0].find("the World::barrier did not end within 1.5 s"),
+      std::string::npos)
+      << errors[0][0];
+  for (const auto& later : {errors[0][1], errors[1][0]}) {
+    EXPECT_NE(
+        later.find("rank 0: gpipe::dist: the World::barrier did not end"),
+        std::string::npos)
+        << later;
+    EXPECT_NE(later.find("closed after a failure"), std::string::npos) << later;
+  }
+}
+
 }  // namespace

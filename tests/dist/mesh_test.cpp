@@ -1030,6 +1030,7 @@ TEST(MeshTest, ShardsOfDifferentSizesAreRefusedOnEveryRankBeforeTheyRun) {
           std::string::npos);
     }
     EXPECT_NE(errors[r].find("Nothing ran"), std::string::npos);
+    EXPECT_EQ(errors[r].find("stays usable"), errors[r].rfind("stays usable"));
     EXPECT_EQ(gradients_after_refusal[r], 0);
     EXPECT_GT(losses[r], 0.0);
     EXPECT_EQ(losses[r], losses[0]);
@@ -1124,9 +1125,12 @@ TEST(MeshTest, AReplicasMistakeBeforeAStepIsRefusedByEveryReplica) {
       }
       EXPECT_NE(
           e.find("the first stage of replica 1 (rank 2) refused this "
-                 "training step before it began"),
+                 "training step before it began ("),
           std::string::npos);
-      EXPECT_NE(e.find("the stage stays usable"), std::string::npos);
+      // With its cause, and said once.
+      EXPECT_NE(
+          e.find(errors[2][k].substr(kinds[k].size() + 2)), std::string::npos);
+      EXPECT_EQ(e.find("stays usable"), e.rfind("stays usable"));
     }
   }
   EXPECT_NE(
@@ -1136,6 +1140,56 @@ TEST(MeshTest, AReplicasMistakeBeforeAStepIsRefusedByEveryReplica) {
   EXPECT_NE(
       errors[2][2].find("train_step expects a loss_fn"), std::string::npos)
       << errors[2][2];
+}
+
+// One rank of one replica builds another model: its replica's ranks find
+// out in their own agreement, and the other replica's ranks, which wait for
+// them in the replicas' agreement, used to wait out the whole timeout
+// ("waited 30 s for rank 2 to build its stage"). They now hear why at once.
+TEST(MeshTest, AReplicaThatBuiltAnotherModelTellsTheOtherReplicas) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  auto nets = nets_of_ranks(4);
+  // Rank 3: build(0)'s layers, with a ReLU for its Tanh (layer 3).
+  torch::manual_seed(0);
+  torch::nn::Sequential other;
+  other->push_back(torch::nn::Linear(6, 10));
+  other->push_back(TanhStash());
+  other->push_back(torch::nn::Linear(10, 10));
+  other->push_back(torch::nn::ReLU());
+  other->push_back(torch::nn::Linear(10, 10));
+  other->push_back(PopAdd());
+  other->push_back(torch::nn::Linear(10, 3));
+  other->to(torch::kDouble);
+  nets[3] = other;
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  std::vector<double> seconds(4, 0.0);
+  run_ranks(4, [&](World world) {
+    const auto began = std::chrono::steady_clock::now();
+    try {
+      Mesh mesh(world, 2);
+      dist::PipelineStage stage(nets[world.rank()], options, mesh);
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[world.rank()] = e.what_without_backtrace();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    seconds[world.rank()] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - began)
+            .count();
+  });
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + errors[r]);
+    EXPECT_LT(seconds[r], 10.0);  // the timeout is 30 s
+    EXPECT_NE(errors[r].find("ReLU"), std::string::npos);
+    if (r < 2) {
+      EXPECT_NE(
+          errors[r].find(
+              "rank " + std::to_string(r + 2) + " could not build its stage"),
+          std::string::npos);
+    }
+  }
 }
 
 // As DDP's, the buckets are filled from the last parameter to the first,
