@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -332,6 +333,10 @@ class PipelineStageImpl : public torch::nn::Module {
       const LossFunction& loss_fn,
       Schedule schedule,
       const Plan* plan);
+  // With replicas, the end of a step: the gradients' and the loss's
+  // average; a failure there is passed on to this replica's pipeline.
+  torch::Tensor average_over_replicas(torch::Tensor loss);
+  std::exception_ptr failed_over_replicas(std::exception_ptr error);
   // The pipeline's own part of a step (run_train_step adds the replicas').
   torch::Tensor run_pipeline_step(
       torch::Tensor input,

@@ -167,6 +167,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
   /// out of step (Gloo closes its pairs after a timeout), so the World is
   /// closed, later collectives say why, and every rank hears it.
   void closing_on_failure(const std::function<void()>& run);
+  /// After a c10d error: a rank that failed tells the others before its
+  /// connections close, so give its notice a moment (half a second) to
+  /// arrive; then it, not the lost connection, is what this rank reports.
+  void await_failure_notice();
   /// The failure, if any.
   std::optional<std::string> failure() const;
   /// Throws the failure as a c10::Error if there is one.
@@ -229,10 +233,6 @@ struct Connection : std::enable_shared_from_this<Connection> {
     return wait_bytes(peer, post_bytes(peer, tag, bytes), what);
   }
   [[noreturn]] void throw_failure() const;
-  // After a c10d error: a rank that failed tells the others before its
-  // connections close, so give its notice a moment (half a second) to
-  // arrive; then it, not the lost connection, is what this rank reports.
-  void await_failure_notice();
 
   mutable std::mutex mutex_;
   std::optional<std::string> failure_;  // guarded by mutex_

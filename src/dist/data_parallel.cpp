@@ -470,29 +470,68 @@ torch::Tensor PipelineStageImpl::run_train_step(
     throw;
   }
   if (data.size() > 1) {
-    // Each stage's buckets started on its lane as soon as its gradients
-    // were final (Note [Gradient buckets]); a plan without a backward of a
-    // stage leaves its buckets to start here.
-    for (auto& buckets : engine_->buckets) {
-      if (!buckets->started()) {
-        buckets->start();
-      }
+    try {
+      loss = average_over_replicas(loss);
+    } catch (...) {
+      std::rethrow_exception(failed_over_replicas(std::current_exception()));
     }
-    const auto trace = engine_->current_trace();
-    for (auto& buckets : engine_->buckets) {
-      buckets->finish(trace.get(), world_.rank());
-    }
-    // The loss's sum over the replicas (their shards were agreed equal
-    // before the step began: agree_to_start).
-    std::vector<torch::Tensor> summed_on{
-        loss.detach().to(torch::kDouble).reshape({1})};
-    data.connection()->all_reduce(
-        summed_on, c10d::ReduceOp::SUM, "loss all-reduce over the replicas");
-    const auto replicas = static_cast<double>(data.size());
-    auto sums = summed_on[0];
-    loss = (sums[0] / replicas).to(loss.scalar_type());  // on loss's device
   }
   return loss;
+}
+
+torch::Tensor PipelineStageImpl::average_over_replicas(torch::Tensor loss) {
+  const auto& data = mesh_.data();
+  // Each stage's buckets started on its lane as soon as its gradients
+  // were final (Note [Gradient buckets]); a plan without a backward of a
+  // stage leaves its buckets to start here.
+  for (auto& buckets : engine_->buckets) {
+    if (!buckets->started()) {
+      buckets->start();
+    }
+  }
+  const auto trace = engine_->current_trace();
+  for (auto& buckets : engine_->buckets) {
+    buckets->finish(trace.get(), world_.rank());
+  }
+  // The loss's sum over the replicas (their shards were agreed equal
+  // before the step began: agree_to_start).
+  std::vector<torch::Tensor> summed_on{
+      loss.detach().to(torch::kDouble).reshape({1})};
+  data.connection()->all_reduce(
+      summed_on, c10d::ReduceOp::SUM, "loss all-reduce over the replicas");
+  const auto replicas = static_cast<double>(data.size());
+  auto sums = summed_on[0];
+  return (sums[0] / replicas).to(loss.scalar_type());  // on loss's device
+}
+
+// A rank of another replica failed while this one averaged: a rank that
+// shares a data World with it may hear only that its collective broke
+// (its peer there died), where a neighbour in this replica's pipeline heard
+// which rank failed (from its own data World). So the failure is passed on
+// to this replica's pipeline, and a rank whose own error names no rank
+// waits a moment for a neighbour's that does.
+std::exception_ptr PipelineStageImpl::failed_over_replicas(
+    std::exception_ptr error) {
+  auto& pipeline = *engine_->connection;
+  bool named = false;
+  try {
+    std::rethrow_exception(error);
+  } catch (const gpipe::detail::RelayedFailure&) {
+    named = true;  // a failure notice, as the failing rank wrote it
+  } catch (...) {
+  }
+  if (!named) {
+    pipeline.await_failure_notice();
+    if (pipeline.failure()) {
+      try {
+        pipeline.check();
+      } catch (...) {
+        return std::current_exception();
+      }
+    }
+  }
+  pipeline.fail_with(error);
+  return error;
 }
 
 }  // namespace gpipe::dist

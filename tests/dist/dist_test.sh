@@ -219,6 +219,20 @@ survivors() {
   fi
 }
 
+# survivors_of_a_replica: the same with 2 replicas of 2 stages, rank 3
+# (replica 1's last stage) killed: every survivor names it, rank 1 too,
+# whose only link to rank 3 is their gradient all-reduce (it heard only
+# that the collective broke; now its pipeline neighbour tells it).
+survivors_of_a_replica() {
+  by_hand 4 --scenario kill --kill-rank 3 --kill-step 1 --pipeline-size 2
+  for r in 0 1 2; do
+    if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*rank 3" "$tmp/rank$r"; then
+      fail "rank $r after rank 3 of a 2 x 2 mesh was killed: exit ${codes[$r]}: $(grep error "$tmp/rank$r" | head -c 400)"
+    fi
+  done
+  echo "ok: survivors of a killed replica's rank name it: $(grep error "$tmp/rank1" | head -c 200)"
+}
+
 # stalled: a rank that stops answering (asleep for twice the timeout and
 # 2 s) is given up on after GPIPE_DIST_TIMEOUT (6 s here: the ranks must
 # also meet within it, and an ASan process can take seconds more than
@@ -332,6 +346,7 @@ case $mode in
     fi
 
     survivors
+    survivors_of_a_replica
     stalled
     ;;
   rendezvous)
