@@ -53,7 +53,7 @@ struct GPipeImpl::Engine : detail::Pipeline {
 };
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
-    : options(std::move(options_)) {
+    : options(std::move(options_)), sequential_(module) {
   detail::verify_options(module, options, "gpipe::GPipe");
   if (options.deferred_batch_norm()) {
     module = convert_deferred_batch_norm(module, options.chunks());
@@ -107,17 +107,36 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
 
 GPipeImpl::~GPipeImpl() = default;
 
+namespace {
+
+// The batch's micro-batches as the first partition's inputs: each one
+// tensor (`atomic`, from forward(torch::Tensor)) or a tuple.
+std::vector<detail::Packet> micro_packets(
+    const std::vector<torch::Tensor>& inputs, int64_t chunks, bool atomic) {
+  auto micro = scatter(inputs, chunks);
+  std::vector<detail::Packet> packets;
+  packets.reserve(micro.size());
+  for (auto& b : micro) {
+    packets.push_back(detail::Packet{std::move(b), atomic});
+  }
+  return packets;
+}
+
+}  // namespace
+
+void GPipeImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  // The layers are the Sequential's: its own flag follows them, as
+  // `net->is_training()` is what a user asks.
+  sequential_->train(on);
+}
+
 torch::Tensor GPipeImpl::forward(torch::Tensor input) {
   verify_batch({input});
   if (!pipeline_) {
     return input;
   }
-  auto micro = scatter({input}, options.chunks());
-  std::vector<detail::Packet> packets;
-  packets.reserve(micro.size());
-  for (auto& b : micro) {
-    packets.push_back(detail::Packet{std::move(b), /*atomic=*/true});
-  }
+  auto packets = micro_packets({input}, options.chunks(), /*atomic=*/true);
   auto out = pipeline_->forward(
       std::move(packets), {input}, pass_options(is_training(), options));
   TORCH_CHECK_TYPE(
@@ -125,8 +144,21 @@ torch::Tensor GPipeImpl::forward(torch::Tensor input) {
       "the last layer returned a std::vector<torch::Tensor> of ",
       detail::count_of(
           static_cast<int64_t>(out.tensors.size()), "tensor", "tensors"),
-      ", so call the forward(std::vector<torch::Tensor>) overload");
+      ": call forward_tuple(torch::Tensor) for them (or forward(std::vector<"
+      "torch::Tensor>) when the first layer takes one too)");
   return out.tensors[0];
+}
+
+std::vector<torch::Tensor> GPipeImpl::forward_tuple(torch::Tensor input) {
+  verify_batch({input});
+  if (!pipeline_) {
+    return {input};
+  }
+  auto packets = micro_packets({input}, options.chunks(), /*atomic=*/true);
+  return pipeline_
+      ->forward(
+          std::move(packets), {input}, pass_options(is_training(), options))
+      .tensors;
 }
 
 std::vector<torch::Tensor> GPipeImpl::forward(
@@ -135,12 +167,7 @@ std::vector<torch::Tensor> GPipeImpl::forward(
   if (!pipeline_) {
     return inputs;
   }
-  auto micro = scatter(inputs, options.chunks());
-  std::vector<detail::Packet> packets;
-  packets.reserve(micro.size());
-  for (auto& b : micro) {
-    packets.push_back(detail::Packet{std::move(b), /*atomic=*/false});
-  }
+  auto packets = micro_packets(inputs, options.chunks(), /*atomic=*/false);
   return pipeline_
       ->forward(
           std::move(packets), inputs, pass_options(is_training(), options))

@@ -52,6 +52,26 @@ TEST_F(GPipeTest, ExposesTheSequentialsParameters) {
   EXPECT_EQ(names[3], "partitions.1.1.bias");
 }
 
+// eval() and train() on the GPipe reached the layers but left the given
+// Sequential's own flag as it was: `net->is_training()` said true after
+// `model->eval()`.
+TEST_F(GPipeTest, EvalAndTrainReachTheSequentialGiven) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4));
+  GPipe model(net, GPipeOptions({2, 1}).chunks(2));
+  model->eval();
+  EXPECT_FALSE(model->is_training());
+  EXPECT_FALSE(net->is_training());
+  for (const auto& layer : net->children()) {
+    EXPECT_FALSE(layer->is_training());
+  }
+  model->train();
+  EXPECT_TRUE(net->is_training());
+  EXPECT_TRUE(net[0]->is_training());
+  net->eval();  // the other way: the layers are the GPipe's
+  EXPECT_FALSE(model[0]->is_training());
+}
+
 TEST_F(GPipeTest, PublicAttributes) {
   GPipe model(
       two_linears(),
@@ -344,6 +364,72 @@ TEST_F(GPipeTest, SingletonTupleStaysATuple) {
   EXPECT_TRUE(torch::allclose(out[0], torch::full({4, 1}, 2.0)));
   out[0].sum().backward();
   EXPECT_TRUE(x.grad().defined());
+}
+
+// A first layer that takes a tensor and a last one that returns a tuple
+// had no way through: forward(x) pointed to the tuple overload, which gave
+// the first layer a std::vector (LibTorch's "Expected argument #0 to be of
+// type at::Tensor", a plain c10::Error). forward_tuple runs it as
+// `net->forward<std::vector<torch::Tensor>>(x)` does, and both errors say
+// which call fits.
+TEST_F(GPipeTest, ATensorInATupleOutRunsThroughForwardTuple) {
+  struct SplitImpl : torch::nn::Module {
+    std::vector<torch::Tensor> forward(torch::Tensor x) {
+      return {x * 2, x.sin()};
+    }
+  };
+  torch::manual_seed(0);
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 6), std::make_shared<SplitImpl>());
+  net->to(torch::kDouble);
+  GPipe model(net, GPipeOptions({1, 1}).chunks(2));
+  const auto x = torch::randn({5, 6}, torch::kDouble);
+  auto expected = net->forward<std::vector<torch::Tensor>>(x);
+  (expected[0].sum() + expected[1].pow(2).sum()).backward();
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : net->parameters()) {
+    grads.push_back(p.grad().clone());
+  }
+  net->zero_grad();
+  auto out = model->forward_tuple(x);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_TRUE(torch::allclose(out[0], expected[0], 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(out[1], expected[1], 1e-12, 1e-12));
+  (out[0].sum() + out[1].pow(2).sum()).backward();
+  for (size_t k = 0; k < grads.size(); ++k) {
+    EXPECT_TRUE(
+        torch::allclose(net->parameters()[k].grad(), grads[k], 1e-12, 1e-12));
+  }
+
+  auto msg = message_of([&] { model->forward(x); });
+  EXPECT_TRUE(contains(msg, "call forward_tuple(torch::Tensor) for them"))
+      << msg;
+  EXPECT_THROW(model->forward(x), c10::TypeError);
+  msg = message_of([&] { model->forward(std::vector<torch::Tensor>{x}); });
+  EXPECT_TRUE(contains(
+      msg,
+      "the first layer does not take a std::vector<torch::Tensor>, which "
+      "forward(std::vector<torch::Tensor>) gives it; call "
+      "forward(torch::Tensor), or forward_tuple(torch::Tensor)"))
+      << msg;
+  EXPECT_THROW(model->forward(std::vector<torch::Tensor>{x}), c10::TypeError);
+  // And the other way: a tuple-taking first layer given one tensor.
+  struct PairImpl : torch::nn::Module {
+    std::vector<torch::Tensor> forward(std::vector<torch::Tensor> xs) {
+      return xs;
+    }
+  };
+  GPipe pairs(
+      torch::nn::Sequential(
+          std::make_shared<PairImpl>(), std::make_shared<PairImpl>()),
+      GPipeOptions({1, 1}).chunks(2));
+  msg = message_of([&] { pairs->forward_tuple(x); });
+  EXPECT_TRUE(contains(
+      msg,
+      "the first layer does not take a torch::Tensor, which "
+      "forward(torch::Tensor) gives it; call "
+      "forward(std::vector<torch::Tensor>)"))
+      << msg;
 }
 
 TEST_F(GPipeTest, NonTensorOutputIsATypeError) {

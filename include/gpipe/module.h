@@ -40,6 +40,10 @@ class GPipeImpl : public torch::nn::Module {
   GPipeImpl(torch::nn::Sequential module, GPipeOptions options);
   ~GPipeImpl() override;
 
+  /// As Module::train, and on the Sequential given, whose layers these are
+  /// (`eval()` is `train(false)`).
+  void train(bool on = true) override;
+
   /// Runs a single-tensor batch through the pipeline. The output is on
   /// `devices().back()`; the input may be anywhere.
   torch::Tensor forward(torch::Tensor input);
@@ -47,6 +51,12 @@ class GPipeImpl : public torch::nn::Module {
   /// Runs a tuple batch: every tensor is cut into micro-batches along dim 0,
   /// and the first layer receives a `std::vector<torch::Tensor>`.
   std::vector<torch::Tensor> forward(std::vector<torch::Tensor> inputs);
+
+  /// Runs a single-tensor batch through a pipeline whose last layer returns
+  /// a `std::vector<torch::Tensor>` (as `net->forward<std::vector<
+  /// torch::Tensor>>(x)` on the Sequential): the first layer receives a
+  /// `torch::Tensor`, and the outputs' micro-batches are gathered each.
+  std::vector<torch::Tensor> forward_tuple(torch::Tensor input);
 
   /// One training step with the loss inside the pipeline: each micro-batch's
   /// loss `loss_fn(output, target)` is computed on the last partition as
@@ -158,6 +168,9 @@ class GPipeImpl : public torch::nn::Module {
       const Plan* plan);
 
   torch::nn::ModuleList partitions_;
+  // The Sequential given (its layers are the partitions'), not registered:
+  // train() and eval() reach its own flag too.
+  torch::nn::Sequential sequential_;
   std::vector<torch::Device> devices_;
   int64_t threads_per_lane_ = 1;
   bool threads_follow_plan_ = false;

@@ -68,6 +68,45 @@ void Stage::refresh() {
   }
 }
 
+namespace {
+
+// The first layer of the pipeline, given the batch as GPipe's forward
+// overload passed it: a torch::Tensor, or a std::vector<torch::Tensor>. A
+// layer that takes the other kind throws LibTorch's "Expected argument #0
+// to be of type ..."; on the first partition that is the overload's
+// choice, and the error says which to call.
+template <typename Call>
+torch::nn::AnyValue first_layer(
+    int64_t partition, const Packet& input, Call& call_layer) {
+  try {
+    return input.atomic ? call_layer(input.tensors.at(0))
+                        : call_layer(input.tensors);
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (partition != 0 ||
+        what.find("Expected argument #0 to be of type") == std::string::npos) {
+      throw;
+    }
+    TORCH_CHECK_TYPE(
+        false,
+        "the first layer does not take ",
+        input.atomic ? "a torch::Tensor, which forward(torch::Tensor)"
+                     : "a std::vector<torch::Tensor>, which "
+                       "forward(std::vector<torch::Tensor>)",
+        " gives it; call ",
+        input.atomic
+            ? "forward(std::vector<torch::Tensor>)"
+            : "forward(torch::Tensor), or forward_tuple(torch::Tensor) "
+              "when the last layer returns a "
+              "std::vector<torch::Tensor>",
+        " [",
+        what.substr(0, what.find('\n')),
+        "]");
+  }
+}
+
+}  // namespace
+
 Packet Stage::call(const Packet& input) {
   auto it = module_->begin();
   TORCH_INTERNAL_ASSERT(it != module_->end(), "empty partition ", index_);
@@ -82,8 +121,7 @@ Packet Stage::call(const Packet& input) {
     usage.check();
     return output;
   };
-  torch::nn::AnyValue value = input.atomic ? call_layer(input.tensors.at(0))
-                                           : call_layer(input.tensors);
+  torch::nn::AnyValue value = first_layer(index_, input, call_layer);
   for (++it; it != module_->end(); ++it) {
     value = call_layer(std::move(value));
   }
