@@ -111,13 +111,18 @@ TEST(MeshTest, APipelineSizeThatDoesNotDivideTheWorldIsRefused) {
 }
 
 // Seven layers with a skip from layer 1 to layer 5.
-torch::nn::Sequential build(int64_t seed) {
+// (`relu`: a ReLU for layer 3's Tanh, a model that differs in one layer.)
+torch::nn::Sequential build(int64_t seed, bool relu = false) {
   torch::manual_seed(seed);
   torch::nn::Sequential net;
   net->push_back(torch::nn::Linear(6, 10));
   net->push_back(TanhStash());
   net->push_back(torch::nn::Linear(10, 10));
-  net->push_back(torch::nn::Tanh());
+  if (relu) {
+    net->push_back(torch::nn::ReLU());
+  } else {
+    net->push_back(torch::nn::Tanh());
+  }
   net->push_back(torch::nn::Linear(10, 10));
   net->push_back(PopAdd());
   net->push_back(torch::nn::Linear(10, 3));
@@ -1150,18 +1155,7 @@ TEST(MeshTest, AReplicaThatBuiltAnotherModelTellsTheOtherReplicas) {
   const auto options =
       GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
   auto nets = nets_of_ranks(4);
-  // Rank 3: build(0)'s layers, with a ReLU for its Tanh (layer 3).
-  torch::manual_seed(0);
-  torch::nn::Sequential other;
-  other->push_back(torch::nn::Linear(6, 10));
-  other->push_back(TanhStash());
-  other->push_back(torch::nn::Linear(10, 10));
-  other->push_back(torch::nn::ReLU());
-  other->push_back(torch::nn::Linear(10, 10));
-  other->push_back(PopAdd());
-  other->push_back(torch::nn::Linear(10, 3));
-  other->to(torch::kDouble);
-  nets[3] = other;
+  nets[3] = build(0, /*relu=*/true);  // rank 3: a ReLU for a Tanh
   std::mutex mutex;
   std::vector<std::string> errors(4);
   std::vector<double> seconds(4, 0.0);

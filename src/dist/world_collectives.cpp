@@ -1,0 +1,223 @@
+// World's collectives (all_reduce, broadcast, barrier): each agrees first
+// on its arguments across the ranks, so that every rank refuses alike, and
+// a collective that fails or times out closes the World on every rank.
+// (World::split is in mesh.cpp.)
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+#include <gpipe/dist.h>
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+#include "dist/backend.h"
+#include "dist/connection.h"
+
+namespace gpipe::dist {
+
+namespace {
+
+// Waits for a collective of `connection`'s group; its failure is a
+// c10::Error naming the operation and the rank, without c10d's backtrace.
+void wait_collective(
+    detail::Connection& connection,
+    const char* what,
+    const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+  connection.check();
+  connection.closing_on_failure([&] {
+    connection.wait_collective(start(), std::string("World::") + what);
+  });
+}
+
+void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
+  TORCH_CHECK_VALUE(
+      tensor.defined() && tensor.layout() == torch::kStrided &&
+          tensor.is_contiguous(),
+      "gpipe::dist::World::",
+      what,
+      " expects a dense contiguous tensor, but got ",
+      tensor.defined() ? "one that is not" : "an undefined one");
+}
+
+// Gloo aborts the process (an enforce in its event-loop thread, which no
+// caller can catch) when a rank receives more bytes than it posted: ranks
+// that pass tensors of other sizes to one collective would end the job
+// with SIGABRT. So a World's collective first agrees on the tensor's size,
+// dtype and shape (a hash of its sizes) and, for a broadcast, the root, in
+// one collective of a few numbers (the largest of each and of its
+// negative), and every rank refuses alike when they differ. So are the
+// arguments a rank refuses on its own (`mine`: an undefined tensor, a root
+// out of range): refused there alone, they left the others waiting in this
+// agreement, which the refusing rank's next collective then answered,
+// out of step. What no rank can do (a dtype the group cannot sum) is
+// refused after it, alike too.
+void agree_on_tensor(
+    detail::Connection& connection,
+    const torch::Tensor& tensor,
+    const char* what,
+    int64_t root,
+    const std::exception_ptr& mine) {
+  const bool usable = !mine && tensor.defined();
+  const int64_t n = usable ? tensor.numel() : 0;
+  const auto dtype = usable ? static_cast<int64_t>(tensor.scalar_type()) : 0;
+  uint64_t hash = usable ? static_cast<uint64_t>(tensor.dim()) : 0;
+  for (const auto size : usable ? tensor.sizes() : c10::IntArrayRef()) {
+    hash = hash * 1000003u ^ static_cast<uint64_t>(size);
+  }
+  const auto shape = static_cast<int64_t>(hash >> 2);  // its negative fits
+  // The last word: 1 + the highest rank that refused its own arguments.
+  const int64_t refused = mine ? connection.rank + 1 : 0;
+  std::vector<torch::Tensor> words{torch::tensor(
+      std::vector<int64_t>{
+          n, dtype, shape, root, -n, -dtype, -shape, -root, refused},
+      torch::kLong)};
+  connection.closing_on_failure([&] {
+    connection.all_reduce(
+        words,
+        c10d::ReduceOp::MAX,
+        std::string("World::") + what + " (its agreement on the tensor)");
+  });
+  if (mine) {
+    std::rethrow_exception(mine);
+  }
+  const auto* w = words[0].data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(
+      w[8] == 0,
+      "gpipe::dist::World::",
+      what,
+      ": ",
+      connection.rank_name(w[8] - 1),
+      " refused its own arguments (its error says why), so every rank "
+      "refuses this ",
+      what,
+      "; the World stays usable");
+  const auto here = c10::str(
+      " (",
+      connection.rank_name(connection.rank),
+      ": ",
+      n,
+      " of ",
+      tensor.scalar_type(),
+      ", shape ",
+      tensor.sizes(),
+      ")");
+  TORCH_CHECK_VALUE(
+      w[0] == -w[4] && w[1] == -w[5],
+      "gpipe::dist::World::",
+      what,
+      " expects a tensor of the same size and dtype on every rank, but the "
+      "ranks passed ",
+      -w[4] == w[0] ? "tensors of other dtypes"
+                    : "from " + std::to_string(-w[4]) + " to " +
+                          std::to_string(w[0]) + " elements",
+      here);
+  TORCH_CHECK_VALUE(
+      w[2] == -w[6],
+      "gpipe::dist::World::",
+      what,
+      " expects a tensor of the same shape on every rank, but the ranks "
+      "passed tensors of other shapes",
+      here);
+  TORCH_CHECK_VALUE(
+      w[3] == -w[7],
+      "gpipe::dist::World::",
+      what,
+      " expects the same root on every rank, but the ranks passed roots from ",
+      -w[7],
+      " to ",
+      w[3],
+      " (",
+      connection.rank_name(connection.rank),
+      ": ",
+      root,
+      ")");
+}
+
+// The error `check` throws, if any.
+std::exception_ptr refused_by(const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const c10::Error&) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void World::all_reduce(torch::Tensor& tensor) const {
+  const auto mine =
+      refused_by([&] { check_collective_tensor(tensor, "all_reduce"); });
+  if (size() == 1 && mine) {
+    std::rethrow_exception(mine);
+  }
+  if (size() == 1) {
+    return;
+  }
+  agree_on_tensor(*connection_, tensor, "all_reduce", 0, mine);
+  // Every rank has this dtype now: all refuse it alike.
+  TORCH_CHECK_VALUE(
+      tensor.scalar_type() != torch::kBool && !tensor.is_complex(),
+      "gpipe::dist::World::all_reduce sums, and expects a tensor of real "
+      "numbers, but got ",
+      tensor.scalar_type());
+  std::vector<torch::Tensor> tensors{tensor};
+  connection_->closing_on_failure([&] {
+    connection_->all_reduce(tensors, c10d::ReduceOp::SUM, "World::all_reduce");
+  });
+}
+
+void World::broadcast(torch::Tensor& tensor, int64_t root) const {
+  const auto mine = refused_by([&] {
+    check_collective_tensor(tensor, "broadcast");
+    TORCH_CHECK_INDEX(
+        root >= 0 && root < size(),
+        "gpipe::dist::World::broadcast expects a root rank in [0, ",
+        size(),
+        "), but got ",
+        root);
+  });
+  if (size() == 1 && mine) {
+    std::rethrow_exception(mine);
+  }
+  if (size() == 1) {
+    return;
+  }
+  agree_on_tensor(*connection_, tensor, "broadcast", root, mine);
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  connection_->check();
+  connection_->closing_on_failure([&] {
+    connection_->run_collective(
+        tensors,
+        [&](std::vector<torch::Tensor>& ts) {
+          return connection_->group->broadcast(ts, options);
+        },
+        "World::broadcast");
+  });
+}
+
+void World::barrier() const {
+  if (size() == 1) {
+    return;
+  }
+  c10d::BarrierOptions options;
+  const auto& device = connection_->groups.device;
+  // NCCL's barrier runs on the rank's GPU, and c10d makes its tensor on the
+  // current device.
+  c10::OptionalDeviceGuard guard;
+  if (device.is_cuda() && device.has_index()) {
+    options.device_ids = {device.index()};
+    guard.reset_device(device);
+  }
+  wait_collective(*connection_, "barrier", [&] {
+    return connection_->group->barrier(options);
+  });
+}
+
+}  // namespace gpipe::dist
