@@ -166,6 +166,11 @@ std::string train_step_schedules();
 /// --stages-per-lane is left out (2 for interleaved, looped_bfs and
 /// zero_bubble_v); 1 for "autograd" and "plan".
 int64_t own_stages_per_lane(const std::string& schedule);
+
+/// The layout flags (--pipeline-size, --partitions, --balance,
+/// --stages-per-lane, `per_lane`: given) against the launcher's ranks and
+/// the model; fills in args.partitions and args.balance. Throws UsageError.
+void verify_layout(const CLI::App& app, Args& args, bool per_lane);
 /// Whether the named schedule runs its partitions in a V (zero_bubble_v).
 bool runs_in_a_v(const std::string& schedule);
 /// --devices (train_devices.cpp): the flag, and its check, which fills
