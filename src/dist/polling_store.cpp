@@ -12,41 +12,17 @@ namespace gpipe::dist::detail {
 
 PollingStore::PollingStore(
     c10::intrusive_ptr<c10d::Store> inner, std::function<bool()> stop)
-    : c10d::Store(kNoTimeout),
+    : ForwardingStore(kNoTimeout),
       inner_(std::move(inner)),
       stop_(std::move(stop)) {}
 
-void PollingStore::set(
-    const std::string& key, const std::vector<uint8_t>& value) {
-  inner_->set(key, value);
-}
-
-std::vector<uint8_t> PollingStore::compareSet(
-    const std::string& key,
-    const std::vector<uint8_t>& expected,
-    const std::vector<uint8_t>& desired) {
-  return inner_->compareSet(key, expected, desired);
+c10::intrusive_ptr<c10d::Store> PollingStore::target() const {
+  return inner_;
 }
 
 std::vector<uint8_t> PollingStore::get(const std::string& key) {
   wait({key});
   return inner_->get(key);  // there now: answered at once
-}
-
-int64_t PollingStore::add(const std::string& key, int64_t value) {
-  return inner_->add(key, value);
-}
-
-bool PollingStore::deleteKey(const std::string& key) {
-  return inner_->deleteKey(key);
-}
-
-bool PollingStore::check(const std::vector<std::string>& keys) {
-  return inner_->check(keys);
-}
-
-int64_t PollingStore::getNumKeys() {
-  return inner_->getNumKeys();
 }
 
 void PollingStore::wait(const std::vector<std::string>& keys) {

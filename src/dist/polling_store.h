@@ -29,30 +29,20 @@
 #include <cstdint>
 #include <functional>
 #include <string>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
+
+#include "dist/forwarding_store.h"
 
 namespace gpipe::dist::detail {
 
-// (No member says `override`: clone() overrides Store's only in LibTorch
-// versions that have it, and a class marks all its overrides or none.)
-class PollingStore final : public c10d::Store {
+class PollingStore final : public ForwardingStore {
  public:
   /// Waits through `inner` until the keys come, or until `stop()` says to
   /// give up (a c10::Error then).
   PollingStore(
       c10::intrusive_ptr<c10d::Store> inner, std::function<bool()> stop);
 
-  virtual void set(const std::string& key, const std::vector<uint8_t>& value);
-  virtual std::vector<uint8_t> compareSet(
-      const std::string& key,
-      const std::vector<uint8_t>& expected,
-      const std::vector<uint8_t>& desired);
   virtual std::vector<uint8_t> get(const std::string& key);
-  virtual int64_t add(const std::string& key, int64_t value);
-  virtual bool deleteKey(const std::string& key);
-  virtual bool check(const std::vector<std::string>& keys);
-  virtual int64_t getNumKeys();
   virtual void wait(const std::vector<std::string>& keys);
   /// (`timeout` is not a deadline here: see the Note.)
   virtual void wait(
@@ -63,6 +53,8 @@ class PollingStore final : public c10d::Store {
   virtual c10::intrusive_ptr<c10d::Store> clone();
 
  private:
+  virtual c10::intrusive_ptr<c10d::Store> target() const;
+
   c10::intrusive_ptr<c10d::Store> inner_;
   std::function<bool()> stop_;
 };

@@ -19,36 +19,21 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
-#include <cstdint>
 #include <mutex>
 #include <string>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
+
+#include "dist/forwarding_store.h"
 
 namespace gpipe::dist::detail {
 
-// (No member says `override`: clone() overrides Store's only in LibTorch
-// versions that have it, and a class marks all its overrides or none.)
-class StoreClient final : public c10d::Store {
+class StoreClient final : public ForwardingStore {
  public:
   /// `host`: where the store is, for messages ("127.0.0.1:29500").
   StoreClient(c10::intrusive_ptr<c10d::Store> inner, std::string host);
 
-  virtual void set(const std::string& key, const std::vector<uint8_t>& value);
-  virtual std::vector<uint8_t> compareSet(
-      const std::string& key,
-      const std::vector<uint8_t>& expected,
-      const std::vector<uint8_t>& desired);
-  virtual std::vector<uint8_t> get(const std::string& key);
-  virtual int64_t add(const std::string& key, int64_t value);
-  virtual bool deleteKey(const std::string& key);
   /// Lets go of the store when it fails (see the Note).
   virtual bool check(const std::vector<std::string>& keys);
-  virtual int64_t getNumKeys();
-  virtual void wait(const std::vector<std::string>& keys);
-  virtual void wait(
-      const std::vector<std::string>& keys,
-      const std::chrono::milliseconds& timeout);
   virtual void setTimeout(const std::chrono::milliseconds& timeout);
   /// Another wrapper over the same store (Store::clone of LibTorch 2.x: a
   /// copy safe to use from another thread).
@@ -59,7 +44,7 @@ class StoreClient final : public c10d::Store {
 
  private:
   /// The store, or a c10::Error when it was let go of.
-  c10::intrusive_ptr<c10d::Store> inner() const;
+  virtual c10::intrusive_ptr<c10d::Store> target() const;
 
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Store> inner_;  // guarded by mutex_
