@@ -3,7 +3,9 @@
 #include "dist/meeting.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <c10/util/StringUtil.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <thread>
@@ -242,6 +244,35 @@ void meet(
       timeout,
       hosts_store)
       .join();
+}
+
+// Note [c10d's lines on a failed connect]
+// A rank that cannot reach rank 0's store gets gpipe's one-line error,
+// which carries c10d's own words; c10d also logged them, as lines of its
+// own before it ("WARNING: Logging before InitGoogleLogging() is written to
+// STDERR" and "E1129 ... socket.cpp:860] [c10d] The client socket has timed
+// out ..."). While the store is made those lines are held back: a
+// LibTorch built with glog (Debian's) reads glog's minloglevel, which is
+// looked up by name so that gpipe need not link glog itself; one built
+// without reads c10's caffe2_log_level. Only FATAL lines pass (level 3 in
+// both), and the levels come back when the store is made or has failed.
+QuietLibTorchLog::QuietLibTorchLog()
+    : glog_level_(static_cast<int*>(
+          ::dlsym(RTLD_DEFAULT, "_ZN3fLI17FLAGS_minloglevelE"))),
+      saved_c10_level_(FLAGS_caffe2_log_level) {
+  constexpr int kFatal = 3;
+  if (glog_level_ != nullptr) {
+    saved_glog_level_ = *glog_level_;
+    *glog_level_ = std::max(saved_glog_level_, kFatal);
+  }
+  FLAGS_caffe2_log_level = std::max(saved_c10_level_, kFatal);
+}
+
+QuietLibTorchLog::~QuietLibTorchLog() {
+  if (glog_level_ != nullptr) {
+    *glog_level_ = saved_glog_level_;
+  }
+  FLAGS_caffe2_log_level = saved_c10_level_;
 }
 
 }  // namespace gpipe::dist::detail

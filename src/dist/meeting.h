@@ -28,4 +28,19 @@ void meet(
     std::chrono::milliseconds timeout,
     bool hosts_store);
 
+/// Holds back LibTorch's own log lines below FATAL while it lives (see Note
+/// [c10d's lines on a failed connect] in dist/meeting.cpp). One at a time.
+class QuietLibTorchLog {
+ public:
+  QuietLibTorchLog();
+  ~QuietLibTorchLog();
+  QuietLibTorchLog(const QuietLibTorchLog&) = delete;
+  QuietLibTorchLog& operator=(const QuietLibTorchLog&) = delete;
+
+ private:
+  int* glog_level_ = nullptr;
+  int saved_glog_level_ = 0;
+  int saved_c10_level_ = 0;
+};
+
 }  // namespace gpipe::dist::detail

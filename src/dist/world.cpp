@@ -212,6 +212,8 @@ World join_from_env(std::chrono::milliseconds timeout) {
   options.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> tcp;
   try {
+    // Note [c10d's lines on a failed connect] in dist/meeting.cpp.
+    const detail::QuietLibTorchLog quiet;
     tcp = c10::make_intrusive<c10d::TCPStore>(std::string(addr), options);
   } catch (const std::exception&) {
     const auto why = detail::message_of(std::current_exception());

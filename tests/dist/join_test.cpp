@@ -151,6 +151,32 @@ TEST(JoinTest, AStoreThatNeverAnswersEndsWithinTheTimeout) {
   ::close(fd);
 }
 
+// A rank whose rank 0 never came printed two lines of c10d's log before
+// gpipe's error (glog's "Logging before InitGoogleLogging()" and c10d's "The
+// client socket has timed out"), which carries c10d's words already.
+TEST(JoinTest, ARankThatCannotReachTheStoreWritesNoLogLinesOfC10d) {
+  Environment env(
+      {{"MASTER_ADDR", "127.0.0.1"},
+       {"MASTER_PORT", std::to_string(free_port())},
+       {"RANK", "1"},
+       {"WORLD_SIZE", "2"},
+       {"LOCAL_RANK", "0"},
+       {"LOCAL_WORLD_SIZE", "1"}});
+  ::testing::internal::CaptureStderr();
+  std::string what;
+  try {
+    dist::init_from_env(std::chrono::milliseconds(1000));
+    ADD_FAILURE() << "rank 1 joined with nobody at the port";
+  } catch (const c10::Error& e) {
+    what = e.what();
+  }
+  const auto logged = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(what.find("could not reach rank 0's store"), std::string::npos)
+      << what;
+  EXPECT_EQ(logged.find("[c10d]"), std::string::npos) << logged;
+  EXPECT_EQ(logged.find("InitGoogleLogging"), std::string::npos) << logged;
+}
+
 // A timeout under a second failed at once, even for a job of one rank
 // (c10d's store counts its connect timeout in whole seconds): refused as
 // such. GPIPE_DIST_TIMEOUT's errors carry no backtrace either.
