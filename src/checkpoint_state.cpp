@@ -93,11 +93,34 @@ NamedTensors tensors_of(
   return tensors;
 }
 
+namespace {
+
+std::string replica_prefix(int64_t replica) {
+  return "replicas." + std::to_string(replica) + ".";
+}
+
+}  // namespace
+
+NamedTensors replica_buffers_of(const IndexedLayers& layers, int64_t replica) {
+  NamedTensors tensors;
+  for (const auto& layer : layers) {
+    const auto prefix =
+        replica_prefix(replica) + "layers." + std::to_string(layer.index) + ".";
+    for (const auto& b : layer.module->named_buffers()) {
+      if (b.value().defined()) {
+        tensors.emplace_back(prefix + b.key(), b.value());
+      }
+    }
+  }
+  return tensors;
+}
+
 std::function<void()> plan_load(
     CheckpointReader& reader,
     const IndexedLayers& layers,
     int64_t total_layers,
-    torch::optim::Optimizer* optimizer) {
+    torch::optim::Optimizer* optimizer,
+    int64_t replica) {
   const auto& manifest = reader.manifest();
   const auto& where = reader.path();
   const auto names = manifest.at("layers").get<std::vector<std::string>>();
@@ -128,12 +151,17 @@ std::function<void()> plan_load(
         "' in the model");
     const auto prefix = "layers." + std::to_string(layer.index) + ".";
     std::set<std::string> known;
-    auto take = [&](const std::string& name, const torch::Tensor& into) {
+    auto take = [&](const std::string& name,
+                    const torch::Tensor& into,
+                    bool buffer) {
       if (!into.defined()) {
         return;
       }
-      const auto key = prefix + name;
+      auto key = prefix + name;
       known.insert(key);
+      if (buffer && replica > 0 && reader.has(replica_prefix(replica) + key)) {
+        key = replica_prefix(replica) + key;
+      }
       TORCH_CHECK_VALUE(
           reader.has(key),
           "the checkpoint in '",
@@ -155,10 +183,10 @@ std::function<void()> plan_load(
       copies.push_back(Copy{into, from});
     };
     for (const auto& p : layer.module->named_parameters()) {
-      take(p.key(), p.value());
+      take(p.key(), p.value(), /*buffer=*/false);
     }
     for (const auto& b : layer.module->named_buffers()) {
-      take(b.key(), b.value());
+      take(b.key(), b.value(), /*buffer=*/true);
     }
     for (const auto& key : reader.keys_with_prefix(prefix)) {
       TORCH_CHECK_VALUE(

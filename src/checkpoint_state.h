@@ -45,6 +45,20 @@ void add_layers(
 NamedTensors tensors_of(
     const IndexedLayers& layers, const torch::optim::Optimizer* optimizer);
 
+// Note [Each replica's buffers]
+// Data-parallel replicas hold the same parameters and optimizer state
+// (their gradients are averaged), which replica 0 writes, but buffers of
+// their own: BatchNorm's running statistics follow each replica's shard.
+// The ranks of replica d > 0 write their layers' buffers as
+// `replicas.<d>.layers.<i>.<name>`, and a rank of replica d loads those
+// when the checkpoint has them, replica 0's (`layers.<i>.<name>`) when it
+// has not (a checkpoint of fewer replicas, or of one process). So a resume
+// in the same layout gives every replica its own statistics back.
+
+/// The defined buffers of `layers`, keyed for replica `replica` (see the
+/// Note).
+NamedTensors replica_buffers_of(const IndexedLayers& layers, int64_t replica);
+
 /// The file of a checkpoint that holds the CPU generator's state
 /// ("random.cpu"), apart from the layers so that every rank reads little.
 constexpr const char* kRandomFile = "random.bin";
@@ -67,11 +81,13 @@ void write_random_file(
 /// the checkpoint (the layers' names, every tensor's presence and shape,
 /// the optimizer's kind and state) and returns what loading changes, to be
 /// called once nothing can fail any more. A c10::ValueError names the first
-/// difference.
+/// difference. Buffers are replica `replica`'s where the checkpoint has
+/// them (Note [Each replica's buffers]).
 std::function<void()> plan_load(
     CheckpointReader& reader,
     const IndexedLayers& layers,
     int64_t total_layers,
-    torch::optim::Optimizer* optimizer);
+    torch::optim::Optimizer* optimizer,
+    int64_t replica = 0);
 
 }  // namespace gpipe::detail

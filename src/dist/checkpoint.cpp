@@ -1,5 +1,6 @@
 // Training checkpoints of a PipelineStage: every rank calls, the first
-// replica's pipeline ranks write their partitions, rank 0 the manifest.
+// replica's pipeline ranks write their partitions, the other replicas'
+// ranks their buffers, rank 0 the manifest.
 // The format is the one-process one (src/checkpoint_io.h), so that any
 // layout reads any other's.
 
@@ -178,6 +179,29 @@ void save_checkpoint(
     store.set(prefix + "part" + std::to_string(pipeline_rank), bytes_of(part));
   }
 
+  // The other replicas' ranks write their layers' buffers (BatchNorm's
+  // running statistics are per replica, Note [Each replica's buffers] in
+  // checkpoint_state.h), when they have any, and tell rank 0.
+  if (!writer && is_ok(begun)) {
+    std::string part = ok("");
+    try {
+      const auto buffers =
+          gpipe::detail::replica_buffers_of(layers_of(stage), mesh.data_rank());
+      if (!buffers.empty()) {
+        const auto file = "replica-" + std::to_string(mesh.data_rank()) +
+                          "-rank-" + std::to_string(pipeline_rank) + ".bin";
+        part = ok(nlohmann::json{
+            {"file", file},
+            {"written", gpipe::detail::write_tensor_file(tmp, file, buffers)}}
+                      .dump());
+      }
+    } catch (...) {
+      part = fail_here();
+    }
+    store.set(
+        prefix + "buffers" + std::to_string(world.rank()), bytes_of(part));
+  }
+
   // Rank 0 writes the manifest once every file is on disk.
   if (world.rank() == 0) {
     std::string done = ok("");
@@ -206,6 +230,23 @@ void save_checkpoint(
           gpipe::detail::add_file(
               manifest, part.at("file").get<std::string>(), part.at("written"));
         }
+        for (const auto r : c10::irange(mesh.pipeline_size(), world.size())) {
+          const auto result =
+              string_of(store.get(prefix + "buffers" + std::to_string(r)));
+          TORCH_CHECK(
+              is_ok(result),
+              "rank ",
+              r,
+              " could not write its replica's buffers: ",
+              value_of(result));
+          if (!value_of(result).empty()) {
+            const auto part = nlohmann::json::parse(value_of(result));
+            gpipe::detail::add_file(
+                manifest,
+                part.at("file").get<std::string>(),
+                part.at("written"));
+          }
+        }
         manifest["layers"] = names;
         manifest["layout"] = {
             {"writer", "gpipe::dist::PipelineStage"},
@@ -231,6 +272,9 @@ void save_checkpoint(
   std::vector<std::string> keys{"tmp", "done"};
   for (const auto r : c10::irange(mesh.pipeline_size())) {
     keys.push_back("part" + std::to_string(r));
+  }
+  for (const auto r : c10::irange(mesh.pipeline_size(), world.size())) {
+    keys.push_back("buffers" + std::to_string(r));
   }
   forget(world, prefix, keys);
   if (!is_ok(done) && own) {
@@ -266,7 +310,11 @@ TrainingState load_checkpoint(
   try {
     gpipe::detail::CheckpointReader reader(path);
     apply = gpipe::detail::plan_load(
-        reader, layers_of(stage), total_layers(stage), &optimizer);
+        reader,
+        layers_of(stage),
+        total_layers(stage),
+        &optimizer,
+        stage->mesh().data_rank());
     state = gpipe::detail::read_state(reader);
   } catch (...) {
     error = std::current_exception();

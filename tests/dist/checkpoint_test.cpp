@@ -372,5 +372,117 @@ TEST(
   }
 }
 
+// BatchNorm's running statistics are per replica (each normalizes its own
+// shard): a checkpoint kept replica 0's only, and after a load every
+// replica held replica 0's, so a resume in the same layout was not the
+// uninterrupted run. Each replica gets its own back; a layout with more
+// replicas than were saved gives the others replica 0's.
+TEST(DistCheckpointTest, EveryReplicaLoadsItsOwnBatchNormStatistics) {
+  TempDir dir;
+  auto make_bn_net = [] {
+    torch::manual_seed(0);
+    torch::nn::Sequential net(
+        torch::nn::Linear(6, 8),
+        torch::nn::BatchNorm1d(8),
+        torch::nn::Tanh(),
+        torch::nn::Linear(8, 3));
+    net->to(torch::kFloat64);
+    return net;
+  };
+  std::vector<torch::nn::Sequential> nets;
+  for (int64_t r = 0; r < 8; ++r) {
+    nets.push_back(make_bn_net());
+  }
+  // "<rank>/<layer>.<buffer>" -> the buffer at the save.
+  std::map<std::string, torch::Tensor> saved;
+  std::map<std::string, torch::Tensor> loaded;
+  std::mutex mutex;
+  auto buffers_of = [](const dist::PipelineStage& stage, int64_t rank) {
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& part : stage->partitions()) {
+      for (const auto& b : part->named_buffers()) {
+        out[std::to_string(rank) + "/" + b.key()] = b.value().clone();
+      }
+    }
+    return out;
+  };
+  auto stage_of = [&](World world, int64_t replicas, int64_t offset) {
+    return dist::PipelineStage(
+        nets[offset + world.rank()],
+        GPipeOptions({2, 2}).chunks(2).threads_per_lane(1),
+        Mesh(world, world.size() / replicas));
+  };
+  run_ranks(4, [&](World world) {
+    auto stage = stage_of(world, 2, 0);
+    const auto& mesh = stage->mesh();
+    torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.1));
+    for (int64_t s = 0; s < 2; ++s) {
+      auto [x, y] = batch(s);
+      const auto d = mesh.data_rank();
+      // The replicas' shards differ: so do their statistics.
+      opt.zero_grad();
+      stage->train_step(
+          mesh.pipeline_rank() == 0 ? x.narrow(0, d * 4, 4) * (d + 1)
+                                    : torch::Tensor(),
+          mesh.pipeline_rank() == 1 ? y.narrow(0, d * 4, 4) : torch::Tensor(),
+          loss_fn);
+      opt.step();
+    }
+    TrainingState state;
+    state.step = 2;
+    dist::save_checkpoint(dir.path, stage, opt, state);
+    const auto mine = buffers_of(stage, world.rank());
+    std::lock_guard<std::mutex> lock(mutex);
+    saved.insert(mine.begin(), mine.end());
+  });
+  ASSERT_FALSE(saved.empty());
+  ASSERT_FALSE(
+      torch::equal(saved.at("0/1.running_mean"), saved.at("2/1.running_mean")));
+  // The same layout, fresh models: each rank its own statistics.
+  run_ranks(4, [&](World world) {
+    auto stage = stage_of(world, 2, 4);
+    torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.1));
+    dist::load_checkpoint(dir.path, stage, opt);
+    const auto mine = buffers_of(stage, world.rank());
+    std::lock_guard<std::mutex> lock(mutex);
+    loaded.insert(mine.begin(), mine.end());
+  });
+  ASSERT_EQ(loaded.size(), saved.size());
+  for (const auto& [key, value] : saved) {
+    EXPECT_TRUE(torch::equal(loaded.at(key), value)) << key;
+  }
+  // Four replicas of the 2-rank pipeline: replicas 2 and 3 were not saved
+  // and take replica 0's.
+  loaded.clear();
+  for (auto& net : nets) {
+    net = make_bn_net();
+  }
+  run_ranks(8, [&](World world) {
+    auto stage = dist::PipelineStage(
+        nets[world.rank()],
+        GPipeOptions({2, 2}).chunks(1).threads_per_lane(1),
+        Mesh(world, 2));
+    torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.1));
+    dist::load_checkpoint(dir.path, stage, opt);
+    const auto mine = buffers_of(stage, world.rank());
+    std::lock_guard<std::mutex> lock(mutex);
+    loaded.insert(mine.begin(), mine.end());
+  });
+  for (const auto* buffer : {"1.running_mean", "1.running_var"}) {
+    for (int64_t r : {0, 2}) {
+      EXPECT_TRUE(torch::equal(
+          loaded.at(std::to_string(r) + "/" + buffer),
+          saved.at(std::to_string(r) + "/" + buffer)))
+          << r << " " << buffer;
+    }
+    for (int64_t r : {4, 6}) {
+      EXPECT_TRUE(torch::equal(
+          loaded.at(std::to_string(r) + "/" + buffer),
+          saved.at(std::string("0/") + buffer)))
+          << r << " " << buffer;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gpipe
