@@ -346,6 +346,27 @@ std::string latest_checkpoint(const std::string& dir) {
     return dir;
   }
   auto all = detail::checkpoints_in(dir);
+  // A `step-<n>` appears by one rename once it is whole (Note [Writing a
+  // checkpoint]): the newest without a manifest was damaged, and going on
+  // from an older one, or from nothing, would redo its steps unsaid.
+  int64_t newest = -1;
+  fs::path newest_path;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const auto step = detail::step_of(entry.path().filename().string());
+    if (step > newest) {
+      newest = step;
+      newest_path = entry.path();
+    }
+  }
+  TORCH_CHECK_VALUE(
+      newest < 0 || (!all.empty() && all.back().first >= newest),
+      "'",
+      newest_path.string(),
+      "' is not a whole checkpoint (it has no ",
+      detail::kManifest,
+      "): it was damaged after it was written; remove it to go on from ",
+      all.empty() ? std::string("nothing saved")
+                  : "'" + all.back().second.string() + "'");
   return all.empty() ? std::string() : all.back().second.string();
 }
 

@@ -192,6 +192,24 @@ std::string begin_checkpoint(const std::string& root, int64_t step) {
   TORCH_CHECK_VALUE(
       step >= 0, "a checkpoint's step must be 0 or more, but got ", step);
   std::error_code error;
+  // Checkpoints saved inside one would never be loaded: loading `root`
+  // reads `root` itself.
+  if (fs::exists(fs::path(root) / kManifest, error)) {
+    auto holder = fs::path(root).lexically_normal();
+    if (!holder.has_filename()) {
+      holder = holder.parent_path();  // "ckpt/step-5/"
+    }
+    holder = holder.parent_path();
+    TORCH_CHECK_VALUE(
+        false,
+        "'",
+        root,
+        "' is a checkpoint itself (it holds ",
+        kManifest,
+        "); save into the directory that holds it ('",
+        holder.empty() ? std::string(".") : holder.string(),
+        "'), where loading takes the newest");
+  }
   fs::create_directories(root, error);
   TORCH_CHECK(
       fs::is_directory(root),

@@ -419,6 +419,57 @@ TEST(CheckpointIoTest, AnotherModelOrOptimizerIsRefusedBeforeAnythingChanges) {
 // A checkpoint of a step below the newest is a run that went back to an
 // older one: the later ones go (a resume would take them), the newest
 // earlier one stays.
+// A newest `step-<n>` without its manifest was skipped: loading took the
+// one before, or found nothing and the run began again, unsaid. And a save
+// into a checkpoint itself went inside it, where no load looks.
+TEST(CheckpointIoTest, ABrokenNewestCheckpointAndASaveIntoOneAreRefused) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  TrainingState state;
+  state.step = 4;
+  save_checkpoint(dir.path, model, *opt, state);
+  const auto ckpt = latest_checkpoint(dir.path);
+  try {
+    state.step = 5;
+    save_checkpoint(ckpt, model, *opt, state);
+    ADD_FAILURE() << "a save into " << ckpt << " was taken";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "is a checkpoint itself (it holds manifest.json); save into the "
+            "directory that holds it ('" +
+            dir.path + "')"),
+        std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(entries_of(ckpt).size(), 3u);  // manifest, rank-0, random
+  const auto broken = (fs::path(dir.path) / "step-00000009").string();
+  fs::create_directory(broken);
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { latest_checkpoint(dir.path); },
+           [&] { read_training_state(dir.path); },
+           [&] { load_checkpoint(dir.path, model, *opt); }}) {
+    try {
+      call();
+      ADD_FAILURE() << "a step-00000009 without a manifest was passed over";
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(
+          std::string(e.what()).find(
+              "'" + broken +
+              "' is not a whole checkpoint (it has no manifest.json): it was "
+              "damaged after it was written; remove it to go on from '" +
+              ckpt + "'"),
+          std::string::npos)
+          << e.what();
+    }
+  }
+  // Older ones broken do not matter while a newer one is whole.
+  ASSERT_EQ(detail::remove_tree(broken), "");
+  fs::create_directory(fs::path(dir.path) / "step-00000001");
+  EXPECT_EQ(latest_checkpoint(dir.path), ckpt);
+}
+
 TEST(CheckpointIoTest, SavingAnEarlierStepDropsTheLaterOnes) {
   TempDir dir;
   auto model = make_model(kLayouts[1]);

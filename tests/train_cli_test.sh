@@ -164,6 +164,14 @@ if [[ $mode == bad ]]; then
   bad "--chunks is 4" "${d[@]}" --plan "$tmp/two.csv" --chunks 4
   bad "for 2 micro-batches, but --chunks is 8" "${d[@]}" --plan "$tmp/two.csv" --chunks 8
   bad "more than --batch-size 1" "${d[@]}" --plan "$tmp/two.csv" --batch-size 1
+  # A count that a batch does not cut into (Tensor::chunk cuts 9 rows asked
+  # for 4 into 3): a plan of 4 trained nothing and exited 0, and --chunks 4
+  # ran 3 micro-batches while the run said 4.
+  printf '0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n' >"$tmp/four.csv"
+  bad "--plan '$tmp/four.csv' is for 4 micro-batches, but the 9 rows of a batch cut into 3 micro-batches" \
+    "${d[@]}" --plan "$tmp/four.csv" --batch-size 9
+  bad "--chunks 4: the 9 rows of a batch cut into 3 micro-batches of up to 3 rows, not 4 (Tensor::chunk's pieces); 3 or 5 micro-batches cut them" \
+    "${d[@]}" --chunks 4 --batch-size 9
   printf '0F1000000000,0B0\n' >"$tmp/huge.csv"
   bad "out of range" "${d[@]}" --plan "$tmp/huge.csv"
   # A forward-only plan (valid for inference) was refused by train_step
@@ -181,9 +189,30 @@ if [[ $mode == bad ]]; then
   bad --devices "${d[@]}" --devices cuda:98,cuda:99
 
   # Saving and loading weights.
-  bad --save "${d[@]}" --save "$tmp/no-such-folder/m"
   : >"$tmp/a-file"
   bad "--save '$tmp/a-file' is a file" "${d[@]}" --save "$tmp/a-file"
+  bad "--save '$tmp/a-file/m': '$tmp/a-file' is a file, not a directory" \
+    "${d[@]}" --save "$tmp/a-file/m"
+  # Made with its parents before anything runs (the first checkpoint made
+  # them only after an epoch's work, and a missing parent was refused).
+  run "${d[@]}" --save "$tmp/no-such-folder/a/m"
+  if [[ ! -d $tmp/no-such-folder/a/m ]]; then
+    fail "--save of a new nested folder did not make it: $(cat "$tmp/err")"
+  else
+    echo "ok: --save makes its folder with the parents"
+  fi
+  # A checkpoint itself: saving into it nested the new ones, which --resume
+  # never read (it reads the directory given when it holds a manifest).
+  mkdir -p "$tmp/ck/step-00000003"
+  echo '{}' >"$tmp/ck/step-00000003/manifest.json"
+  bad "--save '$tmp/ck/step-00000003' is a checkpoint itself (it holds manifest.json); give the directory that holds it ('$tmp/ck')" \
+    "${d[@]}" --save "$tmp/ck/step-00000003" --resume
+  # A newest checkpoint without its manifest (damaged: a step-<n> appears
+  # whole or not at all) was "nothing saved yet", and training began again.
+  mkdir -p "$tmp/dmg/step-00000004"
+  bad "--save '$tmp/dmg': '$tmp/dmg/step-00000004' is not a whole checkpoint (it has no manifest.json)" \
+    "${d[@]}" --save "$tmp/dmg" --resume
+  bad "'$tmp/dmg/step-00000004' is not a whole checkpoint" "${d[@]}" --save "$tmp/dmg"
   # A --save folder this user cannot write: refused before training, not
   # when the first checkpoint is due, after an epoch's work. (Root writes
   # anywhere: as root, gpipe-train runs as nobody here.)
@@ -194,7 +223,7 @@ if [[ $mode == bad ]]; then
     as=(setpriv --reuid=nobody --regid=nogroup --clear-groups --)
   fi
   bad "--save '$tmp/locked' is not writable" "${d[@]}" --save "$tmp/locked"
-  bad "the folder '$tmp/locked' is not writable" "${d[@]}" --save "$tmp/locked/m"
+  bad "--save '$tmp/locked/m': cannot make the directory" "${d[@]}" --save "$tmp/locked/m"
   as=()
   chmod 700 "$tmp"
   bad --save-every-steps "${d[@]}" --save-every-steps 3
@@ -450,6 +479,15 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --save"
   fi
+  # The JSON's thread count is the one the text says (it said 0 when the
+  # lanes shared the cores by the plan, and 0 under a launcher).
+  said=$(grep -o 'threads_per_lane=[0-9]*' "$tmp/err" | head -n 1 | cut -d= -f2)
+  if [[ -z $said ]] || ! grep -q "\"threads_per_lane\":$said," "$tmp/out" ||
+    ! grep -q '"threads_shared_by_plan":true' "$tmp/out"; then
+    fail "the JSON's threads per lane is not the text's ($said): $(grep -o '"threads[a-z_]*":[0-9a-z]*' "$tmp/out")"
+  else
+    echo "ok: the JSON says $said threads per lane, shared by the plan, as the text"
+  fi
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --json --balance 5,8 --load "$tmp/m"
   loaded=$(grep -o '"test_accuracy":[0-9.]*' "$tmp/out" | cut -d: -f2)
   if [[ $status -ne 0 ]] || ! grep -q "loaded weights from $tmp/m" "$tmp/err"; then
@@ -521,30 +559,17 @@ elif [[ $mode == run ]]; then
   # steps left cannot record 8 after the first.
   bad --trace-steps "${r[@]}" --epochs 3 --save "$tmp/r" --resume \
     --trace "$tmp/t.json" --trace-steps 8
-  # Other settings than the saved run's, or a damaged checkpoint: exit 1
-  # with the reason.
-  run "${r[@]}" --epochs 3 --save "$tmp/r" --resume --batch-size 32
-  if [[ $status -ne 1 ]] || ! grep -qF -- "with --batch-size 64, but this run has 32" "$tmp/err"; then
-    fail "--resume with another --batch-size exited $status: $(cat "$tmp/err")"
-  else
-    echo "ok: --resume with other settings -> $(cat "$tmp/err")"
-  fi
+  # Other settings than the saved run's, or a damaged checkpoint: a bad
+  # command line (exit 2), told before the data is read and the balance
+  # measured (it was exit 1, after both).
+  bad "with --batch-size 64, but this run has 32" "${r[@]}" --epochs 3 --save "$tmp/r" --resume --batch-size 32
   # A cosine rate follows --epochs: resuming a cosine run with more epochs
   # would change the rate of the epochs already done.
   run "${r[@]}" --epochs 1 --lr-schedule cosine --save "$tmp/c"
-  run "${r[@]}" --epochs 2 --lr-schedule cosine --save "$tmp/c" --resume
-  if [[ $status -ne 1 ]] || ! grep -qF -- "with --lr-schedule cosine over --epochs 1, but this run has cosine over --epochs 2" "$tmp/err"; then
-    fail "--resume of a cosine run with other --epochs exited $status: $(cat "$tmp/err")"
-  else
-    echo "ok: --resume of a cosine run with other --epochs -> $(cat "$tmp/err")"
-  fi
+  bad "with --lr-schedule cosine over --epochs 1, but this run has cosine over --epochs 2" \
+    "${r[@]}" --epochs 2 --lr-schedule cosine --save "$tmp/c" --resume
   printf 'XXXX' | dd of="$tmp/r/step-00000016/rank-0.bin" bs=1 seek=1000 conv=notrunc 2>/dev/null
-  run "${r[@]}" --epochs 3 --save "$tmp/r" --resume
-  if [[ $status -ne 1 ]] || ! grep -qF "rank-0.bin' is corrupt" "$tmp/err"; then
-    fail "--resume of a damaged checkpoint exited $status: $(cat "$tmp/err")"
-  else
-    echo "ok: --resume of a damaged checkpoint -> $(cat "$tmp/err")"
-  fi
+  bad "rank-0.bin' is corrupt" "${r[@]}" --epochs 3 --save "$tmp/r" --resume
 
   # Too few steps to trace is known only once the data is read: still 2.
   bad --trace-steps --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 \

@@ -97,6 +97,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     }
     std::fprintf(out, "loaded weights from %s\n", args.load_path.c_str());
   }
+  verify_resume(args, net);
   // Only the images --limit and --test-limit keep are read.
   auto data = gpipe_data::read_fashion_mnist(
       args.data_dir, args.limit, args.test_limit);
@@ -431,9 +432,10 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
             {"deferred_batch_norm", args.deferred_batch_norm},
             {"lr_schedule", args.lr_schedule},
             {"final_lr", lr},
+            // The count the lanes run with, as the text says it.
             {"threads_per_lane",
-             world || model->threads_follow_plan() ? int64_t{0}
-                                                   : model->threads_per_lane()},
+             world ? stage->threads_per_lane() : model->threads_per_lane()},
+            {"threads_shared_by_plan", !world && model->threads_follow_plan()},
             {"ranks", ranks},
             {"pipeline_size", pipeline_size},
             {"replicas", replicas},

@@ -171,6 +171,13 @@ int64_t own_stages_per_lane(const std::string& schedule);
 /// --stages-per-lane, `per_lane`: given) against the launcher's ranks and
 /// the model; fills in args.partitions and args.balance. Throws UsageError.
 void verify_layout(const CLI::App& app, Args& args, bool per_lane);
+/// "" when `rows` cut into `chunks` micro-batches as GPipe cuts them
+/// (Tensor::chunk: pieces of ceil(rows / chunks) rows, the last shorter,
+/// so 9 rows asked for 4 give 3); else what they cut into, and the nearest
+/// counts that they do cut into, as "cut into ..." (train_layout.cpp).
+std::string uneven_cut(int64_t rows, int64_t chunks);
+/// "the 8 rows of a batch", or of each replica's shard, for messages.
+std::string rows_of_a_batch(const Args& args, int64_t replicas);
 /// Whether the named schedule runs its partitions in a V (zero_bubble_v).
 bool runs_in_a_v(const std::string& schedule);
 /// --devices (train_devices.cpp): the flag, and its check, which fills
@@ -182,6 +189,10 @@ void verify_devices_option(const CLI::App& app, Args& args);
 /// one or can be made, an existing --load.
 void add_save_options(CLI::App& app, Args& args);
 void verify_save_options(const CLI::App& app, const Args& args);
+/// --resume's checks that need the model (after verify_save_options):
+/// the newest checkpoint in --save was written with this run's settings,
+/// is whole and fits `net` (throws UsageError); nothing is loaded.
+void verify_resume(const Args& args, const torch::nn::Sequential& net);
 /// Writes a checkpoint of `state` (its step, epochs done, batches done in
 /// the epoch) into args.save_path: of `stage` on every rank when it is not
 /// null, else of `model`. The run's settings go with it.

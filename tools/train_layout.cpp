@@ -11,6 +11,57 @@
 
 namespace gpipe_train {
 
+namespace {
+
+// The micro-batches Tensor::chunk cuts `rows` into when asked for `chunks`.
+int64_t pieces(int64_t rows, int64_t chunks) {
+  const int64_t size = (rows + chunks - 1) / chunks;
+  return (rows + size - 1) / size;
+}
+
+}  // namespace
+
+std::string uneven_cut(int64_t rows, int64_t chunks) {
+  if (chunks < 1 || chunks > rows || pieces(rows, chunks) == chunks) {
+    return "";  // (more micro-batches than rows is refused on its own)
+  }
+  int64_t below = chunks - 1;
+  while (pieces(rows, below) != below) {
+    --below;  // 1 always fits
+  }
+  int64_t above = chunks + 1;
+  while (pieces(rows, above) != above) {
+    ++above;  // `rows` always fits
+  }
+  return c10::str(
+      "cut into ",
+      count_of(pieces(rows, chunks), "micro-batch", "micro-batches"),
+      " of up to ",
+      (rows + chunks - 1) / chunks,
+      " rows, not ",
+      chunks,
+      " (Tensor::chunk's pieces); ",
+      below,
+      " or ",
+      above,
+      " micro-batches cut them, as does any number of rows that ",
+      chunks,
+      " divides");
+}
+
+std::string rows_of_a_batch(const Args& args, int64_t replicas) {
+  const int64_t rows = args.batch_size / replicas;
+  return replicas > 1 ? c10::str(
+                            "the ",
+                            rows,
+                            " rows of each replica's shard (--batch-size ",
+                            args.batch_size,
+                            " over ",
+                            replicas,
+                            " replicas)")
+                      : c10::str("the ", rows, " rows of a batch");
+}
+
 void verify_layout(const CLI::App& app, Args& args, bool per_lane) {
   const auto& spec = model_spec(args.model);
   // Across ranks: partition j on rank j % ranks, stages_per_lane partitions
@@ -65,6 +116,20 @@ void verify_layout(const CLI::App& app, Args& args, bool per_lane) {
       " over ",
       replicas,
       " replicas); every micro-batch needs at least one sample");
+  // A --chunks that the batch does not cut into would run fewer
+  // micro-batches than the run reports (a --plan's is checked when it is
+  // read).
+  if (!args.autotune && app.count("--plan") == 0) {
+    const auto why = uneven_cut(args.batch_size / replicas, args.chunks);
+    usage_check(
+        why.empty(),
+        "--chunks ",
+        args.chunks,
+        ": ",
+        rows_of_a_batch(args, replicas),
+        " ",
+        why);
+  }
   const int64_t pipeline_ranks = args.pipeline_size;
   if (args.world_size > 1) {
     // The autograd schedule needs the whole pipeline in one process.

@@ -107,6 +107,18 @@ void read_plan(const CLI::App& app, Args& args) {
                          " replicas)")
                    : c10::str("--batch-size ", args.batch_size),
       "; every micro-batch needs at least one sample");
+  // Or every batch would be left out: a step runs the plan's count only.
+  const auto why = uneven_cut(rows, m);
+  usage_check(
+      why.empty(),
+      "--plan '",
+      args.plan_path,
+      "' is for ",
+      count_of(m, "micro-batch", "micro-batches"),
+      ", but ",
+      rows_of_a_batch(args, std::max<int64_t>(replicas, 1)),
+      " ",
+      why);
   args.schedule = "plan";
 }
 

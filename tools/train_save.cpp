@@ -51,6 +51,21 @@ void add_save_options(CLI::App& app, Args& args) {
       "epoch 1");
 }
 
+namespace {
+
+// The checkpoint --resume would take in --save ("" when none); a damaged
+// newest one is a bad --save.
+std::string newest_checkpoint(const Args& args) {
+  try {
+    return gpipe::latest_checkpoint(args.save_path);
+  } catch (const c10::Error& e) {
+    throw UsageError(c10::str(
+        "--save '", args.save_path, "': ", e.what_without_backtrace()));
+  }
+}
+
+}  // namespace
+
 void verify_save_options(const CLI::App& app, const Args& args) {
   const bool save = app.count("--save") > 0;
   const bool load = app.count("--load") > 0;
@@ -58,43 +73,59 @@ void verify_save_options(const CLI::App& app, const Args& args) {
     std::error_code ignored;
     const auto& path = args.save_path;
     usage_check(!path.empty(), "--save needs a directory");
-    if (fs::exists(path, ignored)) {
+    usage_check(
+        !fs::exists(path, ignored) || fs::is_directory(path, ignored),
+        "--save '",
+        path,
+        "' is a file; name a directory (made when missing) for the "
+        "checkpoints");
+    // A file where the path needs a folder, named.
+    for (auto p = fs::path(path).parent_path();
+         !p.empty() && p != p.root_path();
+         p = p.parent_path()) {
       usage_check(
-          fs::is_directory(path, ignored),
+          !fs::exists(p, ignored) || fs::is_directory(p, ignored),
           "--save '",
           path,
-          "' is a file; name a directory (made when missing) for the "
-          "checkpoints");
-      // Checked now, not when the first checkpoint is due (after an
-      // epoch's work).
-      usage_check(
-          ::access(path.c_str(), W_OK | X_OK) == 0,
-          "--save '",
-          path,
-          "' is not writable");
-    } else {
-      auto parent = fs::path(path).parent_path();
-      if (parent.empty()) {
-        parent = ".";
-      }
-      usage_check(
-          fs::is_directory(parent, ignored),
-          "--save '",
-          path,
-          "': the folder '",
-          parent.string(),
-          "' does not exist");
-      usage_check(
-          ::access(parent.c_str(), W_OK | X_OK) == 0,
-          "--save '",
-          path,
-          "': the folder '",
-          parent.string(),
-          "' is not writable");
+          "': '",
+          p.string(),
+          "' is a file, not a directory");
     }
+    // Checkpoints saved inside one would never be resumed from: --resume
+    // reads it itself.
+    if (fs::exists(fs::path(path) / "manifest.json", ignored)) {
+      auto holder = fs::path(path).lexically_normal();
+      if (!holder.has_filename()) {
+        holder = holder.parent_path();
+      }
+      holder = holder.parent_path();
+      usage_check(
+          false,
+          "--save '",
+          path,
+          "' is a checkpoint itself (it holds manifest.json); give the "
+          "directory that holds it ('",
+          holder.empty() ? std::string(".") : holder.string(),
+          "'), where --resume takes the newest");
+    }
+    // Made now, with its parents, as the first checkpoint would make it an
+    // epoch's work later.
+    std::error_code error;
+    fs::create_directories(path, error);
+    usage_check(
+        fs::is_directory(path, ignored),
+        "--save '",
+        path,
+        "': cannot make the directory",
+        error ? ": " + error.message() : std::string());
+    usage_check(
+        ::access(path.c_str(), W_OK | X_OK) == 0,
+        "--save '",
+        path,
+        "' is not writable");
   }
   if (save && !args.resume) {
-    const auto newest = gpipe::latest_checkpoint(args.save_path);
+    const auto newest = newest_checkpoint(args);
     usage_check(
         newest.empty(),
         "--save '",
@@ -171,7 +202,64 @@ std::map<std::string, std::string> parse_settings(const std::string& text) {
   return settings;
 }
 
+// Why --resume cannot go on from `newest` with this run's settings, or "".
+std::string resume_mismatch(const Args& args, const std::string& newest) {
+  try {
+    const auto saved = gpipe::read_training_state(args.save_path);
+    for (const auto& [flag, now] : settings_of(args)) {
+      auto it = saved.user.find(flag);
+      const auto then = it == saved.user.end() ? std::string("?") : it->second;
+      // A rate is compared as a number: checkpoints written before kept
+      // 17 digits.
+      const bool same = flag == "--lr"
+                            ? std::strtod(then.c_str(), nullptr) == args.lr
+                            : then == now;
+      if (!same) {
+        return c10::str(
+            "--resume: ",
+            newest,
+            " was saved by a run with ",
+            flag,
+            " ",
+            then,
+            ", but this run has ",
+            now,
+            "; resume with the same settings");
+      }
+    }
+  } catch (const c10::Error& e) {
+    return c10::str("--resume: ", e.what_without_backtrace());
+  }
+  return "";
+}
+
 }  // namespace
+
+void verify_resume(const Args& args, const torch::nn::Sequential& net) {
+  if (!args.resume) {
+    return;
+  }
+  const auto newest = newest_checkpoint(args);
+  if (newest.empty()) {
+    return;
+  }
+  const auto mismatch = resume_mismatch(args, newest);
+  usage_check(mismatch.empty(), mismatch);
+  // Every file the weights and the optimizer's state are read from, whole
+  // and fitting the model, before the data is read and the balance
+  // measured (into a copy: the model is loaded with the optimizer later).
+  // (Sequential::clone would drop the layers' names, which loading checks.)
+  try {
+    torch::nn::Sequential copy;
+    const auto names = net->named_children();
+    for (size_t k = 0; k < net->size(); ++k) {
+      copy->push_back(names[k].key(), net->begin()[k].clone());
+    }
+    gpipe::load_into_sequential(copy, newest);
+  } catch (const c10::Error& e) {
+    throw UsageError(c10::str("--resume: ", e.what_without_backtrace()));
+  }
+}
 
 void save_training(
     const Args& args,
@@ -215,35 +303,9 @@ gpipe::TrainingState resume_training(
     return {};
   }
   // The settings first, so that a checkpoint of another run is refused
-  // before anything is loaded; alike on every rank.
-  std::string mismatch;
-  try {
-    const auto saved = gpipe::read_training_state(args.save_path);
-    for (const auto& [flag, now] : settings_of(args)) {
-      auto it = saved.user.find(flag);
-      const auto then = it == saved.user.end() ? std::string("?") : it->second;
-      // A rate is compared as a number: checkpoints written before kept
-      // 17 digits.
-      const bool same = flag == "--lr"
-                            ? std::strtod(then.c_str(), nullptr) == args.lr
-                            : then == now;
-      if (!same) {
-        mismatch = c10::str(
-            "--resume: ",
-            newest,
-            " was saved by a run with ",
-            flag,
-            " ",
-            then,
-            ", but this run has ",
-            now,
-            "; resume with the same settings");
-        break;
-      }
-    }
-  } catch (const c10::Error& e) {
-    mismatch = e.what_without_backtrace();
-  }
+  // before anything is loaded; alike on every rank (verify_resume told it
+  // before the run began; a rank on another host may see other files).
+  auto mismatch = resume_mismatch(args, newest);
   if (world != nullptr) {
     auto flag = torch::tensor({mismatch.empty() ? 0 : 1}, torch::kLong);
     world->all_reduce(flag);

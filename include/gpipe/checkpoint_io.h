@@ -71,7 +71,8 @@ struct TrainingState {
 /// Saves `model`'s parameters and buffers, `optimizer`'s state (its
 /// parameters must be the model's) and `state` as a new checkpoint in
 /// `dir` (made when missing), named by `state.step`. A c10::Error says why
-/// it could not; the previous checkpoints stay as they were.
+/// it could not (a c10::ValueError when `dir` is a checkpoint itself); the
+/// previous checkpoints stay as they were.
 void save_checkpoint(
     const std::string& dir,
     const GPipe& model,
@@ -93,7 +94,8 @@ TrainingState read_training_state(const std::string& dir);
 
 /// The checkpoint directory load_checkpoint would read in `dir` (itself
 /// when it holds a manifest, else its newest whole checkpoint), or an empty
-/// string when there is none.
+/// string when there is none. A c10::ValueError when its newest
+/// `step-<n>` is not whole (no manifest: damaged after it was written).
 std::string latest_checkpoint(const std::string& dir);
 
 }  // namespace gpipe

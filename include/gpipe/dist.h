@@ -321,6 +321,11 @@ class PipelineStageImpl : public torch::nn::Module {
   int64_t chunks() const {
     return options.chunks();
   }
+  /// The intra-op threads of this rank's lane: `threads_per_lane` when it
+  /// was given, else the host's cores divided by its ranks.
+  int64_t threads_per_lane() const {
+    return threads_per_lane_;
+  }
 
   GPipeOptions options;
 
@@ -348,6 +353,7 @@ class PipelineStageImpl : public torch::nn::Module {
   Mesh mesh_;
   World world_;
   std::vector<torch::nn::Sequential> partitions_;
+  int64_t threads_per_lane_ = 1;
   torch::Device device_ = torch::kCPU;
   std::shared_ptr<Engine> engine_;
 };

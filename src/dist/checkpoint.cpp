@@ -297,17 +297,24 @@ TrainingState load_checkpoint(
   auto& store = *world.store();
   const auto prefix = unique_prefix(world, "load");
   // Rank 0 says which checkpoint: a save may not be seen alike by all.
-  std::string path;
   if (world.rank() == 0) {
-    path = latest_checkpoint(dir);
-    store.set(prefix + "path", bytes_of(ok(path.empty() ? dir : path)));
+    std::string chosen;
+    try {
+      const auto newest = latest_checkpoint(dir);
+      chosen = ok(newest.empty() ? dir : newest);
+    } catch (...) {
+      chosen = failed(detail::message_of(std::current_exception()));
+    }
+    store.set(prefix + "path", bytes_of(chosen));
   }
-  path = value_of(string_of(store.get(prefix + "path")));
+  const auto chosen = string_of(store.get(prefix + "path"));
+  const auto path = value_of(chosen);
 
   TrainingState state;
   std::function<void()> apply;
   std::exception_ptr error;
   try {
+    TORCH_CHECK_VALUE(is_ok(chosen), path);
     gpipe::detail::CheckpointReader reader(path);
     apply = gpipe::detail::plan_load(
         reader,

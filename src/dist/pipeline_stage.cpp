@@ -135,6 +135,7 @@ PipelineStageImpl::PipelineStageImpl(
                 1,
                 static_cast<int64_t>(std::thread::hardware_concurrency()) /
                     std::max<int64_t>(1, world_.local_size()));
+  threads_per_lane_ = threads;
   engine_->pipeline = std::make_shared<gpipe::detail::Pipeline>(
       parts, devices, threads, local, placement);
 

@@ -372,6 +372,40 @@ TEST(
   }
 }
 
+// A newest checkpoint without its manifest: rank 0 chooses what to load,
+// and its refusal reaches every rank (none left waiting for its choice).
+TEST(DistCheckpointTest, ABrokenNewestCheckpointIsRefusedOnEveryRank) {
+  TempDir dir;
+  const auto ref = reference(Opt::SGDMomentum);
+  run(kTwoStages, Opt::SGDMomentum, dir.path, false, true, 0, 1, ref);
+  fs::create_directory(fs::path(dir.path) / "step-00000007");
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  std::vector<torch::nn::Sequential> nets{make_net(), make_net()};
+  run_ranks(2, [&](World world) {
+    dist::PipelineStage stage(
+        nets[world.rank()],
+        GPipeOptions({3, 3}).chunks(2).threads_per_lane(1),
+        world);
+    auto opt = make_optimizer(Opt::SGDMomentum, stage->parameters());
+    std::string what = "accepted";
+    try {
+      dist::load_checkpoint(dir.path, stage, *opt);
+    } catch (const c10::ValueError& e) {
+      what = e.what_without_backtrace();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    errors.push_back(what);
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& what : errors) {
+    EXPECT_NE(
+        what.find("step-00000007' is not a whole checkpoint"),
+        std::string::npos)
+        << what;
+  }
+}
+
 // BatchNorm's running statistics are per replica (each normalizes its own
 // shard): a checkpoint kept replica 0's only, and after a load every
 // replica held replica 0's, so a resume in the same layout was not the
