@@ -184,7 +184,9 @@ json accuracy_section(
     rows.push_back(
         {{"config", config.name},
          {"test_error_percent_mean", mean},
-         {"test_error_percent_std", std_dev},
+         // (One seed has no spread: null.)
+         {"test_error_percent_std",
+          errors.size() > 1 ? json(std_dev) : json(nullptr)},
          {"difference_to_plain", mean - plain_mean},
          {"per_seed", errors}});
   }

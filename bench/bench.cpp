@@ -116,14 +116,18 @@ int bench_main(int argc, char** argv) {
          "--iters",
          iters,
          "Timed iterations per configuration (median); cell-cost: runs of 101 "
-         "pairs")
+         "pairs; overhead, random and trace's tiny-layer rows time fixed "
+         "counts of pairs, memory measures one step")
       ->check(CLI::Range(1, 100000));
   app.add_option(
          "--chunks", chunk_list, "Chunk counts for the 2-partition rows")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   app.add_option("--json", json_path, "Where to write the JSON results");
   app.add_flag(
-      "--quick", quick, "Only chunks 8 and checkpoint never (smoke run)");
+      "--quick",
+      quick,
+      "speed: only chunks 8 and checkpoint never, whatever --chunks says "
+      "(a smoke run)");
   app.add_option(
          "--only",
          only,
@@ -173,8 +177,12 @@ int bench_main(int argc, char** argv) {
       "given)");
   double budget_mib = 256;
   app.add_option(
-         "--budget-mib", budget_mib, "unet-memory: MiB per device (lane)")
-      ->check(kPositiveFinite);
+         "--budget-mib",
+         budget_mib,
+         "unet-memory: MiB per device (lane), at most 16384 (the models grow "
+         "until a step no longer fits it)")
+      ->check(kPositiveFinite)
+      ->check(CLI::Range(0.0, 16384.0));
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   app.add_option("--data-dir", data_dir, "accuracy: Fashion-MNIST's folder");
   int seeds = 3;
@@ -200,7 +208,7 @@ int bench_main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "gpipe-bench: %s (see gpipe-bench --help)\n",
-        gpipe::tools::cli_message(e).c_str());
+        gpipe::tools::cli_message(e, &app).c_str());
     return 2;
   }
   for (const auto& [flag, path] :
@@ -215,6 +223,18 @@ int bench_main(int argc, char** argv) {
           path.c_str());
       return 2;
     }
+  }
+  // The sections' own files: a folder that cannot take them fails here,
+  // not after minutes of measuring (when the JSON would be lost too).
+  if (!svg_dir.empty() &&
+      !writable(
+          (std::filesystem::path(svg_dir) / ".gpipe-bench-probe").string())) {
+    std::fprintf(
+        stderr,
+        "gpipe-bench: --svg-dir '%s' is not a folder this user can write "
+        "into; name an existing, writable folder\n",
+        svg_dir.c_str());
+    return 2;
   }
   auto named = [&only](const std::string& section) {
     return std::find(only.begin(), only.end(), section) != only.end();
@@ -270,6 +290,24 @@ int bench_main(int argc, char** argv) {
         return 2;
       }
     }
+    if (want("dist") && !writable(dist_trace + ".svg")) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: --dist-trace '%s': '%s.svg' cannot be written (a "
+          "folder, a missing folder or no permission)\n",
+          dist_trace.c_str(),
+          dist_trace.c_str());
+      return 2;
+    }
+    if (named("mesh") && std::atoi(world_size) != 4) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: --only mesh runs on 4 ranks (2 replicas of a 2-stage "
+          "pipeline), but WORLD_SIZE is %s: run `gpipe-run -n 4 -- "
+          "gpipe-bench --only mesh`\n",
+          world_size);
+      return 2;
+    }
     auto world = gpipe::dist::init_from_env();
     if (world.rank() == 0) {
       gpipe::bench::print_environment();
@@ -309,19 +347,21 @@ int bench_main(int argc, char** argv) {
 
   gpipe::bench::CountingAllocator::install();
   gpipe::bench::print_environment();
-  torch::manual_seed(0);
-  auto net = mlp(blocks, width);
-  auto x = torch::randn({batch, width});
-  std::printf(
-      "# model: %lld x (Linear(%lld,%lld)+ReLU), batch %lld, training step = "
-      "forward + backward\n",
-      (long long)blocks,
-      (long long)width,
-      (long long)width,
-      (long long)batch);
 
   json out;
   if (want("speed")) {
+    // Made here, not for every section: its 64 MiB (at the defaults) stay
+    // alive while it lives, and the memory sections count what is alive.
+    torch::manual_seed(0);
+    auto net = mlp(blocks, width);
+    auto x = torch::randn({batch, width});
+    std::printf(
+        "# model: %lld x (Linear(%lld,%lld)+ReLU), batch %lld, training step "
+        "= forward + backward\n",
+        (long long)blocks,
+        (long long)width,
+        (long long)width,
+        (long long)batch);
     out["speed"] =
         gpipe::bench::speed_section(net, x, iters, chunk_list, quick);
     out["speed"]["blocks"] = blocks;
@@ -373,8 +413,8 @@ int bench_main(int argc, char** argv) {
     out["memory"] = memory;
   }
 
-  // Schedules: FillDrain against OneFOneB through train_step, checkpoint
-  // never, 2 and 4 lanes.
+  // Schedules: each schedule through train_step on 4 lanes (and their
+  // simulation).
   if (want("schedules")) {
     out["schedules"] = gpipe::bench::schedules_section(iters);
   }

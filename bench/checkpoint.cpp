@@ -57,6 +57,13 @@ nlohmann::json checkpoint_section(int iters) {
   const auto root = fs::temp_directory_path() /
                     ("gpipe-bench-checkpoint-" + std::to_string(::getpid()));
   detail::remove_tree(root.string());
+  // Removed however the section ends (a failed save left ~50 MB behind).
+  struct Removed {
+    std::string path;
+    ~Removed() {
+      detail::remove_tree(path);
+    }
+  } removed{root.string()};
   const auto archive = (root / "weights.pt").string();
   fs::create_directories(root);
   int64_t step = 0;
@@ -79,7 +86,6 @@ nlohmann::json checkpoint_section(int iters) {
   const auto checkpoint_bytes =
       bytes_under(latest_checkpoint((root / "ckpt").string()));
   const auto archive_bytes = static_cast<int64_t>(fs::file_size(archive));
-  detail::remove_tree(root.string());
 
   const double mib = checkpoint_bytes / 1048576.0;
   const double archive_mib = archive_bytes / 1048576.0;

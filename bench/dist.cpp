@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <optional>
@@ -378,8 +379,10 @@ nlohmann::json dist_section(
            // Interleaved (two stages a rank) is left out: its trace does
            // not say which of a rank's stages a cell ran.
            {"hops_waited", hops.size()},
-           {"hop_median_us", hops.empty() ? 0.0 : quantile(hops, 0.5)},
-           {"hop_p90_us", hops.empty() ? 0.0 : quantile(hops, 0.9)}});
+           {"hop_median_us",
+            hops.empty() ? json(nullptr) : json(quantile(hops, 0.5))},
+           {"hop_p90_us",
+            hops.empty() ? json(nullptr) : json(quantile(hops, 0.9))}});
     }
     out["schedules_m32"] = rows;
     if (lead) {
@@ -401,10 +404,15 @@ nlohmann::json dist_section(
           "hops",
           "hop_med_us",
           "hop_p90_us");
+      // (No hops measured: "-".)
+      auto us = [](const json& v) {
+        return v.is_null() ? std::string("-")
+                           : c10::str(std::lround(v.get<double>()));
+      };
       for (const auto& r : rows) {
         std::printf(
             "%-14s %12.4f %12.4f %8.3f %10.4f %10.4f %12.4f %8lld %8lld "
-            "%10.0f %10.0f\n",
+            "%10s %10s\n",
             r["schedule"].get<std::string>().c_str(),
             r["single_process_seconds"].get<double>(),
             r["distributed_seconds"].get<double>(),
@@ -414,8 +422,8 @@ nlohmann::json dist_section(
             r["rank0_wait_seconds"].get<double>(),
             static_cast<long long>(r["rank0_waits"].get<int64_t>()),
             static_cast<long long>(r["hops_waited"].get<int64_t>()),
-            r["hop_median_us"].get<double>(),
-            r["hop_p90_us"].get<double>());
+            us(r["hop_median_us"]).c_str(),
+            us(r["hop_p90_us"]).c_str());
       }
     }
   }

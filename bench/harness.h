@@ -188,6 +188,10 @@ class CountingAllocator final : public c10::Allocator {
   size_t tag_peak(int tag) const {
     return tag_peak_[tag].load();
   }
+  /// Live bytes of the allocations made under `tag`.
+  size_t tag_live(int tag) const {
+    return tag_live_[tag].load();
+  }
   static constexpr int kTags = 16;
 
  private:

@@ -34,7 +34,9 @@ std::string cell(const json& value) {
   if (value.is_number_float()) {
     const double v = value.get<double>();
     char text[32];
-    if (v != 0 && (std::fabs(v) >= 1e6 || std::fabs(v) < 1e-3)) {
+    // Three significant digits at least: a step of 1.6 ms kept in seconds
+    // is 0.00163, not 0.002.
+    if (v != 0 && (std::fabs(v) >= 1e6 || std::fabs(v) < 1)) {
       std::snprintf(text, sizeof text, "%.3g", v);
     } else if (std::fabs(v) >= 100) {
       std::snprintf(text, sizeof text, "%.1f", v);
@@ -56,7 +58,7 @@ std::string cell(const json& value) {
     return out;
   }
   if (value.is_null()) {
-    return "";
+    return "-";  // a figure the row has none of
   }
   return value.dump();
 }

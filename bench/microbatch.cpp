@@ -96,6 +96,17 @@ json microbatch_section(
                double(blocks);
       };
   for (int64_t m : {1, 2, 4, 8, 16, 32}) {
+    // The products are timed on micro-batches of batch / m rows: a count
+    // that does not cut the batch evenly would time others than the step.
+    if (batch % m != 0) {
+      std::printf(
+          "# chunks %lld left out: %lld rows do not cut into %lld equal "
+          "micro-batches\n",
+          (long long)m,
+          (long long)batch,
+          (long long)m);
+      continue;
+    }
     const int64_t r = batch / m;
     auto xr = torch::randn({r, width});
     auto gr = torch::randn({r, width});
@@ -110,7 +121,10 @@ json microbatch_section(
     if (m == 1) {
       step1 = step;
     }
-    const double gemm = (fwd + dx + dw) * double(m * blocks);
+    // The first Linear's input needs no gradient: blocks - 1 input
+    // gradients per micro-batch.
+    const double gemm =
+        (fwd + dw) * double(m * blocks) + dx * double(m * (blocks - 1));
     const double accumulate = add_s * double((m - 1) * blocks);
     const double flops = layer_flops * double(r) / 1e9;
     const double rest = step - gemm - accumulate;
@@ -175,6 +189,9 @@ json microbatch_section(
       "%6s %14s %14s %9s\n", "chunks", "per_micro_us", "gathered_us", "gain");
   json gathered = json::array();
   for (int64_t m : {4, 8, 16, 32}) {
+    if (batch % m != 0) {
+      continue;  // (as above)
+    }
     const int64_t r = batch / m;
     std::vector<torch::Tensor> xs;
     std::vector<torch::Tensor> gs;

@@ -32,7 +32,7 @@ nlohmann::json speed_section(
 /// returns the numbers.
 nlohmann::json random_section();
 
-/// The four schedules through train_step, 4 lanes, 8 micro-batches: on
+/// Every schedule through train_step, 4 lanes, 8 micro-batches: on
 /// fixed-cost layers against their simulations ("fixed_cost": step time,
 /// simulated time, bubble, bubble over 1F1B's, micro-batches held), and on
 /// 16 x Linear(1024) ("real": step time and peak memory). Prints two

@@ -176,10 +176,13 @@ nlohmann::json speed_section(
       "# speed-ups: vs_1p_c1 = over GPipe 1 partition chunks 1; vs_1p_cm = "
       "over GPipe 1 partition\n"
       "# with the same chunks (same micro-batches, one lane); attainable = "
-      "bound x capacity / 2;\n"
-      "# effic = vs_1p_cm / attainable; effic_c1 = vs_1p_c1 / attainable\n");
+      "2m / (2 + 2(m-1) / capacity):\n"
+      "# the bound with the m-1 slots that run both lanes at once slowed by "
+      "the capacity, the fill and drain slots not;\n"
+      "# effic = vs_1p_cm / attainable; effic_c1 = vs_1p_c1 / attainable "
+      "(2-partition rows of one thread per lane only)\n");
   std::printf(
-      "%-9s %2s %6s %-12s %9s %8s %8s %9s %9s %6s %6s %6s %8s %9s\n",
+      "%-15s %2s %6s %-12s %9s %8s %8s %9s %9s %6s %6s %6s %8s %9s\n",
       "config",
       "n",
       "chunks",
@@ -198,18 +201,33 @@ nlohmann::json speed_section(
     const double n = r.partitions;
     const double m = r.chunks;
     const double bound = n * m / (m + n - 1);
-    const double attainable = r.partitions == 2 ? bound * capacity / 2 : 1.0;
+    // Of fill-drain's m + 1 slots per pass on 2 lanes, m - 1 run both lanes
+    // at once, each slowed to capacity / 2 of a lane alone; the other two
+    // run one lane at full speed.
+    const double attainable =
+        r.partitions == 2 ? 2 * m / (2 + 2 * (m - 1) / capacity) : 1.0;
     const double vs_c1 = gpipe1[1] / r.seconds;
     const double vs_cm =
         r.partitions == 1 && r.name == "gpipe-1p"
             ? 1.0
             : (gpipe1.count(r.chunks) ? gpipe1[r.chunks] / r.seconds : vs_c1);
-    const double efficiency = r.name == "gpipe-2p" ? vs_cm / attainable : 0.0;
-    const double efficiency_c1 =
-        r.name == "gpipe-2p" ? vs_c1 / attainable : 0.0;
+    // Only the 2-partition rows of one thread per lane have an efficiency
+    // (null in the JSON, "-" in the table for the others).
+    const bool rated = r.name == "gpipe-2p";
+    const double efficiency = vs_cm / attainable;
+    const double efficiency_c1 = vs_c1 / attainable;
+    auto cell = [rated](double v, int width) {
+      char text[32];
+      if (rated) {
+        std::snprintf(text, sizeof(text), "%*.3f", width, v);
+      } else {
+        std::snprintf(text, sizeof(text), "%*s", width, "-");
+      }
+      return std::string(text);
+    };
     std::printf(
-        "%-9s %2lld %6lld %-12s %9.1f %8.3f %8.3f %9.3f %9.3f %6.3f %6.3f "
-        "%6.3f %8.3f %9.1f\n",
+        "%-15s %2lld %6lld %-12s %9.1f %8.3f %8.3f %9.3f %9.3f %6.3f %6.3f "
+        "%s %s %9.1f\n",
         r.name.c_str(),
         (long long)r.partitions,
         (long long)r.chunks,
@@ -221,8 +239,8 @@ nlohmann::json speed_section(
         plain2 / r.seconds,
         bound,
         attainable,
-        efficiency,
-        efficiency_c1,
+        cell(efficiency, 6).c_str(),
+        cell(efficiency_c1, 8).c_str(),
         r.peak_mib);
     configs.push_back(
         {{"config", r.name},
@@ -236,8 +254,9 @@ nlohmann::json speed_section(
          {"speedup_vs_plain_2t", plain2 / r.seconds},
          {"fill_drain_bound", bound},
          {"attainable", attainable},
-         {"efficiency", efficiency},
-         {"efficiency_vs_chunks_1", efficiency_c1},
+         {"efficiency", rated ? json(efficiency) : json(nullptr)},
+         {"efficiency_vs_chunks_1",
+          rated ? json(efficiency_c1) : json(nullptr)},
          {"peak_mib", r.peak_mib}});
   }
   return {{"parallel_capacity", capacity}, {"configs", configs}};

@@ -38,7 +38,7 @@ nlohmann::json trace_section(
     int pairs;
   };
   std::vector<Case> cases{
-      {"16x(Linear(1024)+ReLU) b256 c8",
+      {c10::str(blocks, "x(Linear(", width, ")+ReLU) b", batch, " c8"),
        mlp(blocks, width),
        torch::randn({batch, width}),
        8,
@@ -91,8 +91,10 @@ nlohmann::json trace_section(
     const int events = 200000;
     const auto start = std::chrono::steady_clock::now();
     for (int k = 0; k < events; ++k) {
-      const auto now = std::chrono::steady_clock::now();
-      trace.record(k % 2, k % 8, gpipe::TraceKind::Forward, now, now);
+      // A cell's start and end, as the runner reads them.
+      const auto begin = std::chrono::steady_clock::now();
+      const auto end = std::chrono::steady_clock::now();
+      trace.record(k % 2, k % 8, gpipe::TraceKind::Forward, begin, end);
     }
     const double per_event =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start)

@@ -112,8 +112,9 @@ json unet_speed_section(int iters, const std::string& svg_dir) {
     for (int64_t m : {1, 4, 32}) {
       std::string refused;
       double s = 0;
+      GPipe model{nullptr};
       try {
-        GPipe model(
+        model = GPipe(
             net,
             GPipeOptions(balance)
                 .chunks(m)
@@ -121,22 +122,23 @@ json unet_speed_section(int iters, const std::string& svg_dir) {
                 .checkpoint(Checkpoint::ExceptLast)
                 .threads_per_lane(1));
         s = gpipe_step_seconds(model, x, y, c.schedule, iters);
-        if (c.lanes == 4 && m == 4 && c.stages_per_lane == 1 &&
-            (c.schedule == Schedule::FillDrain ||
-             c.schedule == Schedule::OneFOneB) &&
-            !svg_dir.empty()) {
-          // One step's timeline of each.
-          auto trace = std::make_shared<Trace>();
-          model->set_trace(trace);
-          model->zero_grad();
-          model->train_step(x, y, mse, c.schedule);
-          model->set_trace(nullptr);
-          trace->write_svg(
-              svg_dir + "/unet-timeline-" + to_string(c.schedule) + ".svg");
-        }
       } catch (const c10::Error& e) {
         refused = e.what_without_backtrace();
         refused = refused.substr(0, refused.find('\n'));
+      }
+      // One step's timeline of each (outside the try: a file that cannot
+      // be written is no refused configuration).
+      if (refused.empty() && c.lanes == 4 && m == 4 && c.stages_per_lane == 1 &&
+          (c.schedule == Schedule::FillDrain ||
+           c.schedule == Schedule::OneFOneB) &&
+          !svg_dir.empty()) {
+        auto trace = std::make_shared<Trace>();
+        model->set_trace(trace);
+        model->zero_grad();
+        model->train_step(x, y, mse, c.schedule);
+        model->set_trace(nullptr);
+        trace->write_svg(
+            svg_dir + "/unet-timeline-" + to_string(c.schedule) + ".svg");
       }
       const double bound =
           double(c.lanes) * m / (m + c.lanes - 1);  // fill-drain's

@@ -75,12 +75,15 @@ Fit measure_unet(
     const torch::Tensor& y,
     int64_t chunks) {
   auto& counter = CountingAllocator::install();
+  // What this thread holds before the model (the caller's, and other
+  // sections' tensors) is none of the step's (Note [Device 0's share]).
+  allocation_tag = 0;
+  const double before = static_cast<double>(counter.tag_live(0));
   torch::manual_seed(0);
   auto net = models::unet(B, C, 3, 1, models::UNetOptions().dropout(0.0));
   std::vector<double> params;  // bytes per device
   std::function<void()> step;
   GPipe model{nullptr};
-  allocation_tag = 0;
   if (config.lanes == 0) {
     params.push_back(0);
     for (const auto& p : net->parameters()) {
@@ -131,8 +134,17 @@ Fit measure_unet(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
           .count();
   fit.rss_mib = rss_mib().first;
-  // The main thread's allocations (the batch, the loss) count on device 0.
-  double main = counter.tag_peak(0);
+  // Note [Device 0's share]
+  // This thread's allocations count on device 0: the batch, the loss, the
+  // gathered output (and with no lanes, the whole step). The parameters
+  // were made here too; they count on their lanes (params), so they come
+  // off, with what was here before the model.
+  double total_params = 0;
+  for (const auto p : params) {
+    total_params += p;
+  }
+  const double main = counter.tag_peak(0) - before - total_params +
+                      static_cast<double>(x.nbytes() + y.nbytes());
   for (size_t k = 0; k < params.size(); ++k) {
     const double lane = params[k] +
                         (config.lanes == 0 ? 0.0 : counter.tag_peak(k + 1)) +

@@ -56,7 +56,20 @@ unknown flag '--bogus'	--bogus --only random
 --json	--only random --json .
 --json	--only random --json ''
 --markdown	--only random --markdown /nonexistent/folder/x.md
+--quick is a switch: give it alone (or =true, =false), but got 'maybe'	--only random --quick=maybe
+--svg-dir '/nonexistent/folder' is not a folder this user can write into	--only unet-memory --svg-dir /nonexistent/folder
 EOF
+
+# The mesh section on other than 4 ranks: refused before joining (it
+# printed a line and exited 0 with "mesh": null).
+WORLD_SIZE=2 timeout 60 "$bench" --only mesh >out 2>err
+status=$?
+if [[ $status -ne 2 ]] || ! grep -qF "runs on 4 ranks" err || [[ -e gpipe-bench.json ]]; then
+  echo "FAIL: --only mesh on 2 ranks: status $status: $(head -c 400 err)"
+  failures=$((failures + 1))
+else
+  echo "ok: --only mesh on 2 ranks -> $(cat err)"
+fi
 
 # A valid run: the cheapest section, its results where they were asked for.
 if ! timeout 120 "$bench" --only random --json r.json --markdown r.md >out 2>err; then

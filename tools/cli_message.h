@@ -3,6 +3,7 @@
 // gpipe-bench; header-only, so that gpipe-run stays free of LibTorch.
 #pragma once
 
+#include <CLI/App.hpp>
 #include <CLI/Error.hpp>
 #include <regex>
 #include <string>
@@ -12,8 +13,10 @@ namespace gpipe::tools {
 /// The message of `e` (not --help's), reworded where CLI11's own says
 /// little: a flag given twice, a flag without its value, a value that is
 /// not a number or out of a flag's range, an unknown flag. Other messages
-/// are returned as CLI11 wrote them.
-inline std::string cli_message(const CLI::ParseError& e) {
+/// are returned as CLI11 wrote them. With `app`, a switch given a value
+/// that is not true or false is told as a switch.
+inline std::string cli_message(
+    const CLI::ParseError& e, const CLI::App* app = nullptr) {
   const std::string m = e.what();
   std::smatch g;
   static const std::regex at_most(
@@ -34,6 +37,12 @@ inline std::string cli_message(const CLI::ParseError& e) {
     return g[1].str() + " expects a value after it, but none was given";
   }
   if (std::regex_match(m, g, convert)) {
+    const auto* option =
+        app != nullptr ? app->get_option_no_throw(g[1].str()) : nullptr;
+    if (option != nullptr && option->get_expected_max() == 0) {
+      return g[1].str() + " is a switch: give it alone (or =true, =false), " +
+             "but got '" + g[2].str() + "'";
+    }
     return g[1].str() + " expects a number, but got '" + g[2].str() + "'";
   }
   if (std::regex_match(m, g, range)) {

@@ -226,7 +226,8 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
       app.exit(e);
       return false;
     }
-    throw UsageError(gpipe::tools::cli_message(e) + " (see gpipe-run --help)");
+    throw UsageError(
+        gpipe::tools::cli_message(e, &app) + " (see gpipe-run --help)");
   }
 
   const auto extras = app.remaining();

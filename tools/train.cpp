@@ -505,8 +505,8 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
       return app.exit(e);
     }
-    return report(std::make_exception_ptr(UsageError(
-        c10::str(gpipe::tools::cli_message(e), " (see gpipe-train --help)"))));
+    return report(std::make_exception_ptr(UsageError(c10::str(
+        gpipe::tools::cli_message(e, &app), " (see gpipe-train --help)"))));
   } catch (const UsageError&) {
     return report(std::current_exception());
   }
