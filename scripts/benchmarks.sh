@@ -223,7 +223,11 @@ Training steps of the plain Sequential (1 and 2 threads), of GPipe on one
 lane (the same micro-batches one after the other) and on two lanes, by
 chunks and checkpoint mode. \`parallel_capacity\` is what two threads each
 running half the layers give over one thread running both halves;
-\`attainable\` is the fill-drain bound times that capacity over 2.
+\`attainable\` is what fill-drain's 2m + 2 slots allow at that capacity,
+2m / (2 + 2(m - 1) / capacity): the m - 1 slots that run both lanes at once
+slowed to the capacity, the fill and drain not (efficiency is measured over
+attainable, for the 2-partition rows of one thread per lane; \`-\` where a
+row has no such figure).
 
 EOF
   table speed
