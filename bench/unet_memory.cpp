@@ -7,6 +7,7 @@
 #include <malloc.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -169,9 +170,10 @@ json unet_memory_section(double budget_mib, const std::string& svg_dir) {
   torch::manual_seed(0);
   auto x = torch::randn({batch, 3, 32, 32});
   auto y = torch::randn({batch, 1, 32, 32});
-  // For each width C, U-Net(B, C) for B = 1, 2, ... until a step no longer
-  // fits (memory grows with B); the largest model is the one of most
-  // parameters over all widths. The plot shows the scan of kPlotted.
+  // For each width C, the largest U-Net(B, C) whose step fits (memory
+  // grows with B: B doubles, then bisects); the largest model is the one
+  // of most parameters over all widths. The plot shows the steps measured
+  // for kPlotted.
   const std::vector<int64_t> widths{8, 12, 16, 24, 32};
   const int64_t kPlotted = 16;
   const std::vector<MemoryConfig> configs{
@@ -213,14 +215,16 @@ json unet_memory_section(double budget_mib, const std::string& svg_dir) {
     line.label = config.name;
     json best;
     for (const int64_t C : widths) {
-      for (int64_t B = 1;; ++B) {
+      // Whether U-Net(B, C) fits; the best so far and the plot's points
+      // follow.
+      auto fits = [&](int64_t B) {
         const double params = models::unet_parameter_count(B, C, 3, 1) / 1e6;
         const auto fit = measure_unet(config, B, C, x, y, chunks);
         if (C == kPlotted) {
           line.points.emplace_back(params, fit.device_mib);
         }
         if (fit.device_mib > budget_mib) {
-          break;
+          return false;
         }
         if (best.is_null() ||
             params > best["parameters_millions"].get<double>()) {
@@ -234,8 +238,27 @@ json unet_memory_section(double budget_mib, const std::string& svg_dir) {
               {"peak_rss_mib", fit.rss_mib},
               {"step_seconds", fit.seconds}};
         }
+        return true;
+      };
+      // Memory grows with B: B doubles until a step no longer fits, then
+      // the largest that fits is found between (a step of a large model
+      // takes seconds, and B = 1, 2, 3, ... took many).
+      int64_t fitting = 0;
+      int64_t over = 1;
+      while (fits(over)) {
+        fitting = over;
+        over *= 2;
+      }
+      while (over - fitting > 1) {
+        const int64_t mid = fitting + (over - fitting) / 2;
+        if (fits(mid)) {
+          fitting = mid;
+        } else {
+          over = mid;
+        }
       }
     }
+    std::sort(line.points.begin(), line.points.end());
     if (best.is_null()) {
       std::printf("%-34s none fits\n", config.name.c_str());
       rows.push_back({{"config", config.name}, {"fits", "none"}});
@@ -252,6 +275,7 @@ json unet_memory_section(double budget_mib, const std::string& svg_dir) {
           best["peak_rss_mib"].get<double>());
       rows.push_back(best);
     }
+    std::fflush(stdout);
     series.push_back(line);
   }
   if (!svg_dir.empty()) {
@@ -271,8 +295,8 @@ json unet_memory_section(double budget_mib, const std::string& svg_dir) {
     write_line_plot(
         svg_dir + "/unet-memory.svg",
         {"U-Net(B, " + std::to_string(kPlotted) +
-             "), B = 1, 2, ...: peak memory of the fullest device in a "
-             "training step",
+             "), B doubled, then bisected: peak memory of the fullest "
+             "device in a training step",
          "parameters (millions)",
          "MiB on the fullest device",
          /*log_x=*/false},

@@ -151,9 +151,9 @@ is freed, as on GPUs until the engine copies it to the next device.
 \`device_peak_mib\` is the fullest device's peak, \`counted_total_mib\` the
 devices' sum, and \`peak_rss_mib\` the process's peak resident memory in
 the same step (after handing malloc's free pages back), which also holds
-LibTorch's code and the data. For each width C, B grows until a step no
-longer fits the budget; the row is the fitting model with the most
-parameters. More devices fit bigger models, as in torchgpipe's table.
+LibTorch's code and the data. For each width C, B doubles until a step no
+longer fits the budget, then the largest B that fits is found between;
+the row is the fitting model with the most parameters. More devices fit bigger models, as in torchgpipe's table.
 
 \`\`\`sh
 gpipe-bench --only unet-memory --svg-dir docs/img
