@@ -228,6 +228,10 @@ if [[ $mode == bad ]]; then
   chmod 700 "$tmp"
   bad --save-every-steps "${d[@]}" --save-every-steps 3
   bad --save-every-steps "${d[@]}" --save "$tmp/m" --save-every-steps -1
+  # (A run refused leaves no --save folder made.)
+  if [[ -e $tmp/m ]]; then
+    fail "a refused run made its --save folder $tmp/m"
+  fi
   bad --load "${d[@]}" --load "$tmp/no-such-model.pt"
   # Files that are not archives: named, with what was expected, before the
   # data is read (the fake data set would fail first otherwise).

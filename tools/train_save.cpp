@@ -108,21 +108,6 @@ void verify_save_options(const CLI::App& app, const Args& args) {
           holder.empty() ? std::string(".") : holder.string(),
           "'), where --resume takes the newest");
     }
-    // Made now, with its parents, as the first checkpoint would make it an
-    // epoch's work later.
-    std::error_code error;
-    fs::create_directories(path, error);
-    usage_check(
-        fs::is_directory(path, ignored),
-        "--save '",
-        path,
-        "': cannot make the directory",
-        error ? ": " + error.message() : std::string());
-    usage_check(
-        ::access(path.c_str(), W_OK | X_OK) == 0,
-        "--save '",
-        path,
-        "' is not writable");
   }
   if (save && !args.resume) {
     const auto newest = newest_checkpoint(args);
@@ -154,6 +139,26 @@ void verify_save_options(const CLI::App& app, const Args& args) {
         "--load '",
         args.load_path,
         "' does not exist");
+  }
+  if (save) {
+    // Made now, with its parents (last: a run refused for another of these
+    // flags leaves none), as the first checkpoint would make it an epoch's
+    // work later.
+    const auto& path = args.save_path;
+    std::error_code error;
+    std::error_code ignored;
+    fs::create_directories(path, error);
+    usage_check(
+        fs::is_directory(path, ignored),
+        "--save '",
+        path,
+        "': cannot make the directory",
+        error ? ": " + error.message() : std::string());
+    usage_check(
+        ::access(path.c_str(), W_OK | X_OK) == 0,
+        "--save '",
+        path,
+        "' is not writable");
   }
 }
 
