@@ -19,6 +19,18 @@ int64_t pieces(int64_t rows, int64_t chunks) {
   return (rows + size - 1) / size;
 }
 
+// "the pipeline has 2 ranks (...) with 1 partition each", for messages.
+std::string pipeline_of(const Args& args, int64_t pipeline_ranks) {
+  return c10::str(
+      "the pipeline has ",
+      pipeline_ranks,
+      " ranks (--pipeline-size, of the ",
+      args.world_size,
+      " the launcher started) with ",
+      count_of(args.stages_per_lane, "partition", "partitions"),
+      " each");
+}
+
 }  // namespace
 
 std::string uneven_cut(int64_t rows, int64_t chunks) {
@@ -144,13 +156,9 @@ void verify_layout(const CLI::App& app, Args& args, bool per_lane) {
         app.count("--partitions") == 0 || args.partitions == ranks_partitions,
         "--partitions is ",
         args.partitions,
-        ", but the pipeline has ",
-        pipeline_ranks,
-        " ranks (--pipeline-size, of the ",
-        args.world_size,
-        " the launcher started) with ",
-        count_of(args.stages_per_lane, "partition", "partitions"),
-        " each: give ",
+        ", but ",
+        pipeline_of(args, pipeline_ranks),
+        ": give ",
         ranks_partitions,
         " or leave out --partitions");
     if (app.count("--schedule") == 0) {
@@ -214,13 +222,9 @@ void verify_layout(const CLI::App& app, Args& args, bool per_lane) {
         args.balance_text,
         "' has ",
         count_of(n, "entry", "entries"),
-        ", but the pipeline has ",
-        pipeline_ranks,
-        " ranks (--pipeline-size, of the ",
-        args.world_size,
-        " the launcher started) with ",
-        count_of(args.stages_per_lane, "partition", "partitions"),
-        " each; give ",
+        ", but ",
+        pipeline_of(args, pipeline_ranks),
+        "; give ",
         ranks_partitions,
         " entries");
     args.partitions = n;

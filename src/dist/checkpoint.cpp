@@ -213,16 +213,18 @@ void save_checkpoint(
         std::vector<std::string> names(total_layers(stage));
         manifest["files"] = nlohmann::json::object();
         manifest["tensors"] = nlohmann::json::object();
+        // What a rank reported under `key`, once it has; its failure,
+        // after `failed` ("rank 3 could not write ...").
+        auto reported = [&](const std::string& key, const std::string& failed) {
+          const auto result = string_of(store.get(prefix + key));
+          TORCH_CHECK(is_ok(result), failed, ": ", value_of(result));
+          return value_of(result);
+        };
         for (const auto r : c10::irange(mesh.pipeline_size())) {
-          const auto result =
-              string_of(store.get(prefix + "part" + std::to_string(r)));
-          TORCH_CHECK(
-              is_ok(result),
-              "pipeline rank ",
-              r,
-              " could not write its partitions: ",
-              value_of(result));
-          const auto part = nlohmann::json::parse(value_of(result));
+          const auto part = nlohmann::json::parse(reported(
+              "part" + std::to_string(r),
+              c10::str(
+                  "pipeline rank ", r, " could not write its partitions")));
           for (const auto& item : part.at("layers").items()) {
             names.at(std::stoll(item.key())) = item.value().get<std::string>();
           }
@@ -231,16 +233,11 @@ void save_checkpoint(
               manifest, part.at("file").get<std::string>(), part.at("written"));
         }
         for (const auto r : c10::irange(mesh.pipeline_size(), world.size())) {
-          const auto result =
-              string_of(store.get(prefix + "buffers" + std::to_string(r)));
-          TORCH_CHECK(
-              is_ok(result),
-              "rank ",
-              r,
-              " could not write its replica's buffers: ",
-              value_of(result));
-          if (!value_of(result).empty()) {
-            const auto part = nlohmann::json::parse(value_of(result));
+          const auto written = reported(
+              "buffers" + std::to_string(r),
+              c10::str("rank ", r, " could not write its replica's buffers"));
+          if (!written.empty()) {
+            const auto part = nlohmann::json::parse(written);
             gpipe::detail::add_file(
                 manifest,
                 part.at("file").get<std::string>(),
