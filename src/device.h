@@ -24,6 +24,10 @@ torch::Device normalize_device(torch::Device device);
 /// threads, at least 1.
 int64_t available_cores();
 
+/// The most intra-op threads a lane may be given: each is a thread of
+/// LibTorch's pool, made at once.
+constexpr int64_t kMaxThreadsPerLane = 1024;
+
 /// Intra-op threads per CPU lane: `requested` when positive, else the cores
 /// shared out between the CPU lanes (at least one each), so that lanes x
 /// threads fits the machine.

@@ -109,6 +109,12 @@ GPipeImpl::~GPipeImpl() = default;
 
 namespace {
 
+// Whether a pass of `model` trains: while any of its layers does.
+bool training(const GPipeImpl& model) {
+  return detail::layers_training(
+      model.partitions()->children(), model.is_training());
+}
+
 // The batch's micro-batches as the first partition's inputs: each one
 // tensor (`atomic`, from forward(torch::Tensor)) or a tuple.
 std::vector<detail::Packet> micro_packets(
@@ -138,7 +144,7 @@ torch::Tensor GPipeImpl::forward(torch::Tensor input) {
   }
   auto packets = micro_packets({input}, options.chunks(), /*atomic=*/true);
   auto out = pipeline_->forward(
-      std::move(packets), {input}, pass_options(is_training(), options));
+      std::move(packets), {input}, pass_options(training(*this), options));
   TORCH_CHECK_TYPE(
       out.atomic && out.tensors.size() == 1,
       "the last layer returned a std::vector<torch::Tensor> of ",
@@ -157,7 +163,7 @@ std::vector<torch::Tensor> GPipeImpl::forward_tuple(torch::Tensor input) {
   auto packets = micro_packets({input}, options.chunks(), /*atomic=*/true);
   return pipeline_
       ->forward(
-          std::move(packets), {input}, pass_options(is_training(), options))
+          std::move(packets), {input}, pass_options(training(*this), options))
       .tensors;
 }
 
@@ -170,7 +176,7 @@ std::vector<torch::Tensor> GPipeImpl::forward(
   auto packets = micro_packets(inputs, options.chunks(), /*atomic=*/false);
   return pipeline_
       ->forward(
-          std::move(packets), inputs, pass_options(is_training(), options))
+          std::move(packets), inputs, pass_options(training(*this), options))
       .tensors;
 }
 
@@ -242,7 +248,7 @@ torch::Tensor GPipeImpl::run_train_step(
       {input},
       loss_fn,
       *plan,
-      pass_options(is_training(), options));
+      pass_options(training(*this), options));
 }
 
 int64_t GPipeImpl::lanes() const {

@@ -58,11 +58,23 @@ struct Exclusive {
   }
 };
 
+// Puts the default generators back where `saved` found them when it goes,
+// thrown or not.
+struct RestoreOnExit {
+  const GeneratorSnapshot& saved;
+  ~RestoreOnExit() {
+    saved.restore();
+  }
+};
+
 // Runs `body` exclusively with the generators seeded; returns whether it
 // drew and where the generators ended.
 RandomOutcome run_exclusive(
     torch::Device device, uint64_t seed, const std::function<void()>& body) {
   Exclusive hold;
+  // The user's streams, which the seeding below must not cost them.
+  const GeneratorSnapshot user(device);
+  const RestoreOnExit put_back{user};
   seed_generators(device, seed);
   const GeneratorSnapshot before(device);
   body();
@@ -173,20 +185,28 @@ GeneratorSnapshot::GeneratorSnapshot(torch::Device device) {
     auto gen = generator_of(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
     device_ = gen.get_state();
+    other_ = device;
   }
 }
 
 GeneratorSnapshot::~GeneratorSnapshot() = default;
 
-void GeneratorSnapshot::restore_cpu() const {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
-  auto engine = impl->engine();
-  engine.set_data(cpu_.engine);
-  impl->set_engine(engine);
-  impl->set_next_float_normal_sample(cpu_.next_float);
-  impl->set_next_double_normal_sample(cpu_.next_double);
+void GeneratorSnapshot::restore() const {
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
+    auto engine = impl->engine();
+    engine.set_data(cpu_.engine);
+    impl->set_engine(engine);
+    impl->set_next_float_normal_sample(cpu_.next_float);
+    impl->set_next_double_normal_sample(cpu_.next_double);
+  }
+  if (other_) {
+    auto gen = generator_of(*other_);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(device_);
+  }
 }
 
 bool GeneratorSnapshot::operator==(const GeneratorSnapshot& other) const {
@@ -333,37 +353,11 @@ void set_cpu_generator_state(const torch::Tensor& state) {
   gen.set_state(state);
 }
 
-StepSeed::StepSeed(const std::vector<torch::Device>& devices, bool draw) {
-  for (const auto& d : devices) {
-    if (d.type() != torch::kCPU &&
-        std::find(devices_.begin(), devices_.end(), d) == devices_.end()) {
-      devices_.push_back(d);
-    }
-  }
+uint64_t draw_step_seed() {
   Exclusive hold;
-  for (const auto& d : devices_) {
-    auto gen = generator_of(d);
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    states_.push_back(gen.get_state());
-  }
-  if (draw) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    seed_ = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
-  }
-  // Taken after the draw: restoring it leaves the user's stream advanced
-  // by the step seed alone.
-  cpu_.emplace(torch::Device(torch::kCPU));
-}
-
-StepSeed::~StepSeed() {
-  Exclusive hold;
-  cpu_->restore_cpu();
-  for (size_t k = 0; k < devices_.size(); ++k) {
-    auto gen = generator_of(devices_[k]);
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(states_[k]);
-  }
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
 }
 
 }  // namespace gpipe::detail

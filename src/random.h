@@ -51,11 +51,17 @@
 // the middle is an error, not a silently wrong gradient), shared otherwise
 // (and then it is an error if it draws).
 //
-// The caller draws the step seed and saves the user's generator states
-// before a pass, and restores them afterwards, under the exclusive lease, so
-// the user's random stream only advances by the step seed. A cell never
-// starts a pipeline (that is refused), so the lease is never held across
-// one.
+// The user's random stream advances by the step seeds, and gpipe never
+// puts it back: what other threads draw from it while a pipeline runs stays
+// drawn (an eval pass, or two pipelines on two threads, must not hand out
+// the same numbers twice). A cell that runs with the default generators
+// seeded saves their states first and puts them back when it ends, under
+// the exclusive lease, so seeding costs the user's stream nothing. What a
+// cell draws from a default generator unseeded (the optimistic run above
+// when its stage starts drawing, or a layer drawing by name) comes from the
+// user's stream, as the plain model's draws do; the cell then runs again,
+// seeded. A cell never starts a pipeline (that is refused), so the lease is
+// never held across one.
 
 #include <ATen/core/MT19937RNGEngine.h>
 #include <c10/util/Optional.h>
@@ -106,9 +112,9 @@ class GeneratorSnapshot {
   bool operator!=(const GeneratorSnapshot& other) const {
     return !(*this == other);
   }
-  /// Puts the default CPU generator back where it was taken, without a
-  /// state tensor.
-  void restore_cpu() const;
+  /// Puts the default generators of the CPU (without a state tensor) and
+  /// of the device it was taken on back where they were.
+  void restore() const;
 
  private:
   // The engine's plain data: an at::mt19937 member would seed itself on
@@ -120,6 +126,7 @@ class GeneratorSnapshot {
   };
   Cpu cpu_;               // each constructor fills it
   torch::Tensor device_;  // state of the other device's generator, if any
+  c10::optional<torch::Device> other_;  // that device
 };
 
 /// What a cell's forward did with random numbers, for its recomputation.
@@ -199,26 +206,8 @@ uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage);
 torch::Tensor cpu_generator_state();
 void set_cpu_generator_state(const torch::Tensor& state);
 
-/// Under the exclusive lease: saves the default generators of the CPU and
-/// of `devices` and, when `draw`, draws a step seed from the CPU one; on
-/// destruction puts the saved states back (see the Note above). The CPU
-/// generator's is kept as a GeneratorSnapshot, a copy of its engine, where
-/// a state tensor would be made and parsed back at every pass.
-class StepSeed {
- public:
-  StepSeed(const std::vector<torch::Device>& devices, bool draw);
-  ~StepSeed();
-  StepSeed(const StepSeed&) = delete;
-  StepSeed& operator=(const StepSeed&) = delete;
-  uint64_t seed() const {
-    return seed_;
-  }
-
- private:
-  std::optional<GeneratorSnapshot> cpu_;
-  std::vector<torch::Device> devices_;  // the others, each once
-  std::vector<torch::Tensor> states_;   // of devices_
-  uint64_t seed_ = 0;
-};
+/// A step seed, drawn from the default CPU generator under the exclusive
+/// lease (see the Note above).
+uint64_t draw_step_seed();
 
 }  // namespace gpipe::detail

@@ -80,6 +80,28 @@ TEST_F(CheckpointTest, EvalNeverCheckpoints) {
   EXPECT_EQ(counts.plain.load(), 4);
 }
 
+// eval() on the user's Sequential reaches the layers, not the GPipe's own
+// flag: the pass follows the layers. It used to checkpoint, running each
+// layer twice in eval mode. One layer put back in training mode (MC
+// dropout) makes the pass train again.
+TEST_F(CheckpointTest, EvalOnTheGivenSequentialNeverCheckpoints) {
+  Counts counts;
+  auto net = counted(counts);
+  gpipe::GPipe model(
+      net,
+      gpipe::GPipeOptions({1, 1}).chunks(4).checkpoint(Checkpoint::Always));
+  net->eval();
+  auto x = torch::randn({8, 2}, torch::requires_grad());
+  model->forward(x).sum().backward();
+  EXPECT_EQ(counts.checkpointing.load(), 0);
+  EXPECT_EQ(counts.recomputing.load(), 0);
+  EXPECT_EQ(counts.plain.load(), 4);
+  net[1]->train();
+  model->forward(x).sum().backward();
+  EXPECT_EQ(counts.checkpointing.load(), 4);
+  EXPECT_EQ(counts.recomputing.load(), 4);
+}
+
 TEST_F(CheckpointTest, NoGradBuildsNoGraphAndNeverCheckpoints) {
   Counts counts;
   gpipe::GPipe model(

@@ -7,9 +7,12 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "cell_generator.h"
 #include "common.h"
@@ -354,6 +357,49 @@ TEST_F(RandomTest, DrawingByNameIsRetriedAfterAWhile) {
     use.ran_in_turn(true);
   }
   EXPECT_FALSE(use.draws_by_name(true));
+}
+
+}  // namespace
+
+namespace {
+
+// A thread of the user's draws from the default generator while eval
+// passes run (made to from inside a layer, so that it always does): no
+// pass puts the generator back, so nothing is drawn twice. Passes used to
+// put it back where it was once their step seed was drawn, so the numbers
+// drawn after the first pass repeated what the other thread drew in it.
+TEST_F(RandomTest, WhatAnotherThreadDrawsDuringAPassStaysDrawn) {
+  std::mutex mutex;
+  std::vector<double> drawn;
+  const auto draw_elsewhere = [&](torch::Tensor x) {
+    std::thread other([&] {
+      const auto v = torch::rand({1}, torch::kFloat64).item<double>();
+      std::lock_guard<std::mutex> lock(mutex);
+      drawn.push_back(v);
+    });
+    other.join();
+    return x;
+  };
+  torch::nn::Sequential net(
+      gpipe::testing::lambda(draw_elsewhere),
+      torch::nn::Linear(4, 4),
+      gpipe::testing::lambda(draw_elsewhere));
+  gpipe::GPipe model(net, gpipe::GPipeOptions({2, 1}).chunks(2));
+  model->eval();
+  for (int pass = 0; pass < 3; ++pass) {
+    {
+      torch::NoGradGuard no_grad;
+      model->forward(torch::ones({4, 4}));
+    }
+    const auto after = torch::rand({4}, torch::kFloat64);
+    for (const auto k : c10::irange(after.size(0))) {
+      drawn.push_back(after[k].item<double>());
+    }
+  }
+  std::vector<double> sorted = drawn;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end())
+      << "a number was drawn twice among " << drawn.size();
 }
 
 }  // namespace

@@ -195,6 +195,15 @@ using detail::Sends;
 
 namespace {
 
+// Whether a pass of `stage` trains: while any of its layers does.
+bool training(const PipelineStageImpl& stage) {
+  std::vector<std::shared_ptr<torch::nn::Module>> parts;
+  for (const auto& part : stage.partitions()) {
+    parts.push_back(part.ptr());
+  }
+  return gpipe::detail::layers_training(parts, stage.is_training());
+}
+
 // Rank 0's own arguments (its input, loss_fn, grad mode), checked before
 // the pass begins: a mistake there is refused by every rank alike and the
 // connection stays open. With replicas, a training step's gradients are
@@ -316,7 +325,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         auto loss = engine_->pipeline->train(
             ends,
             loss_fn,
-            gpipe::detail::pass_options(is_training(), options),
+            gpipe::detail::pass_options(training(*this), options),
             held);
         return loss;
       });
@@ -364,7 +373,7 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
               });
         }
         auto done = engine_->pipeline->forward(
-            ends, gpipe::detail::PassOptions{is_training(), 0});
+            ends, gpipe::detail::PassOptions{training(*this), 0});
         if (done.outputs.empty()) {
           return torch::Tensor();  // not the last rank
         }

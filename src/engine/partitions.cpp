@@ -8,6 +8,7 @@
 #include <gpipe/skip.h>
 #include <gpipe/verify.h>
 
+#include "device.h"
 #include "text.h"
 
 namespace gpipe::detail {
@@ -58,8 +59,11 @@ void verify_options(
         "; leave stages_per_lane at 1 when giving a placement");
   }
   TORCH_CHECK_VALUE(
-      options.threads_per_lane() >= 0,
-      "threads_per_lane must be 0 (automatic) or positive, but got ",
+      options.threads_per_lane() >= 0 &&
+          options.threads_per_lane() <= kMaxThreadsPerLane,
+      "threads_per_lane must be 0 (automatic) or 1 to ",
+      kMaxThreadsPerLane,
+      ", but got ",
       options.threads_per_lane());
 }
 
@@ -89,6 +93,21 @@ std::vector<torch::nn::Sequential> split_partitions(
   }
   TORCH_INTERNAL_ASSERT(layer == named.size());
   return parts;
+}
+
+bool layers_training(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& partitions,
+    bool own) {
+  bool any = false;
+  for (const auto& partition : partitions) {
+    for (const auto& layer : partition->children()) {
+      if (layer->is_training()) {
+        return true;
+      }
+      any = true;
+    }
+  }
+  return any ? false : own;
 }
 
 }  // namespace gpipe::detail

@@ -7,6 +7,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace gpipe {
@@ -36,5 +37,14 @@ Placement placement_of(const GPipeOptions& options);
 /// must be verified (verify_balance) first.
 std::vector<torch::nn::Sequential> split_partitions(
     const torch::nn::Sequential& module, const std::vector<int64_t>& balance);
+
+/// Whether a pass over `partitions` (each a Sequential of layers) trains:
+/// while any of their layers is in training mode, whatever the pipeline's
+/// own flag says, so that `eval()` on the user's Sequential (whose layers
+/// the partitions share) turns checkpointing off as `eval()` on the GPipe
+/// does; with no layers, `own`, the pipeline's flag.
+bool layers_training(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& partitions,
+    bool own);
 
 }  // namespace gpipe::detail

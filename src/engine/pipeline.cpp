@@ -325,29 +325,22 @@ PassStart start_here(const Endpoints& ends, const PassOptions& options) {
   return start;
 }
 
-// The step seed, drawn into `seeds` unless it was already: before the pass
+// The step seed, drawn into `seed` unless it was already: before the pass
 // begins where the processes agree on it (see first_seed), else once the
-// pass has passed its checks. The seeds' holder puts the user's generators
-// back when the pass ends.
-void draw_seed(
-    std::optional<StepSeed>& seeds,
-    const std::vector<torch::Device>& devices,
-    PassStart& start) {
-  if (!seeds) {
-    seeds.emplace(devices, /*draw=*/true);
-    start.seed = seeds->seed();
+// pass has passed its checks.
+void draw_seed(std::optional<uint64_t>& seed, PassStart& start) {
+  if (!seed) {
+    seed = draw_step_seed();
+    start.seed = *seed;
   }
 }
 
-// At a pass's start: the seed drawn into `seeds` where `ends` must agree on
+// At a pass's start: the seed drawn into `seed` where `ends` must agree on
 // it in begin(), else nothing yet.
 void first_seed(
-    std::optional<StepSeed>& seeds,
-    const Endpoints& ends,
-    const std::vector<torch::Device>& devices,
-    PassStart& start) {
+    std::optional<uint64_t>& seed, const Endpoints& ends, PassStart& start) {
   if (ends.seed_first()) {
-    draw_seed(seeds, devices, start);
+    draw_seed(seed, start);
   }
 }
 
@@ -359,12 +352,12 @@ Pipeline::Forward Pipeline::forward(
   Forward done;
   {
     auto start = start_here(ends, options);
-    std::optional<StepSeed> seeds;
-    first_seed(seeds, ends, devices_, start);
+    std::optional<uint64_t> seed;
+    first_seed(seed, ends, start);
     ends.begin(start);
     const auto m = static_cast<int64_t>(start.rows.size());
     done.pass = start_pass(m, ends.originals, start.options);
-    draw_seed(seeds, devices_, start);
+    draw_seed(seed, start);
     done.pass->step_seed = start.seed;
     ends.prepare(*done.pass);
     if (is_local(0)) {
@@ -386,9 +379,6 @@ Pipeline::Forward Pipeline::forward(
 }
 
 void Pipeline::backward(const std::shared_ptr<Pass>& pass) {
-  // Recomputation reseeds the generators; the user's streams must not
-  // notice. See Note [Random streams of concurrent cells].
-  StepSeed seeds(devices_, /*draw=*/false);
   pass->run(
       on_lanes(backward_plan(pass->micro_batches(), size())),
       backward_inline_,
@@ -425,8 +415,8 @@ torch::Tensor Pipeline::train(
   std::vector<int64_t> rows;
   {
     auto start = start_here(ends, options);
-    std::optional<StepSeed> seeds;
-    first_seed(seeds, ends, devices_, start);
+    std::optional<uint64_t> seed;
+    first_seed(seed, ends, start);
     ends.begin(start);
     const auto m = static_cast<int64_t>(start.rows.size());
     const auto& plan = ends.plan(start);
@@ -451,7 +441,7 @@ torch::Tensor Pipeline::train(
         pass->grad,
         "train_step needs grad mode on and something that requires grad (a "
         "parameter or the input)");
-    draw_seed(seeds, devices_, start);
+    draw_seed(seed, start);
     pass->step_seed = start.seed;
     if (is_local(n - 1)) {
       pass->train_with(loss_fn, std::move(targets), start.rows);
