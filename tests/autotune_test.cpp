@@ -357,6 +357,24 @@ TEST_F(AutotuneTest, BadOptionsAreRefused) {
       error_of(quick(2).cell_overhead_seconds(-1))
           .find("cell_overhead_seconds >= 0"),
       std::string::npos);
+  // Thousands of threads a lane took minutes and gigabytes to refuse; a
+  // checkpoint mode that is none was taken, and printing the choice failed.
+  EXPECT_NE(
+      error_of(quick(2).threads_per_lane(2000)).find("1 to 1024, but got 2000"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of(quick(2).checkpoints({static_cast<Checkpoint>(99)}))
+          .find("checkpoint modes Always, ExceptLast or Never to try, but got "
+                "99"),
+      std::string::npos);
+  try {
+    autotune(net, x, y, LossFunction(), quick(2));
+    ADD_FAILURE() << "no error for an empty loss_fn";
+  } catch (const c10::TypeError& e) {
+    EXPECT_NE(
+        std::string(e.what_without_backtrace()).find("expected a loss_fn"),
+        std::string::npos);
+  }
   // A limit below a KiB, in bytes.
   EXPECT_NE(
       error_of(quick(2).memory_limit(10)).find("memory limit of 10 bytes"),
@@ -475,6 +493,93 @@ TEST_F(AutotuneTest, MicroBatchesThatDoNotRunAreRejectedWithWhy) {
             .find("more than 1 value per channel"),
         std::string::npos);
   }
+}
+
+// A loss or a model that runs on micro-batches of one row only is the
+// user's error, not a micro-batch size to reject: a per-sample loss
+// (reduction none: a scalar only for one row) and a last layer that sums
+// over the batch (its rows no longer the targets') both fail on the plain
+// model. autotune used to reject every other count and choose micro-batches
+// of one row, where neither error shows, and the run trained.
+TEST_F(AutotuneTest, ErrorsOnlyLargerMicroBatchesMeetAreThrown) {
+  auto x = torch::randn({16, 6});
+  auto y = torch::randint(0, 3, {16});
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 3));
+  const auto per_sample = [](torch::Tensor out, torch::Tensor t) {
+    return torch::nn::functional::cross_entropy(
+        out,
+        t,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(
+            torch::kNone));
+  };
+  try {
+    autotune(net, x, y, per_sample, quick(2).chunks({1, 2, 4, 16}));
+    ADD_FAILURE() << "no error for a per-sample loss";
+  } catch (const c10::ValueError& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("loss_fn must return a scalar"), std::string::npos)
+        << what;
+    EXPECT_NE(
+        what.find("micro-batches of 1 rows ran but micro-batches of"),
+        std::string::npos)
+        << what;
+  }
+  auto sums = net->clone();
+  auto summed = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(sums);
+  summed->push_back(testing::lambda(
+      [](torch::Tensor t) { return t.sum(0, /*keepdim=*/true); }));
+  EXPECT_THROW(
+      autotune(
+          torch::nn::Sequential(summed),
+          x,
+          y,
+          loss_of,
+          quick(2).chunks({1, 2, 16})),
+      c10::Error);
+}
+
+// Frozen parameters hold their values alone: no gradient, no optimizer
+// state. The memory model charged them param_scale times over.
+TEST_F(AutotuneTest, FrozenParametersAreChargedTheirValuesAlone) {
+  const auto net_with = [](bool frozen) {
+    torch::manual_seed(0);
+    torch::nn::Sequential net(
+        torch::nn::Linear(256, 256),
+        torch::nn::Linear(256, 256),
+        torch::nn::Linear(256, 256),
+        torch::nn::Linear(256, 4));
+    if (frozen) {
+      for (const auto k : c10::irange(3)) {
+        for (auto& p : net[k]->parameters()) {
+          p.requires_grad_(false);
+        }
+      }
+    }
+    return net;
+  };
+  auto x = torch::randn({8, 256});
+  auto y = torch::randint(0, 4, {8});
+  const auto options = quick(2)
+                           .param_scale(4)
+                           .chunks({2})
+                           .schedules({Schedule::FillDrain})
+                           .checkpoints({Checkpoint::Never});
+  const auto trainable = autotune(net_with(false), x, y, loss_of, options);
+  const auto frozen = autotune(net_with(true), x, y, loss_of, options);
+  // Three frozen layers of 256 x 256 floats: 3 of the 4 bytes a parameter
+  // byte was charged are gone, about 768 KiB on the lanes together.
+  double trainable_sum = 0;
+  double frozen_sum = 0;
+  for (const auto b : trainable.predicted_peak_bytes) {
+    trainable_sum += b;
+  }
+  for (const auto b : frozen.predicted_peak_bytes) {
+    frozen_sum += b;
+  }
+  const double freed = 3.0 * 3 * (256 * 256 + 256) * 4;
+  EXPECT_NEAR(trainable_sum - frozen_sum, freed, 0.1 * freed)
+      << trainable_sum << " against " << frozen_sum;
 }
 
 // Tensor::chunk cuts 9 rows into 3 micro-batches of 3: a plan of 4 would

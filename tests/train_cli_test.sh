@@ -141,6 +141,11 @@ if [[ $mode == bad ]]; then
   bad --memory-limit "${d[@]}" --memory-limit 256M
   bad --memory-limit "${d[@]}" --autotune --memory-limit 12X
   bad --memory-limit "${d[@]}" --autotune --memory-limit -5M
+  # Sizes std::stod takes but that are not sizes: hex, a fraction of a
+  # byte, a leading space, an exponent, more than 16384G.
+  for size in 0x100 1.5 ' 256M' 1e3M 99999999G 1.M; do
+    bad --memory-limit "${d[@]}" --autotune --memory-limit "$size"
+  done
   bad --chunks "${d[@]}" --autotune --chunks 2
   bad --schedule "${d[@]}" --autotune --schedule 1f1b
   # A flag --autotune chooses is refused as such, before that flag's own
@@ -401,6 +406,17 @@ elif [[ $mode == run ]]; then
     fail "--autotune --resume on 3 lanes exited $status: $(head -c 800 "$tmp/err")"
   else
     echo "ok: --autotune --resume on 3 lanes tunes again"
+  fi
+  # Resumed with a lower --memory-limit (as after running out of memory):
+  # tuned again under it, not the saved choice (made with no limit).
+  run --data-dir "$data" --epochs 4 --limit 256 --test-limit 100 --json --autotune --partitions 3 \
+    --memory-limit 1K --save "$tmp/tuned" --resume
+  if [[ $status -ne 1 ]] ||
+    ! grep -q "^autotune: the choice saved in $tmp/tuned was for --memory-limit none; tuning for 1024 bytes" "$tmp/err" ||
+    ! grep -q 'no candidate fits the memory limit of 1.0 KiB' "$tmp/err"; then
+    fail "--autotune --resume --memory-limit 1K exited $status: $(head -c 800 "$tmp/err")"
+  else
+    echo "ok: --autotune --resume under a new --memory-limit tunes again"
   fi
   # A limit nothing fits: a clear error naming the smallest peak, exit 1.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --autotune \

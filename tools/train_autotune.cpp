@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -39,23 +40,39 @@ void add_autotune_options(CLI::App& app, Args& args) {
 }
 
 int64_t parse_memory_limit(const std::string& text) {
+  // Digits, a fraction only before a suffix, at most 16384G: no hex, no
+  // exponent, no spaces, which std::stod would take.
+  constexpr double kMostBytes = 16384.0 * 1024 * 1024 * 1024;
   auto bad = [&] {
     return UsageError(c10::str(
         "--memory-limit '",
         text,
-        "' is not a size: expected a positive number of bytes, or with a "
-        "suffix K, M or G, such as 256M"));
+        "' is not a size: expected a positive whole number of bytes, or a "
+        "number with a suffix K, M or G, such as 256M or 1.5G, at most "
+        "16384G"));
   };
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
+  size_t digits = 0;
+  while (digits < text.size() &&
+         std::isdigit(static_cast<unsigned char>(text[digits]))) {
+    ++digits;
+  }
+  size_t end = digits;
+  if (end < text.size() && text[end] == '.') {
+    ++end;
+    while (end < text.size() &&
+           std::isdigit(static_cast<unsigned char>(text[end]))) {
+      ++end;
+    }
+    if (end == digits + 1) {
+      throw bad();  // "1." has no fraction
+    }
+  }
+  if (digits == 0 || end + 1 < text.size()) {
     throw bad();
   }
   double scale = 1;
-  if (used + 1 == text.size()) {
-    switch (std::toupper(static_cast<unsigned char>(text[used]))) {
+  if (end < text.size()) {
+    switch (std::toupper(static_cast<unsigned char>(text[end]))) {
       case 'K':
         scale = 1024.0;
         break;
@@ -68,11 +85,12 @@ int64_t parse_memory_limit(const std::string& text) {
       default:
         throw bad();
     }
-  } else if (used != text.size()) {
-    throw bad();
+  } else if (end != digits) {
+    throw bad();  // a fraction of a byte
   }
-  const double bytes = value * scale;
-  if (!(bytes >= 1 && bytes < 9.0e18)) {
+  const double bytes =
+      std::strtod(text.substr(0, end).c_str(), nullptr) * scale;
+  if (!(bytes >= 1 && bytes <= kMostBytes)) {
     throw bad();
   }
   return static_cast<int64_t>(bytes);
@@ -137,6 +155,15 @@ std::optional<std::string> saved_choice(const Args& args) {
   }
 }
 
+// A --memory-limit in bytes, as saved with a choice, as the messages give
+// it ("": a choice saved before the limit was saved with it).
+std::string limit_text(const std::string& bytes) {
+  if (bytes.empty()) {
+    return "(not saved)";
+  }
+  return bytes == "0" ? std::string("none") : bytes + " bytes";
+}
+
 // The value of `key` in autotune_choice_text's `text` ("" if none).
 std::string field_of(const std::string& text, const std::string& key) {
   std::istringstream in(text);
@@ -190,7 +217,8 @@ std::string autotune_choice_text(const Args& args) {
           : args.partitions / std::max<int64_t>(1, args.stages_per_lane);
   text << "lanes=" << lanes << " chunks=" << args.chunks
        << " schedule=" << args.schedule << " checkpoint=" << args.checkpoint
-       << " threads=" << args.threads_per_lane << " balance=";
+       << " threads=" << args.threads_per_lane
+       << " memory_limit=" << args.memory_limit << " balance=";
   for (size_t k = 0; k < args.balance.size(); ++k) {
     text << (k == 0 ? "" : ",") << args.balance[k];
   }
@@ -225,6 +253,19 @@ void autotune_args(
         args.save_path.c_str(),
         field_of(*resumed, "lanes").c_str(),
         static_cast<long long>(lanes));
+    resumed.reset();
+  }
+  if (resumed &&
+      field_of(*resumed, "memory_limit") != std::to_string(args.memory_limit)) {
+    // A run resumed with a lower --memory-limit (after running out of
+    // memory, say) must not bring back the choice that did not fit.
+    std::fprintf(
+        out,
+        "autotune: the choice saved in %s was for --memory-limit %s; tuning "
+        "for %s\n",
+        args.save_path.c_str(),
+        limit_text(field_of(*resumed, "memory_limit")).c_str(),
+        limit_text(std::to_string(args.memory_limit)).c_str());
     resumed.reset();
   }
   if (resumed) {

@@ -50,8 +50,9 @@ struct AutotuneOptions {
   /// The checkpoint modes tried.
   TORCH_ARG(std::vector<Checkpoint>, checkpoints) = {
       Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always};
-  /// Bytes held per byte of parameters: the value, its gradient and the
-  /// optimizer's state (2 for plain SGD, 3 with momentum, 4 for Adam).
+  /// Bytes held per byte of trainable parameters: the value, its gradient
+  /// and the optimizer's state (2 for plain SGD, 3 with momentum, 4 for
+  /// Adam). A frozen parameter (no requires_grad) holds its value alone.
   TORCH_ARG(double, param_scale) = 2.0;
   /// Seconds of profiling per micro-batch size (at least one pass each).
   TORCH_ARG(double, profile_seconds) = 0.25;
@@ -112,8 +113,9 @@ struct Autotuned {
   std::string report(size_t rows = 12) const;
 };
 
-/// "balance [..], chunks 8, schedule 1f1b on modulo(..), checkpoint never:
-/// predicted 12.3 ms per step, peak 200.0 MiB on the most loaded lane".
+/// "balance [..], chunks 8, schedule 1f1b on modulo(..), checkpoint never,
+/// threads per lane plan: predicted 12.3 ms per step, peak 200.0 MiB on the
+/// most loaded lane".
 std::ostream& operator<<(std::ostream& out, const Autotuned& tuned);
 
 /// Profiles each layer of `net` on copies (forward, input-gradient and

@@ -45,7 +45,8 @@ std::vector<std::vector<int64_t>> balances_for(
   for (const auto k : c10::irange(n)) {
     time[k] = c.forward[k] + c.input[k] + c.weight[k] +
               (mode == Checkpoint::Never ? 0.0 : c.forward[k]);
-    memory[k] = c.kept_bytes[k] + c.param_bytes[k] * param_scale;
+    memory[k] =
+        c.kept_bytes[k] + c.param_bytes[k] * param_scale + c.frozen_bytes[k];
     total_time += time[k];
     total_memory += memory[k];
   }
@@ -191,9 +192,23 @@ Autotuned autotune(
       "autotune: expected param_scale >= 0, but got ",
       options.param_scale());
   TORCH_CHECK_VALUE(
-      options.threads_per_lane() >= 0,
-      "autotune: expected threads_per_lane >= 0 (0: automatic), but got ",
+      options.threads_per_lane() >= 0 &&
+          options.threads_per_lane() <= detail::kMaxThreadsPerLane,
+      "autotune: expected threads_per_lane 0 (automatic) or 1 to ",
+      detail::kMaxThreadsPerLane,
+      ", but got ",
       options.threads_per_lane());
+  for (const auto mode : options.checkpoints()) {
+    TORCH_CHECK_VALUE(
+        mode == Checkpoint::Always || mode == Checkpoint::ExceptLast ||
+            mode == Checkpoint::Never,
+        "autotune: expected checkpoint modes Always, ExceptLast or Never to "
+        "try, but got ",
+        static_cast<int>(mode));
+  }
+  TORCH_CHECK_TYPE(
+      static_cast<bool>(loss_fn),
+      "autotune: expected a loss_fn, but got an empty function");
   TORCH_CHECK_VALUE(
       options.batch_size() >= 0,
       "autotune: expected batch_size >= 0 rows (0: the sample's), but got ",
@@ -294,8 +309,15 @@ Autotuned autotune(
   // larger than the sample, or a layer that refuses them: BatchNorm in
   // training on one row) is rejected, with why, for every schedule; the
   // first such error is thrown if no count could be profiled at all.
+  // Layers refuse micro-batches too small, and memory runs out for ones too
+  // large; any other error at a size larger than one that ran is the
+  // model's or the loss's own (a per-sample loss, a last layer that sums
+  // over the batch: both run on micro-batches of one row only), and is
+  // thrown rather than hidden by choosing the size where it does not show.
   std::exception_ptr first_failure;
   bool profiled_any = false;
+  int64_t smallest_ran = 0;                         // rows; 0: none ran
+  std::map<int64_t, std::exception_ptr> failed_at;  // rows: not out of memory
   const auto reject_chunks = [&](Schedule schedule,
                                  const Placement& placement,
                                  int64_t m,
@@ -359,9 +381,13 @@ Autotuned autotune(
       try {
         profiled_costs = &costs_at(rows, threads);
         profiled_any = true;
+        smallest_ran = smallest_ran == 0 ? rows : std::min(smallest_ran, rows);
       } catch (const c10::Error& e) {
         if (!first_failure) {
           first_failure = std::current_exception();
+        }
+        if (dynamic_cast<const c10::OutOfMemoryError*>(&e) == nullptr) {
+          failed_at.emplace(rows, std::current_exception());
         }
         reject_chunks(
             schedule,
@@ -446,6 +472,23 @@ Autotuned autotune(
   }
   if (!profiled_any && first_failure) {
     std::rethrow_exception(first_failure);
+  }
+  for (const auto& [rows, failure] : failed_at) {
+    if (smallest_ran > 0 && rows > smallest_ran) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (c10::Error& e) {
+        TORCH_RETHROW(
+            e,
+            "autotune: micro-batches of ",
+            smallest_ran,
+            " rows ran but micro-batches of ",
+            rows,
+            " rows do not: a model or loss that runs on small micro-batches "
+            "only would train otherwise than the plain model (leave such "
+            "counts out of AutotuneOptions::chunks if that is meant)");
+      }
+    }
   }
   TORCH_CHECK_VALUE(
       !tuned.candidates.empty(),

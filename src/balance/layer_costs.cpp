@@ -42,11 +42,15 @@ double bytes_of(const Packet& p) {
   return bytes;
 }
 
-double parameter_bytes(const torch::nn::Module& layer) {
+// The bytes of `layer`'s parameters (each once) that need a gradient, or,
+// with `trainable` false, of those that do not: a frozen parameter holds its
+// value alone, no gradient and no optimizer state.
+double parameter_bytes(const torch::nn::Module& layer, bool trainable) {
   std::unordered_set<const c10::TensorImpl*> seen;
   double bytes = 0;
   for (const auto& p : layer.parameters()) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) {
+    if (p.requires_grad() == trainable &&
+        seen.insert(p.unsafeGetTensorImpl()).second) {
       bytes += static_cast<double>(p.numel() * p.element_size());
     }
   }
@@ -112,7 +116,9 @@ void one_pass(
             costs.draws_alone[k] || GeneratorSnapshot(gen) != own_before;
         costs.kept_bytes[k] = static_cast<double>(window.bytes());
         costs.input_bytes[k] = bytes_of(x);
-        costs.param_bytes[k] = parameter_bytes(*layer.module().ptr());
+        costs.param_bytes[k] = parameter_bytes(*layer.module().ptr(), true);
+        costs.frozen_bytes[k] =
+            parameter_bytes(*layer.module().ptr(), /*trainable=*/false);
       }
       auto roots = tracker.end_layer();
       for (const auto& t : y.tensors) {
@@ -253,6 +259,7 @@ LayerCosts profile_layer_costs(
   costs.kept_bytes.assign(n, 0.0);
   costs.input_bytes.assign(n, 0.0);
   costs.param_bytes.assign(n, 0.0);
+  costs.frozen_bytes.assign(n, 0.0);
   costs.draws.assign(n, false);
   costs.draws_alone.assign(n, false);
   {

@@ -18,13 +18,14 @@ namespace gpipe::detail {
 
 struct LayerCosts {
   int64_t rows = 0;
-  std::vector<double> forward;      // seconds per layer
-  std::vector<double> input;        // input-gradient seconds
-  std::vector<double> weight;       // weight-gradient seconds
-  std::vector<double> kept_bytes;   // what the forward keeps alive
-  std::vector<double> input_bytes;  // the layer's input
-  std::vector<double> param_bytes;  // its parameters (once each)
-  double loss = 0;                  // loss_fn and its gradient, seconds
+  std::vector<double> forward;       // seconds per layer
+  std::vector<double> input;         // input-gradient seconds
+  std::vector<double> weight;        // weight-gradient seconds
+  std::vector<double> kept_bytes;    // what the forward keeps alive
+  std::vector<double> input_bytes;   // the layer's input
+  std::vector<double> param_bytes;   // its trainable parameters (once each)
+  std::vector<double> frozen_bytes;  // its frozen ones: their values alone
+  double loss = 0;                   // loss_fn and its gradient, seconds
   /// Whether the layer's forward draws random numbers. On CPU lanes such a
   /// cell draws from a generator of its own (cell_generator.h), and is
   /// profiled so.

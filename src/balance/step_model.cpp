@@ -27,7 +27,7 @@ StageCosts stage_costs(
   StageCosts s;
   size_t k = 0;
   for (const auto b : balance) {
-    double f = 0, i = 0, w = 0, kept = 0, params = 0;
+    double f = 0, i = 0, w = 0, kept = 0, params = 0, frozen = 0;
     bool draws = false;
     const double in = c.input_bytes[k];
     for (int64_t l = 0; l < b; ++l, ++k) {
@@ -37,6 +37,7 @@ StageCosts stage_costs(
       w += c.weight[k];
       kept += c.kept_bytes[k];
       params += c.param_bytes[k];
+      frozen += c.frozen_bytes[k];
     }
     s.forward.push_back(f);
     s.input.push_back(i);
@@ -44,6 +45,7 @@ StageCosts stage_costs(
     s.kept.push_back(kept);
     s.in.push_back(in);
     s.params.push_back(params);
+    s.frozen.push_back(frozen);
     s.draws.push_back(draws);
   }
   return s;
@@ -152,7 +154,8 @@ Evaluated evaluate(
   for (const auto l : c10::irange(sim.lanes.size())) {
     double params = 0;
     for (const auto j : plan.placement.stages_of(static_cast<int64_t>(l))) {
-      params += s.params[static_cast<size_t>(j)] * param_scale;
+      params += s.params[static_cast<size_t>(j)] * param_scale +
+                s.frozen[static_cast<size_t>(j)];
     }
     double live = 0;
     double peak = 0;

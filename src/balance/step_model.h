@@ -34,6 +34,7 @@ namespace gpipe::detail {
 /// Sums of the layers' costs per stage.
 struct StageCosts {
   std::vector<double> forward, input, weight, kept, in, params;
+  std::vector<double> frozen;  // frozen parameters' bytes, held once
   // Some layer's forward draws from the default generator itself (its
   // cells hold the lease alone).
   std::vector<bool> draws;
