@@ -246,6 +246,43 @@ void meet(
       .join();
 }
 
+// Note [A second rank 0]
+// Two processes that come as RANK 0 (two hosts both left at --node-rank 0)
+// cannot both host the store: the second cannot listen on the port and
+// says so at once, but the first waited out the whole timeout for a rank
+// that never came, and then blamed the ranks that did not start. So the
+// second, before it fails, counts itself in at the first's store as a rank
+// 0 would: when the store is a meeting of a job of its WORLD_SIZE, that
+// rank 0 has come twice, and the verdict ends the first (and any rank
+// already waiting) at once, saying why. The store of a job of another
+// size, or of another service, is left as it was; a meeting already over
+// keeps its verdict (the first given stands).
+bool tell_a_first_rank_0(
+    const c10::intrusive_ptr<c10d::Store>& store, int64_t size) {
+  try {
+    // The first rank to come sets it at once; no key is made here.
+    store->wait({"world_size"});
+    if (store->get("world_size") != bytes_of(std::to_string(size))) {
+      return false;
+    }
+    if (store->add("rank_0", 1) < 2) {
+      return false;  // the first counts itself in after this, and refuses
+    }
+    store->compareSet(
+        "verdict",
+        {},
+        bytes_of(c10::str(
+            "two processes came as RANK 0 of ",
+            size,
+            "; give each process a RANK of its own (gpipe-run: another "
+            "--node-rank on each host)")));
+    store->set("verdict_given", {1});
+    return true;
+  } catch (const std::exception&) {
+    return false;  // no store that answers: nothing to tell
+  }
+}
+
 // Note [c10d's lines on a failed connect]
 // A rank that cannot reach rank 0's store gets gpipe's one-line error,
 // which carries c10d's own words; c10d also logged them, as lines of its

@@ -28,6 +28,13 @@ void meet(
     std::chrono::milliseconds timeout,
     bool hosts_store);
 
+/// Called by a rank 0 that cannot listen on its port, with a client of the
+/// store there: tells the rank 0 that holds it, when it waits for a job of
+/// `size` ranks, that a second rank 0 came (Note [A second rank 0] in
+/// dist/meeting.cpp). True when it did.
+bool tell_a_first_rank_0(
+    const c10::intrusive_ptr<c10d::Store>& store, int64_t size);
+
 /// Holds back LibTorch's own log lines below FATAL while it lives (see Note
 /// [c10d's lines on a failed connect] in dist/meeting.cpp). One at a time.
 class QuietLibTorchLog {

@@ -167,6 +167,31 @@ World init_from_env() {
 
 namespace {
 
+// A rank 0 whose port another process holds: tells that process, when it
+// is the rank 0 of a job of `size` ranks waiting for the others, that a
+// second rank 0 came (Note [A second rank 0] in dist/meeting.cpp). True
+// when it did; a few seconds at most.
+bool tell_the_holder(
+    const char* addr,
+    c10d::TCPStoreOptions options,
+    const std::string& prefix,
+    int64_t size) {
+  options.isServer = false;
+  options.numWorkers = c10::nullopt;
+  options.timeout = std::min(options.timeout, std::chrono::milliseconds(3000));
+  try {
+    const detail::QuietLibTorchLog quiet;
+    auto store = c10::make_intrusive<c10d::PrefixStore>(
+        prefix,
+        c10::make_intrusive<c10d::TCPStore>(std::string(addr), options));
+    // Bounds every later reply (Note [Meeting within the timeout]).
+    store->wait({}, options.timeout);
+    return detail::tell_a_first_rank_0(store, size);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 World join_from_env(std::chrono::milliseconds timeout) {
   // c10d's store counts its connect timeout in whole seconds: under one it
   // gives up at once, even for a job of one rank.
@@ -210,6 +235,11 @@ World join_from_env(std::chrono::milliseconds timeout) {
       agent_store ? c10::nullopt : c10::optional<std::size_t>(size);
   options.waitWorkers = false;
   options.timeout = timeout;
+  // Our own keys, apart from torchrun's and from an earlier attempt's after
+  // an elastic restart.
+  const char* attempt = env("TORCHELASTIC_RESTART_COUNT");
+  const std::string prefix =
+      std::string("gpipe/attempt_") + (attempt != nullptr ? attempt : "0");
   c10::intrusive_ptr<c10d::Store> tcp;
   try {
     // Note [c10d's lines on a failed connect] in dist/meeting.cpp.
@@ -217,9 +247,18 @@ World join_from_env(std::chrono::milliseconds timeout) {
     tcp = c10::make_intrusive<c10d::TCPStore>(std::string(addr), options);
   } catch (const std::exception&) {
     const auto why = detail::message_of(std::current_exception());
+    const bool held = options.isServer &&
+                      why.find("Address already in use") != std::string::npos;
     TORCH_CHECK(
-        !options.isServer ||
-            why.find("Address already in use") == std::string::npos,
+        !held || !tell_the_holder(addr, options, prefix, size),
+        "gpipe::dist::init_from_env: two processes came as RANK 0 of ",
+        size,
+        " (the other holds port ",
+        port,
+        "); give each process a RANK of its own (gpipe-run: another "
+        "--node-rank on each host)");
+    TORCH_CHECK(
+        !held,
         "gpipe::dist::init_from_env: rank 0 cannot listen on port ",
         port,
         ": another process holds it (another job, or a second rank 0); "
@@ -246,12 +285,7 @@ World join_from_env(std::chrono::milliseconds timeout) {
     tcp = c10::make_intrusive<detail::StoreClient>(
         std::move(tcp), c10::str(addr, ":", port));
   }
-  // Our own keys, apart from torchrun's and from an earlier attempt's after
-  // an elastic restart.
-  const char* attempt = env("TORCHELASTIC_RESTART_COUNT");
-  auto store = c10::make_intrusive<c10d::PrefixStore>(
-      std::string("gpipe/attempt_") + (attempt != nullptr ? attempt : "0"),
-      tcp);
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
   detail::meet(
       store,
       rank,

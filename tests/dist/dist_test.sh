@@ -387,18 +387,6 @@ case $mode in
     refused "GPIPE_DIST_CHANNEL=fast" 3 \
       "GPIPE_DIST_CHANNEL to be unset\(, 'tagged'\)\{0,1\} or 'ordered' on the [a-z]* backend, but got 'fast'" \
       GPIPE_DIST_CHANNEL=fast
-    # A second rank 0 on a port the first one holds: said at once (the
-    # first waits for rank 1 until it is stopped).
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 \
-      GPIPE_DIST_TIMEOUT=60 timeout 90 "$prog" >"$tmp/holder" 2>&1 &
-    holder=$!
-    if ! listening "$port" 60; then
-      fail "the first rank 0 never listened on port $port: $(head -c 600 "$tmp/holder")"
-    else
-      refused "a second rank 0 on a held port" 3 "another process holds it"
-    fi
-    kill "$holder" 2>/dev/null
-    wait "$holder" 2>/dev/null
     # Ranks that disagree on WORLD_SIZE, or two processes with one RANK:
     # refused at once, and the ranks already waiting end as soon, saying
     # why (they waited out the timeout, then counted "3 of the 2 ranks").
@@ -418,6 +406,32 @@ case $mode in
         echo "ok: $1 ends in ${elapsed} s: $(grep error "$3" | head -c 300)"
       fi
     }
+    # A second rank 0 on a port the first one holds: said at once, and the
+    # first, which waits for its rank 1, ends as soon, saying why (it
+    # waited out the timeout, then blamed the ranks that did not come).
+    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    started_with "$tmp/first" RANK=0 WORLD_SIZE=2
+    first=$!
+    if listening "$port" 30; then
+      refused "a second rank 0 on a held port" 6 \
+        "two processes came as RANK 0 of 2 (the other holds port $port)"
+    fi
+    ended_soon "rank 0, waiting when a second rank 0 came" "$first" \
+      "$tmp/first" "rank 0 cannot join the job at .*two processes came as RANK 0 of 2"
+    # The rank 0 of a job of another size on that port is not one of ours:
+    # left as it was, and the port named as another process's.
+    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    started_with "$tmp/first" RANK=0 WORLD_SIZE=3
+    first=$!
+    if listening "$port" 30; then
+      refused "a rank 0 on a port another job's rank 0 holds" 6 \
+        "rank 0 cannot listen on port $port: another process holds it"
+      if ! kill -0 "$first" 2>/dev/null; then
+        fail "another job's rank 0 ended when a rank 0 of 2 met its port: $(head -c 600 "$tmp/first")"
+      fi
+    fi
+    kill "$first" 2>/dev/null
+    wait "$first" 2>/dev/null
     port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
     started_with "$tmp/first" RANK=0 WORLD_SIZE=2
     first=$!
