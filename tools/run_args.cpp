@@ -123,8 +123,8 @@ constexpr const char* kFooter =
     "Exit status: 0 when every rank exits 0; the first failing rank's exit\n"
     "code, or 128 + its signal (of the last start); 128 + the signal\n"
     "gpipe-run got; 127 when\n"
-    "PROGRAM cannot be executed; 2 for a bad command line; 1 when gpipe-run\n"
-    "itself fails.\n"
+    "PROGRAM cannot be executed (never restarted); 2 for a bad command line;\n"
+    "1 when gpipe-run itself fails.\n"
     "\n"
     "Several hosts: run gpipe-run on each, with the same --nnodes, -n,\n"
     "--master-addr (host 0's address, as the others reach it) and\n"
@@ -133,7 +133,8 @@ constexpr const char* kFooter =
     "rendezvous. gpipe-run sees only its own host's ranks: when another\n"
     "host fails or never comes, its ranks fail by themselves (their\n"
     "rendezvous timeout, GPIPE_DIST_TIMEOUT for gpipe's programs) and it\n"
-    "stops the rest as above.";
+    "stops the rest as above. To stop such a job, stop every host: the\n"
+    "others take one stopped host for a failure, and restart.";
 
 }  // namespace
 

@@ -15,6 +15,8 @@
 #include <string>
 #include <utility>
 
+#include "run_output.h"
+
 namespace gpipe_run {
 
 std::string errno_text(int error) {
@@ -72,11 +74,19 @@ void write_all(int fd, const char* data, size_t size) {
   }
 }
 
-// gpipe-run's own messages: one line on stderr, written whole, like the
-// ranks' lines, so that they do not split one.
+// gpipe-run's own messages: one line on stderr, written whole.
 void report(const std::string& message) {
   const std::string line = "gpipe-run: " + message + "\n";
   write_all(STDERR_FILENO, line.data(), line.size());
+}
+
+// A line of less than PIPE_BUF bytes goes into a pipe whole or waits: poll
+// says whether it has room for it.
+void report_if_writable(const std::string& message) {
+  pollfd err{STDERR_FILENO, POLLOUT, 0};
+  if (::poll(&err, 1, 0) == 1 && (err.revents & POLLOUT) != 0) {
+    report(message);
+  }
 }
 
 // Descriptors 0 to 2 open, on /dev/null if need be. Otherwise a pipe could
@@ -96,8 +106,9 @@ void open_standard_fds() {
 
 // A pipe whose ends are closed in the ranks' programs (close-on-exec), so
 // that no rank holds another rank's pipe or the self-pipe open. pipe() then
-// fcntl() leaves no gap for a fork, gpipe-run being one thread (pipe2 would
-// do both at once, but is not in POSIX.1-2017). False, with errno, on error.
+// fcntl() leaves no gap for a fork, as only the loop's thread forks and
+// makes pipes (pipe2 would do both at once, but is not in POSIX.1-2017).
+// False, with errno, on error.
 bool make_pipe(int fds[2]) {
   if (::pipe(fds) != 0) {
     return false;
@@ -135,10 +146,11 @@ int find_free_port() {
   return ntohs(address.sin_port);
 }
 
-// Prints the whole lines in `stream.partial` plus `data`, each with the
-// rank's prefix, in one write; keeps the rest. At the end of the stream,
-// `flush` prints the rest as a line too.
+// Queues the whole lines in `stream.partial` plus `data`, each with the
+// rank's prefix, as one write; keeps the rest. At the end of the stream,
+// `flush` queues the rest as a line too.
 void print_lines(
+    Output& output,
     const Rank& rank,
     Stream& stream,
     const char* data,
@@ -165,28 +177,33 @@ void print_lines(
     begin = end == newline ? end + 1 : end;
   }
   stream.partial.erase(0, begin);
-  write_all(stream.out_fd, out.data(), out.size());
+  output.write(stream.out_fd, std::move(out));
 }
 
-// Reads what `stream` has, up to `reads` times, printing its whole lines.
-// At the end of the pipe (or on an error reading it), prints the last
+// Reads what `stream` has, up to `reads` times, queueing its whole lines.
+// At the end of the pipe (or on an error reading it), queues the last
 // partial line and closes it.
-void read_stream(const Rank& rank, Stream& stream, int reads) {
+bool read_stream(
+    Output& output, const Rank& rank, Stream& stream, int reads, bool bounded) {
   char buffer[kReadSize];
   for (int i = 0; i < reads && stream.fd >= 0; ++i) {
+    if (bounded && output.over_bound()) {
+      return false;
+    }
     const ssize_t n = ::read(stream.fd, buffer, sizeof(buffer));
     if (n > 0) {
-      print_lines(rank, stream, buffer, static_cast<size_t>(n), false);
+      print_lines(output, rank, stream, buffer, static_cast<size_t>(n), false);
     } else if (n < 0 && errno == EINTR) {
       --i;
     } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      return;
+      return true;
     } else {
-      print_lines(rank, stream, nullptr, 0, /*flush=*/true);
+      print_lines(output, rank, stream, nullptr, 0, /*flush=*/true);
       ::close(stream.fd);
       stream.fd = -1;
     }
   }
+  return true;
 }
 
 std::string describe_status(int status) {

@@ -1,8 +1,9 @@
 #pragma once
 
-// gpipe-run's plumbing: the ranks' output printed as whole lines with their
+// gpipe-run's plumbing: the ranks' output cut into whole lines with their
 // prefix, gpipe-run's own messages, pipes and descriptors, a free port, and
-// how a rank ended. Plain POSIX; one thread uses all of it.
+// how a rank ended. Plain POSIX; the loop's thread uses all of it, and the
+// writer thread (run_output.h) write_all.
 
 #include <sys/types.h>
 
@@ -10,6 +11,8 @@
 #include <string>
 
 namespace gpipe_run {
+
+class Output;
 
 // Bytes read from a pipe at a time.
 constexpr size_t kReadSize = 64 * 1024;
@@ -50,18 +53,32 @@ std::string errno_text(int error);
 [[noreturn]] void fail_system(const std::string& what);
 std::string signal_name(int signo);
 void write_all(int fd, const char* data, size_t size);
+/// gpipe-run's own message, written at once: only while no Output exists
+/// (a bad command line, gpipe-run's own failure).
 void report(const std::string& message);
+/// As report(), but only when stderr can take the line at once (a pipe
+/// with room, a file, a terminal not stopped).
+void report_if_writable(const std::string& message);
 void open_standard_fds();
 bool make_pipe(int fds[2]);
 void set_non_blocking(int fd);
 int find_free_port();
 void print_lines(
+    Output& output,
     const Rank& rank,
     Stream& stream,
     const char* data,
     size_t size,
     bool flush);
-void read_stream(const Rank& rank, Stream& stream, int reads);
+/// Reads what `stream` has, up to `reads` times, queueing its whole lines;
+/// at its end, closes it. With `bounded`, false when it stopped because
+/// `output` is over its bound, with more perhaps left in the pipe.
+bool read_stream(
+    Output& output,
+    const Rank& rank,
+    Stream& stream,
+    int reads,
+    bool bounded = true);
 std::string describe_status(int status);
 /// Whether a wait status is a failure: an exit code other than 0, or a
 /// signal.
