@@ -543,7 +543,7 @@ rm -f "$tmp"/pid.* "$tmp/go" "$tmp/exited1" "$tmp/release"
     while [ ! -e "$0/exited1" ]; do sleep 0.05; done
     sleep 0.5
     echo "rank 0 fails second" >&2
-    touch "$0/release"
+    echo released >"$0/release"
     exit 4
   fi
   while [ ! -e "$0/go" ]; do sleep 0.05; done
@@ -555,7 +555,12 @@ wait_for "$tmp/pid.0" && wait_for "$tmp/pid.1"
 kill -STOP "$launcher"
 touch "$tmp/go"
 wait_for "$tmp/release"
-gone "$(cat "$tmp/pid.0")"
+# Rank 0 has ended: a zombie until gpipe-run, stopped, reaps it.
+for i in $(seq 100); do
+  state=$(ps -o stat= -p "$(cat "$tmp/pid.0")" 2>/dev/null)
+  [[ -z $state || $state == Z* ]] && break
+  sleep 0.05
+done
 kill -CONT "$launcher"
 if ! { gone "$launcher" || gone "$launcher"; }; then
   kill -9 "$launcher"
