@@ -175,6 +175,7 @@ TORCH_MODULE(SleepOverThreads);
 TEST_F(AutotuneTest, WeighsSharedThreadsAsTheEngineRunsThem) {
   const int64_t cores = detail::available_cores();
   if (cores < 2) {
+    // Skipped: needs 2 cores: one-core machines, scripts/tsan.sh
     GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
         << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }

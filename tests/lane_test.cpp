@@ -199,6 +199,7 @@ const char* malloc_not_gpipes() {
 // here; with the lanes' setting, 0 to about 200).
 TEST(WorkerTest, LaneStepsReuseTheirMemory) {
   if (const char* why = malloc_not_gpipes()) {
+    // Skipped: gpipe does not set malloc (malloc_not_gpipes)
     GTEST_SKIP() << why;  // gpipe does not set malloc (malloc_not_gpipes)
   }
   at::set_num_threads(1);
@@ -227,6 +228,7 @@ TEST(WorkerTest, LaneStepsReuseTheirMemory) {
 // the first: 13,000 faults per step here.
 TEST(WorkerTest, LaneStepsReuseMemoryBeyondOneHeap) {
   if (const char* why = malloc_not_gpipes()) {
+    // Skipped: gpipe does not set malloc (malloc_not_gpipes)
     GTEST_SKIP() << why;  // gpipe does not set malloc (malloc_not_gpipes)
   }
   at::set_num_threads(1);

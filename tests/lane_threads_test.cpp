@@ -160,6 +160,7 @@ Recorded threads_seen(int64_t chunks, int64_t threads_per_lane) {
 TEST(LaneThreadsTest, ALaneThePlanRunsAloneUsesEveryCore) {
   const int64_t cores = detail::available_cores();
   if (cores < 2) {
+    // Skipped: needs 2 cores: one-core machines, scripts/tsan.sh
     GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
         << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
@@ -206,6 +207,7 @@ TORCH_MODULE(FailOnce);
 
 TEST(LaneThreadsTest, ASerialPlanRunsOnTheCallingThread) {
   if (detail::available_cores() < 2) {
+    // Skipped: needs 2 cores: one-core machines, scripts/tsan.sh
     GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
         << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
@@ -288,6 +290,7 @@ TEST(LaneThreadsTest, OneCpuLaneRunsOnTheCallingThreadWithItsCount) {
 
 TEST(LaneThreadsTest, ASerialPlanGivesTheCallerItsCountBack) {
   if (detail::available_cores() < 2) {
+    // Skipped: needs 2 cores: one-core machines, scripts/tsan.sh
     GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
         << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }
@@ -335,6 +338,7 @@ TEST(LaneThreadsTest, AnErrorInASerialPlanIsTheCellsAndTheModelGoesOn) {
 
 TEST(LaneThreadsTest, OnlyTheDefaultFollowsThePlan) {
   if (detail::available_cores() < 2) {
+    // Skipped: needs 2 cores: one-core machines, scripts/tsan.sh
     GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
         << "one core (or OMP_NUM_THREADS=1): nothing to share";
   }

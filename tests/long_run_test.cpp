@@ -184,6 +184,7 @@ TEST_F(LongRunTest, ResidentMemoryStaysFlatOverThousandsOfSteps) {
       std::chrono::duration<double, std::milli>(longest_hold).count());
 
   if (steps <= kWarmUpSteps) {
+    // Skipped: a slow machine: the time budget allowed too few steps
     GTEST_SKIP()  // a slow machine: the time budget allowed too few steps
         << steps << " steps: too few to measure memory after a " << kWarmUpSteps
         << "-step warm-up";
@@ -199,6 +200,7 @@ TEST_F(LongRunTest, ResidentMemoryStaysFlatOverThousandsOfSteps) {
       growth / 1024.0,
       growth / 1024.0 / static_cast<double>(steps - kWarmUpSteps));
 #ifdef GPIPE_SANITIZED
+  // Skipped: sanitizer builds only: shadow memory grows by design
   GTEST_SKIP()  // sanitizer builds only: shadow memory grows by design
       << "resident memory is not checked under a sanitizer (shadow "
          "memory and quarantine grow by design)";

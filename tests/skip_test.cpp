@@ -608,6 +608,7 @@ TEST_F(SkipGPipeTest, RetainGraphWithSkips) {
 // Needs a CUDA device: skipped on CPU-only machines (CI), run on a GPU host.
 TEST_F(SkipGPipeTest, SkipFromCpuToCudaPartition_CUDA) {
   if (!torch::cuda::is_available()) {
+    // Skipped: needs a CUDA device (CPU-only machines and CI)
     GTEST_SKIP() << "needs a CUDA device";  // CPU-only machines and CI
   }
   for (auto mode :

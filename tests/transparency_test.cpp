@@ -176,6 +176,7 @@ namespace {
 // Needs a CUDA device: skipped on CPU-only machines (CI), run on a GPU host.
 TEST_F(TransparencyTest, CudaPartitionsEqualThePlainSequential_CUDA) {
   if (!torch::cuda::is_available()) {
+    // Skipped: needs a CUDA device (CPU-only machines and CI)
     GTEST_SKIP() << "needs a CUDA device";  // CPU-only machines and CI
   }
   for (auto mode :

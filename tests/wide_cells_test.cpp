@@ -55,6 +55,7 @@ class WideCellsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (detail::available_cores() < 2) {
+      // Skipped: needs 2 cores: one-core machines, scripts/tsan.sh
       GTEST_SKIP()  // needs 2 cores: one-core machines, scripts/tsan.sh
           << "one core (or OMP_NUM_THREADS=1): nothing to share";
     }

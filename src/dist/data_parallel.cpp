@@ -21,6 +21,7 @@
 #include "dist/agreement.h"
 #include "dist/connection.h"
 #include "dist/stage_engine.h"
+#include "text.h"
 
 namespace gpipe::dist::detail {
 
