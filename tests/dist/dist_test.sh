@@ -57,6 +57,11 @@ launch() {
   status=$?
 }
 
+# free_port: a port that was free a moment ago, as gpipe-run finds one.
+free_port() {
+  "$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //'
+}
+
 # by_hand N ARGS...: the worker on N ranks started here rather than by
 # gpipe-run (which stops the others when one fails, before they can print
 # their own error); leaves $status (the worst exit code), $codes and
@@ -65,7 +70,7 @@ by_hand() {
   local n=$1
   shift
   local port
-  port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+  port=$(free_port)
   local pids=()
   for ((r = 0; r < n; r++)); do
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=$r WORLD_SIZE=$n \
@@ -371,7 +376,7 @@ case $mode in
     # Rank 0 of 2 alone gives up within its timeout (4 s), saying how many
     # came; it used to wait twice the timeout (the store's wait, then
     # Gloo's).
-    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    port=$(free_port)
     refused "rank 0 alone with a 4 s timeout" 6 "only 1 of the 2 ranks" \
       GPIPE_DIST_TIMEOUT=4
     # A backend this build lacks (every build lacks mpi; a CPU LibTorch,
@@ -409,7 +414,7 @@ case $mode in
     # A second rank 0 on a port the first one holds: said at once, and the
     # first, which waits for its rank 1, ends as soon, saying why (it
     # waited out the timeout, then blamed the ranks that did not come).
-    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    port=$(free_port)
     started_with "$tmp/first" RANK=0 WORLD_SIZE=2
     first=$!
     if listening "$port" 30; then
@@ -420,7 +425,7 @@ case $mode in
       "$tmp/first" "rank 0 cannot join the job at .*two processes came as RANK 0 of 2"
     # The rank 0 of a job of another size on that port is not one of ours:
     # left as it was, and the port named as another process's.
-    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    port=$(free_port)
     started_with "$tmp/first" RANK=0 WORLD_SIZE=3
     first=$!
     if listening "$port" 30; then
@@ -432,7 +437,7 @@ case $mode in
     fi
     kill "$first" 2>/dev/null
     wait "$first" 2>/dev/null
-    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    port=$(free_port)
     started_with "$tmp/first" RANK=0 WORLD_SIZE=2
     first=$!
     if listening "$port" 30; then
@@ -442,7 +447,7 @@ case $mode in
     fi
     ended_soon "rank 0, waiting when WORLD_SIZE 3 came" "$first" "$tmp/first" \
       "rank 0 cannot join the job at .*WORLD_SIZE 3"
-    port=$("$run_bin" -n 1 -- sh -c 'echo "$MASTER_PORT"' | sed 's/^\[0\] //')
+    port=$(free_port)
     started_with "$tmp/first" RANK=0 WORLD_SIZE=3
     first=$!
     if listening "$port" 30; then
