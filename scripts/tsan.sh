@@ -67,13 +67,32 @@ if ((dist)); then
   # whole here rather than cut short in the test's output. Gloo's threads
   # (uninstrumented) move the tensors' bytes; TSan sees those copies
   # through its memcpy interceptor, ordered by the Work's wait.
+  # A rank with reports exits as it would without TSan (exitcode=0): the
+  # reports are judged below, after the filter, not by the ranks' status.
   logs=$(mktemp -d)
-  TSAN_OPTIONS="$TSAN_OPTIONS:log_path=$logs/rank" \
+  TSAN_OPTIONS="$TSAN_OPTIONS:log_path=$logs/rank:exitcode=0" \
     "$root/tests/dist/dist_test.sh" "$build/tools/gpipe-run" \
     "$build/tests/gpipe_dist_worker" parity || status=$?
-  if compgen -G "$logs/rank*" >/dev/null; then
+  # Reports in which every thread racing with ours is a thread of a Gloo
+  # process group (started while gloo_groups' group or pair factory makes
+  # one, in src/dist/gloo.cpp) are left out by scripts/tsan_gloo_filter.awk:
+  # those threads finish a collective's work, then drop their references to
+  # the work, its future and its tensors inside LibTorch, by atomic
+  # decrements TSan does not see, so the free that follows on either side
+  # looks raced with the other's earlier access (56 reports in the replicas'
+  # runs: the gradient all-reduce, World::split's all-gather, the replicas'
+  # agreement; none in the runs of one pipeline). TSan's suppressions cannot
+  # say this: they do not match the stack that made a thread. Races between
+  # our own threads (caller, lanes, the failure listener), and with the
+  # thread of Gloo's transport device (made elsewhere), which moves the
+  # bytes of point-to-point messages, stay reported.
+  kept=$logs/kept
+  for f in "$logs"/rank*; do
+    [[ -e $f ]] && awk -f "$root/scripts/tsan_gloo_filter.awk" "$f" >>"$kept"
+  done
+  if [[ -s $kept ]] && grep -q 'WARNING: ThreadSanitizer' "$kept"; then
     echo "ThreadSanitizer reports from the distributed run:"
-    cat "$logs"/rank*
+    cat "$kept"
     status=66
   fi
   rm -rf "$logs"
