@@ -50,6 +50,28 @@ TEST(PlacementTest, ShapesAndLists) {
   EXPECT_THROW(Placement().stages_of(0), c10::IndexError);
 }
 
+TEST(PlacementTest, ShapesTooLargeAreRefusedNotOverflowed) {
+  // lanes x stages_per_lane overflowed (a hang), 2 x lanes too (a crash),
+  // and 2^40 stages ran out of memory: each is a ValueError now.
+  const int64_t huge = int64_t{1} << 62;
+  EXPECT_NE(
+      error_of([&] {
+        Placement::modulo(huge, 4);
+      }).find("Placement::modulo: expected at most 1048576 stages"),
+      std::string::npos)
+      << error_of([&] { Placement::modulo(huge, 4); });
+  EXPECT_THROW(Placement::modulo(int64_t{1} << 40), c10::ValueError);
+  EXPECT_THROW(Placement::modulo(2, huge), c10::ValueError);
+  EXPECT_NE(
+      error_of([&] {
+        Placement::v_shape(huge);
+      }).find("Placement::v_shape: expected at most 524288 lanes"),
+      std::string::npos)
+      << error_of([&] { Placement::v_shape(huge); });
+  EXPECT_EQ(Placement::modulo(1024, 1024).stages(), 1048576);
+  EXPECT_EQ(Placement::v_shape(524288).stages(), 1048576);
+}
+
 TEST(PlacementTest, BadListsAreRefused) {
   EXPECT_NE(
       error_of([] {
@@ -155,7 +177,15 @@ TEST(PlacementTest, SchedulesRefusePlacementsTheyCannotRun) {
   EXPECT_NE(
       error_of([] {
         make_plan(Schedule::Interleaved1F1B, 4, Placement::v_shape(2));
-      }).find("interleaved runs stage j on lane j % lanes"),
+      }).find("interleaved runs the same number of stages on every lane"),
+      std::string::npos);
+  // The message says what interleaved needs: a placement that is stage j
+  // on lane j % lanes, but with one lane holding fewer stages, is refused
+  // for that.
+  EXPECT_NE(
+      error_of([] {
+        make_plan(Schedule::Interleaved1F1B, 3, Placement({0, 1, 2, 0, 1}));
+      }).find("the same number of stages on every lane"),
       std::string::npos);
   EXPECT_NE(
       error_of([] {
@@ -235,10 +265,20 @@ TEST(PlacementTest, ValidateChecksCellsAgainstThePlacement) {
       << error_of([&] { plan.validate(); });
   plan.placement = Placement::v_shape(3);
   EXPECT_NE(
+      error_of([&] { plan.validate(); })
+          .find("its placement v_shape(3 lanes) places 6 stages, but the plan "
+                "has 4 stages"),
+      std::string::npos)
+      << error_of([&] { plan.validate(); });
+  // The plan's own rows, not a pipeline, are what a plan is checked
+  // against.
+  plan.placement = Placement({0, 1, 2, 0});
+  EXPECT_NE(
       error_of([&] {
         plan.validate();
-      }).find("places 6 stages, but the pipeline has 4 stages"),
-      std::string::npos);
+      }).find("uses 3 lanes, but the plan has 2 rows (lanes)"),
+      std::string::npos)
+      << error_of([&] { plan.validate(); });
   plan.placement = {};
   EXPECT_NO_THROW(plan.validate());
 }
@@ -311,6 +351,55 @@ TEST(PlacementTest, CsvRoundTripKeepsThePlacement) {
   EXPECT_EQ(Plan::from_csv("# placement: 0 1\n").stages, 2);
   // A stage whose cells are on two rows: no placement is made up.
   EXPECT_TRUE(Plan::from_csv("0F0\n0B0\n").placement.empty());
+  // ... and its lanes are listed though they have no cells.
+  EXPECT_EQ(Plan::from_csv("# placement: 0 1\n").lanes.size(), 2u);
+}
+
+TEST(PlacementTest, BlankLinesAtTheEndOfACsvAreNotLanes) {
+  // A here-document's or an editor's last newline made a third, empty
+  // lane, and the placement the rows show was lost.
+  const auto plan = Plan::from_csv("0F0,0B0\n1F0,1B0\n\n\n");
+  EXPECT_EQ(plan.lanes.size(), 2u);
+  EXPECT_EQ(plan.placement, Placement::modulo(2));
+  EXPECT_NO_THROW(plan.validate());
+  // A blank line between rows is still an empty lane (train_step's refusal
+  // says so: SchedulesTrainTest).
+  EXPECT_EQ(Plan::from_csv("\n0F0,0B0\n1F0,1B0\n").lanes.size(), 3u);
+  // The plan of 0 micro-batches of training_plan keeps its 3 stages and
+  // lanes through the CSV (it came back with none).
+  for (const auto schedule : {Schedule::FillDrain, Schedule::ZeroBubble}) {
+    const auto empty = training_plan(schedule, 0, 3);
+    const auto back = Plan::from_csv(empty.to_csv());
+    EXPECT_EQ(back.stages, 3) << empty.to_csv();
+    EXPECT_EQ(back.lanes.size(), 3u) << empty.to_csv();
+    EXPECT_EQ(back.placement, Placement::modulo(3));
+  }
+}
+
+TEST(PlacementTest, AMisspeltPlacementLineIsRefusedNotIgnored) {
+  // Each was read as a comment, and the rows' placement used instead.
+  for (const char* line :
+       {"#placement: 1 0 0 1",
+        "# Placement: 1 0 0 1",
+        "# placement 1 0 0 1",
+        "#  PLACEMENT:1 0 0 1"}) {
+    const auto message = error_of(
+        [&] { Plan::from_csv(std::string(line) + "\n0F0,3F0\n1F0,2F0\n"); });
+    EXPECT_NE(
+        message.find("row 1: expected a placement line as '# placement: 0 1 "
+                     "1 0'"),
+        std::string::npos)
+        << line << " -> " << message;
+  }
+  // Comments that only mention the word stay comments.
+  EXPECT_NO_THROW(
+      Plan::from_csv("# placements are v-shaped\n# the placement "
+                     "below\n0F0\n"));
+  // A control character in a quoted field is shown, not the end of the
+  // message.
+  const auto message =
+      error_of([] { Plan::from_csv(std::string("0F\0x1,0B0\n", 9)); });
+  EXPECT_NE(message.find("'0F\\x00x1'"), std::string::npos) << message;
 }
 
 // 1F1B on n lanes of one stage each (F 2, B 4: a stage is two of ZB-V's

@@ -241,6 +241,47 @@ TEST(PlanTest, ValidateNamesTheProblem) {
   EXPECT_NO_THROW(Plan::from_csv("0F0,0F1,0L1,0L0,0B0,0B1\n").validate());
 }
 
+TEST(PlanTest, ValidateWorksThroughTheActionsNotEveryPair) {
+  // One action naming micro-batch and stage 999999999: validate() walked
+  // every (micro-batch, stage) pair, 10^18 of them, and never ended.
+  for (const char* text :
+       {"999999999L999999999\n",
+        "99999L99999\n",
+        "5F999999999\n",
+        "999999999B0\n"}) {
+    EXPECT_THROW(Plan::from_csv(text).validate(), c10::ValueError) << text;
+  }
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("999999999L999999999\n").validate();
+      }).find("L(999999999,999999999) has no forward"),
+      std::string::npos);
+  // The first missing cell is the one named, as before.
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("0F0,0F2,0B0,0B2\n").validate();
+      }).find("F(1,0) is never run, although other forwards are"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("0F0,0F1,0F2,0B0,0B2\n").validate();
+      }).find("the backward of micro-batch 1 on stage 0"),
+      std::string::npos);
+  // Transfers: a missing message is still found among the named pairs.
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("0F0,0SEND_F0,0F1,0B1,0B0\n1RECV_F0,1F0,1F1,1B1,1B0\n")
+            .validate();
+      }).find("it lists transfers, but not"),
+      std::string::npos);
+  // A user's plan whose sizes overflow their product: no actions, nothing
+  // to walk.
+  Plan big;
+  big.micro_batches = int64_t{1} << 40;
+  big.stages = int64_t{1} << 40;
+  EXPECT_NO_THROW(big.validate());
+}
+
 TEST(PlanTest, MakePlanRefusesBadSizes) {
   EXPECT_THROW(make_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
   EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 0), c10::ValueError);

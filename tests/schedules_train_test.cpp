@@ -457,6 +457,20 @@ TEST_F(SchedulesTrainTest, PlacementsThatDoNotFitAreRefused) {
             x, t, loss_of, make_plan(Schedule::Interleaved1F1B, 2, 2, 2));
       }).find("but the pipeline's is v_shape(2 lanes)"),
       std::string::npos);
+  // A blank first line of a CSV made an empty lane 0: the refusal says so.
+  EXPECT_NE(
+      error_of([&] {
+        modulo->train_step(
+            x,
+            t,
+            loss_of,
+            Plan::from_csv(
+                "\n" + make_plan(Schedule::FillDrain, 2, 2, 2).to_csv()));
+      })
+          .find("on 3 lanes, but the pipeline has 4 partitions on 2 lanes "
+                "(lane 0 of the plan list no action; in a plan's CSV a blank "
+                "line between rows is an empty lane)"),
+      std::string::npos);
   // Both are still usable.
   EXPECT_NO_THROW(modulo->train_step(x, t, loss_of, Schedule::LoopedBFS));
   EXPECT_NO_THROW(v->train_step(x, t, loss_of, Schedule::LoopedBFS));

@@ -81,17 +81,22 @@ struct Plan {
   /// W (weight part), L (loss; gpipe's own letter), SEND_F, RECV_F, SEND_B,
   /// RECV_B (transfers), e.g. `0F3,1F3,1L3,1B3,1W3` or
   /// `0F3,0SEND_F3,0RECV_B3,0B3`. Lanes with no actions are empty rows.
-  /// A placement other than `Placement::modulo` comes first, on a line of
-  /// its own: `# placement: 0 1 1 0` (stage j's lane, in stage order).
+  /// A placement other than `Placement::modulo`, or any placement of a plan
+  /// of 0 micro-batches, comes first, on a line of its own:
+  /// `# placement: 0 1 1 0` (stage j's lane, in stage order).
   std::string to_csv() const;
   /// Reads `to_csv()`'s format (also `I` for an input part, as newer
-  /// PyTorch writes it; empty columns are skipped; other lines starting
-  /// with `#` are comments). micro_batches and stages are the largest
-  /// indices plus one. Without a placement line the placement is the one
-  /// the rows show when each stage's cells are on one row, else empty.
-  /// Throws `c10::ValueError` naming the row, column and text of a
+  /// PyTorch writes it; empty columns are skipped; blank lines at the end
+  /// are not lanes, a blank line between rows is an empty lane; other lines
+  /// starting with `#` are comments, except one that starts like a
+  /// placement line, `#placement 0 1` say, which is refused). micro_batches
+  /// and stages are the largest indices plus one (or the placement line's
+  /// stages and lanes, when more). Without a placement line the placement
+  /// is the one the rows show when each stage's cells are on one row, else
+  /// empty. Throws `c10::ValueError` naming the row, column and text of a
   /// malformed action, or a malformed placement line; the plan is not
-  /// validated (call `validate()`).
+  /// validated (call `validate()`, whose work follows the actions listed,
+  /// not micro_batches x stages).
   static Plan from_csv(const std::string& text);
 
   /// The lane that runs `stage`: its placement's, or without one the lane
@@ -196,7 +201,7 @@ Plan forward_plan(int64_t micro_batches, int64_t stages);
 Plan backward_plan(int64_t micro_batches, int64_t stages);
 
 /// One lane per stage, forwards and backwards of a training step in the
-/// order `schedule` gives.
+/// order `schedule` gives; its placement is `Placement::modulo(stages)`.
 Plan training_plan(Schedule schedule, int64_t micro_batches, int64_t stages);
 
 /// A table of lanes by time step (the unit-time simulation), e.g.

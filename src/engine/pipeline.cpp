@@ -92,17 +92,34 @@ Plan Pipeline::on_lanes(Plan flat) const {
 }
 
 void Pipeline::check_training_plan(const Plan& plan, int64_t m) const {
-  TORCH_CHECK_VALUE(
-      plan.stages == size() &&
-          static_cast<int64_t>(plan.lanes.size()) == lanes(),
-      "train_step: the plan has ",
-      count_of(plan.stages, "stage", "stages"),
-      " on ",
-      count_of(static_cast<int64_t>(plan.lanes.size()), "lane", "lanes"),
-      ", but the pipeline has ",
-      count_of(size(), "partition", "partitions"),
-      " on ",
-      count_of(lanes(), "lane", "lanes"));
+  if (plan.stages != size() ||
+      static_cast<int64_t>(plan.lanes.size()) != lanes()) {
+    // Rows without actions, where a blank line of a CSV may have made one.
+    std::string empty;
+    int64_t rows = 0;
+    for (const auto l : c10::irange(plan.lanes.size())) {
+      if (plan.lanes[l].empty()) {
+        empty += (rows++ == 0 ? "" : ", ") + std::to_string(l);
+      }
+    }
+    TORCH_CHECK_VALUE(
+        false,
+        "train_step: the plan has ",
+        count_of(plan.stages, "stage", "stages"),
+        " on ",
+        count_of(static_cast<int64_t>(plan.lanes.size()), "lane", "lanes"),
+        ", but the pipeline has ",
+        count_of(size(), "partition", "partitions"),
+        " on ",
+        count_of(lanes(), "lane", "lanes"),
+        rows == 0   ? ""
+        : rows == 1 ? " (lane "
+                    : " (lanes ",
+        empty,
+        rows == 0 ? ""
+                  : " of the plan list no action; in a plan's CSV a blank "
+                    "line between rows is an empty lane)");
+  }
   TORCH_CHECK_VALUE(
       plan.micro_batches == m,
       "train_step: the plan is for ",

@@ -106,8 +106,9 @@ std::vector<std::vector<Cell>> interleaved_rows(int64_t m, const Placement& p) {
   }
   TORCH_CHECK_VALUE(
       p.is_modulo(),
-      "schedule: interleaved runs stage j on lane j % lanes "
-      "(Placement::modulo), but the placement is ",
+      "schedule: interleaved runs the same number of stages on every lane, "
+      "stage j on lane j % lanes (Placement::modulo(lanes, stages_per_lane)), "
+      "but the placement is ",
       to_string(p));
   return interleaved_lanes(m, p.lanes(), p.stages() / p.lanes());
 }

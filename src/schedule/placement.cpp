@@ -23,6 +23,11 @@ std::string list_of(const std::vector<int64_t>& lanes) {
   return out.str();
 }
 
+// The most stages `modulo` and `v_shape` make: far beyond any pipeline (a
+// stage holds at least one layer), and far below where `lanes *
+// stages_per_lane` overflows or the list stops fitting in memory.
+constexpr int64_t kMaxShapedStages = int64_t{1} << 20;
+
 }  // namespace
 
 Placement::Placement(std::vector<int64_t> lane_of_stage)
@@ -74,6 +79,14 @@ Placement Placement::modulo(int64_t lanes, int64_t stages_per_lane) {
       stages_per_lane >= 1,
       "Placement::modulo: expected stages_per_lane >= 1, but got ",
       stages_per_lane);
+  TORCH_CHECK_VALUE(
+      lanes <= kMaxShapedStages / stages_per_lane,
+      "Placement::modulo: expected at most ",
+      kMaxShapedStages,
+      " stages (lanes x stages_per_lane), but got ",
+      lanes,
+      " lanes x ",
+      stages_per_lane);
   std::vector<int64_t> lane_of_stage;
   for (int64_t j = 0; j < lanes * stages_per_lane; ++j) {
     lane_of_stage.push_back(j % lanes);
@@ -84,6 +97,12 @@ Placement Placement::modulo(int64_t lanes, int64_t stages_per_lane) {
 Placement Placement::v_shape(int64_t lanes) {
   TORCH_CHECK_VALUE(
       lanes >= 1, "Placement::v_shape: expected lanes >= 1, but got ", lanes);
+  TORCH_CHECK_VALUE(
+      lanes <= kMaxShapedStages / 2,
+      "Placement::v_shape: expected at most ",
+      kMaxShapedStages / 2,
+      " lanes (2 stages each), but got ",
+      lanes);
   std::vector<int64_t> lane_of_stage(static_cast<size_t>(2 * lanes));
   for (int64_t j = 0; j < lanes; ++j) {
     lane_of_stage[static_cast<size_t>(j)] = j;

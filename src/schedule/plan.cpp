@@ -215,10 +215,26 @@ void Plan::validate() const {
       micro_batches,
       " and ",
       stages);
-  if (!placement.empty()) {
-    verify_placement(
-        placement, stages, static_cast<int64_t>(lanes.size()), "plan");
-  }
+  // The pipeline's own placement is checked where a plan meets a pipeline;
+  // here the plan's placement against its own stages and rows.
+  TORCH_CHECK_VALUE(
+      placement.empty() || placement.stages() == stages,
+      "plan: its placement ",
+      to_string(placement),
+      " places ",
+      detail::count_of(placement.stages(), "stage", "stages"),
+      ", but the plan has ",
+      detail::count_of(stages, "stage", "stages"));
+  TORCH_CHECK_VALUE(
+      placement.empty() ||
+          placement.lanes() == static_cast<int64_t>(lanes.size()),
+      "plan: its placement ",
+      to_string(placement),
+      " uses ",
+      detail::count_of(placement.lanes(), "lane", "lanes"),
+      ", but the plan has ",
+      detail::count_of(
+          static_cast<int64_t>(lanes.size()), "row (lane)", "rows (lanes)"));
   std::set<CellKey> seen;
   std::map<int64_t, size_t> stage_lane;
   size_t forwards = 0;
@@ -290,69 +306,103 @@ void Plan::validate() const {
   auto has = [&](int64_t i, int64_t j, Phase phase) {
     return seen.count(key_of(Cell{i, j, phase})) > 0;
   };
-  const auto all = static_cast<size_t>(micro_batches * stages);
-  for (int64_t i = 0; i < micro_batches; ++i) {
-    for (int64_t j = 0; j < stages; ++j) {
-      TORCH_CHECK_VALUE(
-          forwards == 0 || forwards == all || has(i, j, Phase::Forward),
-          "plan: ",
-          to_string(Cell{i, j, Phase::Forward}),
-          " is never run, although other forwards are");
-      if (j + 1 == stages && losses > 0) {
-        const bool forward = has(i, j, Phase::Forward);
-        const bool loss = has(i, j, Phase::Loss);
-        TORCH_CHECK_VALUE(
-            !loss || forward,
-            "plan: ",
-            to_string(Cell{i, j, Phase::Loss}),
-            " has no forward ",
-            to_string(Cell{i, j, Phase::Forward}));
-        TORCH_CHECK_VALUE(
-            loss || !forward,
-            "plan: the loss ",
-            to_string(Cell{i, j, Phase::Loss}),
-            " is never run, although other losses are; list every loss or "
-            "none");
+  // The checks below go over the (micro-batch, stage) pairs the actions
+  // name, in order, and over the first pair without a forward (or without
+  // a backward) when some pairs have one: a pair no action names fails only
+  // those two checks, and no earlier such pair can fail them. So the work
+  // follows the actions listed, not micro_batches x stages (a one-line CSV
+  // may name micro-batch 999999999), and the first problem named is the
+  // one a walk over every pair would meet first.
+  std::set<std::pair<int64_t, int64_t>> pairs;
+  for (const auto& k : seen) {
+    pairs.emplace(std::get<0>(k), std::get<1>(k));
+  }
+  // The first pair without `present`, found within (pairs with it) + 1
+  // steps.
+  auto first_without = [&](auto present) {
+    for (int64_t i = 0; i < micro_batches; ++i) {
+      for (int64_t j = 0; j < stages; ++j) {
+        if (!present(i, j)) {
+          pairs.emplace(i, j);
+          return;
+        }
       }
-      const bool whole = has(i, j, Phase::Backward);
-      const bool input = has(i, j, Phase::BackwardInput);
-      const bool weight = has(i, j, Phase::BackwardWeight);
-      TORCH_CHECK_VALUE(
-          !(whole && (input || weight)),
-          "plan: micro-batch ",
-          i,
-          " on stage ",
-          j,
-          " has a whole backward ",
-          to_string(Cell{i, j, Phase::Backward}),
-          " and a split one; give it one or the other");
-      TORCH_CHECK_VALUE(
-          input == weight,
-          "plan: ",
-          to_string(
-              Cell{i, j, input ? Phase::BackwardInput : Phase::BackwardWeight}),
-          " has no ",
-          input ? "weight part " : "input part ",
-          to_string(
-              Cell{i, j, input ? Phase::BackwardWeight : Phase::BackwardInput}),
-          "; a split backward needs both");
-      TORCH_CHECK_VALUE(
-          backwards == 0 || whole || input,
-          "plan: the backward of micro-batch ",
-          i,
-          " on stage ",
-          j,
-          " (",
-          to_string(Cell{i, j, Phase::Backward}),
-          ", or ",
-          to_string(Cell{i, j, Phase::BackwardInput}),
-          " and ",
-          to_string(Cell{i, j, Phase::BackwardWeight}),
-          ") is never run, although other backwards are");
     }
+  };
+  int64_t all = 0;  // every pair; -1 when more than any count
+  if (__builtin_mul_overflow(micro_batches, stages, &all)) {
+    all = -1;
+  }
+  if (forwards > 0 && static_cast<int64_t>(forwards) != all) {
+    first_without(
+        [&](int64_t i, int64_t j) { return has(i, j, Phase::Forward); });
+  }
+  if (backwards > 0) {
+    first_without([&](int64_t i, int64_t j) {
+      return has(i, j, Phase::Backward) || has(i, j, Phase::BackwardInput);
+    });
+  }
+  for (const auto& [i, j] : pairs) {
+    TORCH_CHECK_VALUE(
+        forwards == 0 || static_cast<int64_t>(forwards) == all ||
+            has(i, j, Phase::Forward),
+        "plan: ",
+        to_string(Cell{i, j, Phase::Forward}),
+        " is never run, although other forwards are");
+    if (j + 1 == stages && losses > 0) {
+      const bool forward = has(i, j, Phase::Forward);
+      const bool loss = has(i, j, Phase::Loss);
+      TORCH_CHECK_VALUE(
+          !loss || forward,
+          "plan: ",
+          to_string(Cell{i, j, Phase::Loss}),
+          " has no forward ",
+          to_string(Cell{i, j, Phase::Forward}));
+      TORCH_CHECK_VALUE(
+          loss || !forward,
+          "plan: the loss ",
+          to_string(Cell{i, j, Phase::Loss}),
+          " is never run, although other losses are; list every loss or "
+          "none");
+    }
+    const bool whole = has(i, j, Phase::Backward);
+    const bool input = has(i, j, Phase::BackwardInput);
+    const bool weight = has(i, j, Phase::BackwardWeight);
+    TORCH_CHECK_VALUE(
+        !(whole && (input || weight)),
+        "plan: micro-batch ",
+        i,
+        " on stage ",
+        j,
+        " has a whole backward ",
+        to_string(Cell{i, j, Phase::Backward}),
+        " and a split one; give it one or the other");
+    TORCH_CHECK_VALUE(
+        input == weight,
+        "plan: ",
+        to_string(
+            Cell{i, j, input ? Phase::BackwardInput : Phase::BackwardWeight}),
+        " has no ",
+        input ? "weight part " : "input part ",
+        to_string(
+            Cell{i, j, input ? Phase::BackwardWeight : Phase::BackwardInput}),
+        "; a split backward needs both");
+    TORCH_CHECK_VALUE(
+        backwards == 0 || whole || input,
+        "plan: the backward of micro-batch ",
+        i,
+        " on stage ",
+        j,
+        " (",
+        to_string(Cell{i, j, Phase::Backward}),
+        ", or ",
+        to_string(Cell{i, j, Phase::BackwardInput}),
+        " and ",
+        to_string(Cell{i, j, Phase::BackwardWeight}),
+        ") is never run, although other backwards are");
   }
   if (transfers > 0) {
-    detail::validate_transfers(*this, stage_lane, has);
+    detail::validate_transfers(*this, stage_lane, pairs, has);
   }
   steps();
 }
@@ -407,7 +457,10 @@ Plan training_plan(Schedule schedule, int64_t m, int64_t n) {
   plan.stages = n;
   if (n > 0) {
     // One stage per lane, stage j on lane j: lane_order's rows, made once.
-    plan.lanes = detail::schedule_entry(schedule).rows(m, Placement::modulo(n));
+    // The placement says so also where no row shows it (0 micro-batches),
+    // so that to_csv writes it.
+    plan.placement = Placement::modulo(n);
+    plan.lanes = detail::schedule_entry(schedule).rows(m, plan.placement);
   }
   return plan;
 }

@@ -60,20 +60,56 @@ constexpr int64_t kMaxNumber = 999999999;
 
 enum class Parsed { Ok, Malformed, OutOfRange };
 
+// `text` with each control character as \xNN (a NUL would end the
+// message where a C string is printed).
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c < 0x20 || c == 0x7f) {
+      static const char* const kHex = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
 // `text` as a message quotes it: whole when short, else its first and last
 // characters and its length (a field of 100,000 digits).
 std::string quoted(const std::string& text) {
   constexpr size_t kEnds = 16;
   if (text.size() <= 3 * kEnds) {
-    return text;
+    return printable(text);
   }
   return c10::str(
-      text.substr(0, kEnds),
+      printable(text.substr(0, kEnds)),
       "...",
-      text.substr(text.size() - kEnds),
+      printable(text.substr(text.size() - kEnds)),
       " (",
       text.size(),
       " characters)");
+}
+
+// Whether a comment line is meant as a placement line: "placement" (in any
+// case) right after the '#', then ':', a lane number or nothing.
+bool looks_like_placement(const std::string& comment) {
+  auto k = comment.find_first_not_of(" \t", 1);
+  const std::string word = "placement";
+  if (k == std::string::npos || comment.size() < k + word.size()) {
+    return false;
+  }
+  for (size_t c = 0; c < word.size(); ++c) {
+    if (std::tolower(static_cast<unsigned char>(comment[k + c])) != word[c]) {
+      return false;
+    }
+  }
+  k = comment.find_first_not_of(" \t", k + word.size());
+  return k == std::string::npos || comment[k] == ':' ||
+         std::isdigit(static_cast<unsigned char>(comment[k]));
 }
 
 // "12F3" -> (12, "F", 3), "0SEND_F3" -> (0, "SEND_F", 3). A number of more
@@ -213,6 +249,16 @@ Plan Plan::from_csv(const std::string& text) {
   while (std::getline(in, line)) {
     ++row;
     if (trim(line).rfind('#', 0) == 0) {
+      TORCH_CHECK_VALUE(
+          !looks_like_placement(trim(line)) ||
+              trim(line).rfind(kPlacementLine, 0) == 0,
+          "plan CSV: row ",
+          row,
+          ": expected a placement line as '",
+          kPlacementLine,
+          " 0 1 1 0' (the lane of each stage), but got '",
+          quoted(trim(line)),
+          "'");
       if (trim(line).rfind(kPlacementLine, 0) == 0) {
         TORCH_CHECK_VALUE(
             !placed, "plan CSV: row ", row, ": a second placement line");
@@ -270,6 +316,11 @@ Plan Plan::from_csv(const std::string& text) {
     }
     plan.lanes.push_back(std::move(lane));
   }
+  // Blank rows at the end are not lanes (an editor's or a here-document's
+  // last newline); a blank row between two rows is an empty lane.
+  while (!plan.lanes.empty() && plan.lanes.back().empty()) {
+    plan.lanes.pop_back();
+  }
   for (auto& lane : plan.lanes) {
     for (auto& c : lane) {
       if (c.phase == Phase::Backward &&
@@ -292,8 +343,12 @@ Plan Plan::from_csv(const std::string& text) {
         " (0 to ",
         plan.stages - 1,
         ")");
-    // Stages without cells (a plan of 0 micro-batches) are still placed.
+    // Stages without cells (a plan of 0 micro-batches) are still placed,
+    // and lanes without cells still listed.
     plan.stages = std::max(plan.stages, plan.placement.stages());
+    if (static_cast<int64_t>(plan.lanes.size()) < plan.placement.lanes()) {
+      plan.lanes.resize(static_cast<size_t>(plan.placement.lanes()));
+    }
   }
   return plan;
 }

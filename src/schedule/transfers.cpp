@@ -5,6 +5,8 @@
 #include <gpipe/plan.h>
 
 #include <map>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "schedule/actions.h"
@@ -19,6 +21,7 @@ namespace detail {
 void validate_transfers(
     const Plan& plan,
     const std::map<int64_t, size_t>& stage_lane,
+    const std::set<std::pair<int64_t, int64_t>>& pairs,
     const std::function<bool(int64_t, int64_t, Phase)>& has) {
   auto crosses = [&](int64_t j) {  // between stages j and j + 1
     auto a = stage_lane.find(j);
@@ -74,34 +77,34 @@ void validate_transfers(
           ", but the plan does not run both");
     }
   }
-  for (int64_t i = 0; i < plan.micro_batches; ++i) {
-    for (int64_t j = 0; j + 1 < plan.stages; ++j) {
-      if (!crosses(j)) {
-        continue;
-      }
-      std::vector<Cell> needed;
-      if (has(i, j, Phase::Forward) && has(i, j + 1, Phase::Forward)) {
-        needed.push_back(Cell{i, j, Phase::SendForward});
-        needed.push_back(Cell{i, j + 1, Phase::RecvForward});
-      }
-      if (backward(i, j) && backward(i, j + 1)) {
-        needed.push_back(Cell{i, j + 1, Phase::SendBackward});
-        needed.push_back(Cell{i, j, Phase::RecvBackward});
-      }
-      for (const auto& t : needed) {
-        TORCH_CHECK_VALUE(
-            has(t.micro_batch, t.partition, t.phase),
-            "plan: it lists transfers, but not ",
-            to_string(t),
-            " (micro-batch ",
-            i,
-            " between stages ",
-            j,
-            " and ",
-            j + 1,
-            ", on different lanes); list every message between lanes, or "
-            "none");
-      }
+  // A message is needed only between two cells the plan runs, so the pairs
+  // its actions name (in order) are the ones to look at.
+  for (const auto& [i, j] : pairs) {
+    if (j + 1 >= plan.stages || !crosses(j)) {
+      continue;
+    }
+    std::vector<Cell> needed;
+    if (has(i, j, Phase::Forward) && has(i, j + 1, Phase::Forward)) {
+      needed.push_back(Cell{i, j, Phase::SendForward});
+      needed.push_back(Cell{i, j + 1, Phase::RecvForward});
+    }
+    if (backward(i, j) && backward(i, j + 1)) {
+      needed.push_back(Cell{i, j + 1, Phase::SendBackward});
+      needed.push_back(Cell{i, j, Phase::RecvBackward});
+    }
+    for (const auto& t : needed) {
+      TORCH_CHECK_VALUE(
+          has(t.micro_batch, t.partition, t.phase),
+          "plan: it lists transfers, but not ",
+          to_string(t),
+          " (micro-batch ",
+          i,
+          " between stages ",
+          j,
+          " and ",
+          j + 1,
+          ", on different lanes); list every message between lanes, or "
+          "none");
     }
   }
 }
