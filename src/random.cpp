@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 
 #include "cell_generator.h"
 
@@ -351,6 +352,25 @@ void set_cpu_generator_state(const torch::Tensor& state) {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
+}
+
+torch::Tensor set_cpu_generator_aside() {
+  // A counter from a random start, mixed (splitmix64's finaliser): distinct
+  // seeds, unrelated to the user's stream.
+  static std::atomic<uint64_t> next{[] {
+    std::random_device device;
+    return (static_cast<uint64_t>(device()) << 32) ^ device();
+  }()};
+  uint64_t z = next.fetch_add(0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  Exclusive hold;
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto state = gen.get_state();
+  gen.set_current_seed(z);
+  return state;
 }
 
 uint64_t draw_step_seed() {

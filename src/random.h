@@ -210,4 +210,12 @@ void set_cpu_generator_state(const torch::Tensor& state);
 /// lease (see the Note above).
 uint64_t draw_step_seed();
 
+/// Moves the default CPU generator onto a stream of its own, seeded with a
+/// seed no other call of this process gets, and returns the state it left
+/// (put it back with set_cpu_generator_state), under the exclusive lease:
+/// what runs meanwhile (balance's profiling) draws nothing of the user's
+/// stream, so putting the state back hands out no number twice, whatever
+/// other threads draw meanwhile.
+torch::Tensor set_cpu_generator_aside();
+
 }  // namespace gpipe::detail

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -791,6 +792,76 @@ TEST_F(BalanceTest, ProfilingLeavesTheRandomNumbersAlone) {
   EXPECT_TRUE(torch::rand({8}).equal(expected));
 }
 
+TEST_F(BalanceTest, WhatAnotherThreadDrawsWhileBalancingStaysDrawn) {
+  // Balancing put the default generator back where it stood, so the numbers
+  // another thread drew meanwhile came round again (686 draws, 420
+  // distinct, measured from outside). Layers that draw nothing, so that the
+  // other thread's draws are the first after the state that came back.
+  torch::nn::Sequential model{torch::nn::ReLU(), torch::nn::Tanh()};
+  const auto sample = torch::rand({16, 64});
+  std::atomic<bool> done{false};
+  std::atomic<bool> started{false};
+  std::vector<int64_t> drawn;
+  std::thread other([&] {
+    while (!done.load()) {
+      drawn.push_back(torch::randint(0, int64_t{1} << 62, {1}).item<int64_t>());
+      started.store(true);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  while (!started.load()) {
+    std::this_thread::yield();
+  }
+  gpipe::balance_by_time(2, model, sample, 0.2);
+  gpipe::balance_by_size(2, model, sample);
+  done.store(true);
+  other.join();
+  // Then more draws: none of them may repeat one made during balancing.
+  for (int k = 0; k < 200; ++k) {
+    drawn.push_back(torch::randint(0, int64_t{1} << 62, {1}).item<int64_t>());
+  }
+  auto sorted = drawn;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end())
+      << "a number was drawn twice among " << drawn.size();
+}
+
+TEST_F(BalanceTest, InPlaceLayersAreProfiledAndTheSampleIsLeftAlone) {
+  // An in-place first layer wrote into the caller's sample (balance_by_size
+  // into its first micro-batch's rows), and every in-place layer after the
+  // first was refused ("a leaf Variable that requires grad is being used in
+  // an in-place operation"), though GPipe runs such a model.
+  torch::nn::Sequential model(
+      torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+      torch::nn::Linear(10, 10),
+      torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+      torch::nn::Linear(10, 10));
+  const auto sample = torch::randn({8, 10});
+  const auto before = sample.clone();
+  EXPECT_EQ(gpipe::balance_by_time(2, model, sample, 0.05).size(), 2u);
+  EXPECT_TRUE(sample.equal(before));
+  EXPECT_EQ(gpipe::balance_by_size(2, model, sample, 2).size(), 2u);
+  EXPECT_TRUE(sample.equal(before));
+  const auto times = gpipe::profile_times(model, sample, 0.05);
+  EXPECT_EQ(times.size(), 4u);
+  EXPECT_TRUE(sample.equal(before));
+}
+
+TEST_F(BalanceTest, DevicesItCannotUseAreNamed) {
+  torch::nn::Sequential model(torch::nn::Linear(2, 2), torch::nn::Linear(2, 2));
+  const auto sample = torch::rand({4, 2});
+  expect_value_error(
+      [&] {
+        gpipe::balance_by_time(2, model, sample, 0, torch::Device("meta"));
+      },
+      "device must be the CPU or a CUDA device, but got meta");
+  if (!torch::cuda::is_available()) {
+    expect_value_error(
+        [&] { gpipe::balance_by_time(2, model, sample, 0, torch::kCUDA); },
+        "this LibTorch has no CUDA: device is cuda");
+  }
+}
+
 TEST_F(BalanceTest, NonCloneableLayersAreBalanced) {
   torch::nn::Sequential model(
       PlainSleep(2), PlainSleep(2), ScaleNorm(3), PlainSleep(40));
@@ -867,7 +938,9 @@ TEST_F(BalanceTest, LayerErrorsNameTheLayer) {
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(
-        std::string(e.what()).find("while profiling the time of layer 1 ('1')"),
+        std::string(e.what()).find(
+            "while profiling the time of layer 1 ('1') on an input of shape "
+            "[4, 2]"),
         std::string::npos)
         << e.what();
   }
@@ -876,7 +949,9 @@ TEST_F(BalanceTest, LayerErrorsNameTheLayer) {
     ADD_FAILURE() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(
-        std::string(e.what()).find("while profiling the size of layer 1 ('1')"),
+        std::string(e.what()).find(
+            "while profiling the size of layer 1 ('1') on an input of shape "
+            "[4, 2]"),
         std::string::npos)
         << e.what();
   }

@@ -314,6 +314,16 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: valid run: $(tail -n 1 "$tmp/out")"
   fi
+  # The balance is profiled on a micro-batch as the run cuts it: 10 images
+  # in 4 chunks are micro-batches of 3 (it profiled and said 10).
+  run --data-dir "$data" --epochs 1 --limit 10 --test-limit 100 --json
+  if [[ $status -ne 0 ]]; then
+    fail "a run of 10 images exited $status: $(cat "$tmp/err")"
+  elif ! grep -q 'from per-layer ms (forward + backward of 3 images)' "$tmp/err"; then
+    fail "a run of 10 images in 4 chunks did not profile 3: $(grep balance_by_time "$tmp/err")"
+  else
+    echo "ok: 10 images in 4 chunks profiled on 3"
+  fi
   # Only the images the run keeps are read, but those must be there: test
   # labels cut short after 900 of 10,000 train with --test-limit 800 and
   # stop with exit 1 naming the file with 1,000 (or all).

@@ -87,7 +87,7 @@ void one_pass(
   Packet x = start;
   for (const auto k : c10::irange(sandbox.size())) {
     ProfiledLayer layer(sandbox, k);
-    x = detached(x);
+    x = layer_input(x);
     tracker.begin_layer(static_cast<int64_t>(k));
     Packet y;
     try {

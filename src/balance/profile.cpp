@@ -1,6 +1,7 @@
 // profile_times and profile_sizes: every layer in turn, on copies, timed or
 // with its allocations counted.
 
+#include <ATen/Context.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -9,6 +10,7 @@
 #include <gpipe/balance.h>
 #include <gpipe/skip.h>
 #include <torch/autograd.h>
+#include <torch/cuda.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/utils.h>
 
@@ -35,7 +37,7 @@ using detail::check_module;
 using detail::CountingAllocatorScope;
 using detail::CountingWindow;
 using detail::CpuRngStateGuard;
-using detail::detached;
+using detail::layer_input;
 using detail::Packet;
 using detail::ProfiledLayer;
 using detail::ProfileSkipTracker;
@@ -50,6 +52,33 @@ void synchronize(const torch::Device& device) {
   impl.getStream(device).synchronize();
 }
 
+// Before anything runs there: LibTorch's own errors for a device it cannot
+// reach say neither what was expected nor, for the meta device, the device
+// at all (a layer that "cannot be cloned").
+void check_device(const torch::Device& device) {
+  TORCH_CHECK_VALUE(
+      device.is_cpu() || device.is_cuda(),
+      "device must be the CPU or a CUDA device, but got ",
+      device);
+  if (!device.is_cuda()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(
+      at::hasCUDA(),
+      "this LibTorch has no CUDA: device is ",
+      device,
+      ", but LibTorch was built for the CPU only; profile on torch::kCPU, or "
+      "build against a CUDA LibTorch");
+  const auto count = static_cast<int64_t>(torch::cuda::device_count());
+  TORCH_CHECK_INDEX(
+      !device.has_index() || device.index() < count,
+      "device is ",
+      device,
+      ", but this machine has ",
+      count,
+      count == 1 ? " CUDA device" : " CUDA devices");
+}
+
 // `device` with an index: the current one of its type when it has none.
 torch::Device with_index(torch::Device device) {
   if (device.is_cpu() || device.has_index()) {
@@ -61,6 +90,19 @@ torch::Device with_index(torch::Device device) {
 std::string shape_of(const torch::Tensor& t) {
   std::ostringstream out;
   out << t.sizes();
+  return out.str();
+}
+
+// "an input of shape [8, 10]", or of shapes (..., ...) for a tuple: what a
+// layer that refuses its input was given.
+std::string input_shapes(const Packet& x) {
+  std::ostringstream out;
+  out << (x.tensors.size() == 1 ? "an input of shape " : "inputs of shapes (");
+  for (const auto k : c10::irange(x.tensors.size())) {
+    out << (k == 0 ? "" : ", ")
+        << (x.tensors[k].defined() ? shape_of(x.tensors[k]) : "undefined");
+  }
+  out << (x.tensors.size() == 1 ? "" : ")");
   return out.str();
 }
 
@@ -122,6 +164,7 @@ std::vector<double> profile_times_impl(
       "timeout must be a non-negative number of seconds, but got ",
       timeout);
   verify_skippables(module);
+  check_device(device);
   device = with_index(device);
 
   // Profiling trains: grad mode on, inference mode off, whatever the caller
@@ -148,7 +191,7 @@ std::vector<double> profile_times_impl(
     Packet x = start;
     for (const auto k : c10::irange(n)) {
       ProfiledLayer layer(sandbox, k);
-      x = detached(x);
+      x = layer_input(x);
       tracker.begin_layer(static_cast<int64_t>(k));
       synchronize(device);
       const auto tick = Clock::now();
@@ -172,7 +215,8 @@ std::vector<double> profile_times_impl(
             k,
             " ('",
             sandbox.name(k),
-            "')");
+            "') on ",
+            input_shapes(x));
       }
       synchronize(device);
       times[k] += std::chrono::duration<double>(Clock::now() - tick).count();
@@ -273,7 +317,7 @@ std::vector<double> profile_sizes_impl(
   size_t k = 0;
   for (const auto& child : module->children()) {
     ProfiledLayer layer(sandbox, k);
-    x = detached(x);
+    x = layer_input(x);
     tracker.begin_layer(static_cast<int64_t>(k));
     int64_t latent = 0;
     try {
@@ -288,7 +332,8 @@ std::vector<double> profile_sizes_impl(
           k,
           " ('",
           sandbox.name(k),
-          "')");
+          "') on ",
+          input_shapes(x));
     }
     tracker.end_layer();
     sizes.push_back(

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <utility>
 
+#include "random.h"
+
 namespace gpipe::detail {
 
 namespace {
@@ -28,11 +30,17 @@ void check_module(const torch::nn::Sequential& module) {
       "with at least one layer, but got an empty one");
 }
 
-Packet detached(const Packet& a) {
+Packet layer_input(const Packet& a) {
   Packet out{{}, a.atomic};
   out.tensors.reserve(a.tensors.size());
   for (const auto& t : a.tensors) {
-    out.tensors.push_back(detach_keeping_requires_grad(t));
+    if (!t.defined()) {
+      out.tensors.push_back(t);
+    } else if (t.requires_grad()) {
+      out.tensors.push_back(t.detach().requires_grad_(true).clone());
+    } else {
+      out.tensors.push_back(t.detach().clone());
+    }
   }
   return out;
 }
@@ -211,15 +219,10 @@ void ProfiledLayer::restore() {
   }
 }
 
-CpuRngStateGuard::CpuRngStateGuard()
-    : generator_(at::detail::getDefaultCPUGenerator()) {
-  std::lock_guard<std::mutex> lock(generator_.mutex());
-  state_ = generator_.get_state();
-}
+CpuRngStateGuard::CpuRngStateGuard() : state_(set_cpu_generator_aside()) {}
 
 CpuRngStateGuard::~CpuRngStateGuard() {
-  std::lock_guard<std::mutex> lock(generator_.mutex());
-  generator_.set_state(state_);
+  set_cpu_generator_state(state_);
 }
 
 }  // namespace gpipe::detail

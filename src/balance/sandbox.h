@@ -25,8 +25,13 @@ namespace gpipe::detail {
 /// Throws c10::ValueError unless `module` is non-null and has a layer.
 void check_module(const torch::nn::Sequential& module);
 
-/// `a` with every tensor detached, requiring grad as it did.
-Packet detached(const Packet& a);
+/// A layer's input while profiling: a copy of each tensor of `a` (the
+/// caller's sample, or the previous layer's output), cut from its graph.
+/// A tensor that required grad is copied from a leaf that requires grad,
+/// so the copy is not a leaf: an in-place layer (ReLU(inplace)) may work
+/// on it, as it does inside a partition, and changes neither the caller's
+/// sample nor what the next pass starts from.
+Packet layer_input(const Packet& a);
 
 /// Layer `index`'s output for `input`, as a Packet.
 Packet call_layer(
@@ -126,9 +131,12 @@ class ProfiledLayer {
 };
 
 // Profiling draws random numbers (dropout, and Cloneable::clone() calls
-// reset(), which initialises parameters afresh before copying the values):
-// put the CPU generator back, so that balancing does not change what the
-// program draws afterwards.
+// reset(), which initialises parameters afresh before copying the values).
+// Those come from a stream of their own (random.h:
+// set_cpu_generator_aside), and the CPU generator is put back where it
+// stood afterwards: balancing changes nothing the program draws later, and
+// what other threads draw meanwhile comes from that other stream, so the
+// user's numbers they would have drawn are not handed out twice.
 class CpuRngStateGuard {
  public:
   CpuRngStateGuard();
@@ -137,7 +145,6 @@ class CpuRngStateGuard {
   CpuRngStateGuard& operator=(const CpuRngStateGuard&) = delete;
 
  private:
-  at::Generator generator_;
   torch::Tensor state_;
 };
 
