@@ -49,8 +49,17 @@ void DeferredBatchNormImpl::reset() {
     return adopt.empty() || !adopt.at(k).defined() ? fresh : adopt.at(k);
   };
   if (options.affine()) {
-    weight = register_parameter("weight", take(0, torch::ones({c})));
-    bias = register_parameter("bias", take(1, torch::zeros({c})));
+    // An adopted parameter keeps its requires_grad: registering it would
+    // otherwise set the flag on the tensor it shares with the user's
+    // BatchNorm, and a frozen layer would train.
+    auto param = [&](size_t k, const char* name, torch::Tensor fresh) {
+      auto value = take(k, std::move(fresh));
+      const bool requires_grad =
+          adopt.empty() || !adopt.at(k).defined() || value.requires_grad();
+      return register_parameter(name, value, requires_grad);
+    };
+    weight = param(0, "weight", torch::ones({c}));
+    bias = param(1, "bias", torch::zeros({c}));
   } else {
     weight = register_parameter("weight", torch::Tensor(), false);
     bias = register_parameter("bias", torch::Tensor(), false);

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
+#include <set>
 #include <sstream>
 
 namespace gpipe {
@@ -144,6 +146,7 @@ const Skippable* as_skippable(const torch::nn::Module& module) {
 
 void verify_skippables(const torch::nn::Sequential& module) {
   std::set<SkipKey> stashed;
+  std::map<SkipKey, std::string> stashed_by;  // the first layer to declare it
   std::set<SkipKey> popped;
   std::vector<std::string> problems;
   for (const auto& child : module->named_children()) {
@@ -163,6 +166,7 @@ void verify_skippables(const torch::nn::Sequential& module) {
       if (contains(layer->poppable_names(), key.name)) {
         continue;
       }
+      stashed_by.emplace(key, layer_name);
       if (!stashed.insert(key).second) {
         problems.push_back(
             "'" + layer_name + "' redeclared '" + key.name +
@@ -191,7 +195,9 @@ void verify_skippables(const torch::nn::Sequential& module) {
   for (const auto& key : stashed) {
     if (!popped.count(key)) {
       problems.push_back(
-          "no module declared '" + key.name + "' as poppable but stashed");
+          "no module declared '" + key.name +
+          "' as poppable but stashed (declared stashable by '" +
+          stashed_by.at(key) + "')");
     }
   }
   if (!problems.empty()) {

@@ -363,6 +363,56 @@ TEST_F(DeferredBatchNormGPipeTest, WithChunksOneGradientsEqualThePlainModel) {
   }
 }
 
+TEST_F(DeferredBatchNormGPipeTest, FrozenBatchNormStaysFrozen) {
+  // Converting registered the shared weight and bias as parameters that
+  // require grad, which set the flag on the user's own tensors: a frozen
+  // BatchNorm (fine-tuning's usual set-up) got gradients and trained.
+  auto net = bn_model();
+  net->to(torch::kFloat64);
+  for (const auto& child : net->children()) {
+    if (auto* bn = child->as<torch::nn::BatchNorm2dImpl>()) {
+      bn->weight.requires_grad_(false);
+      bn->bias.requires_grad_(false);
+    }
+  }
+  auto frozen = [&] {
+    std::vector<torch::Tensor> out;
+    for (const auto& child : net->children()) {
+      if (auto* bn = child->as<torch::nn::BatchNorm2dImpl>()) {
+        out.push_back(bn->weight);
+        out.push_back(bn->bias);
+      }
+    }
+    return out;
+  };
+  ASSERT_FALSE(frozen().empty());
+  (void)convert_deferred_batch_norm(net, 2);
+  for (const auto& p : frozen()) {
+    EXPECT_FALSE(p.requires_grad());
+  }
+  GPipe model(net, GPipeOptions({4, 3}).chunks(2).deferred_batch_norm(true));
+  const auto x = torch::randn({6, 2, 8, 8}, torch::kFloat64);
+  model->train_step(
+      x,
+      torch::zeros({6}, torch::kFloat64),
+      [](torch::Tensor out, torch::Tensor) { return out.pow(2).mean(); },
+      Schedule::OneFOneB);
+  for (const auto& p : frozen()) {
+    EXPECT_FALSE(p.requires_grad());
+    EXPECT_FALSE(p.grad().defined());
+  }
+  // A trainable BatchNorm still trains.
+  auto trainable = bn_model();
+  GPipe other(
+      trainable, GPipeOptions({4, 3}).chunks(2).deferred_batch_norm(true));
+  other->forward(torch::randn({6, 2, 8, 8})).pow(2).mean().backward();
+  for (const auto& child : trainable->children()) {
+    if (auto* bn = child->as<torch::nn::BatchNorm2dImpl>()) {
+      EXPECT_TRUE(bn->weight.grad().defined());
+    }
+  }
+}
+
 TEST_F(DeferredBatchNormGPipeTest, FailedMiniBatchLeavesNoStatistics) {
   torch::nn::Sequential net(
       torch::nn::Linear(2, 2),

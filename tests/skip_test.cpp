@@ -320,7 +320,13 @@ TEST(VerifySkippablesTest, Matching) {
 TEST(VerifySkippablesTest, StashNotPopped) {
   EXPECT_CONTAINS(
       verify_message(declared({{{"foo"}, {}}})),
-      ("no module declared 'foo' as poppable but stashed"));
+      ("no module declared 'foo' as poppable but stashed (declared stashable "
+       "by '0')"));
+  // The stashing layer is named, as the pop without a stash names its own.
+  EXPECT_CONTAINS(
+      verify_message(declared({{{}, {}}, {{"foo"}, {}}})),
+      ("no module declared 'foo' as poppable but stashed (declared stashable "
+       "by '1')"));
 }
 
 TEST(VerifySkippablesTest, PopUnknown) {

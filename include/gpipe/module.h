@@ -71,7 +71,13 @@ class GPipeImpl : public torch::nn::Module {
   /// `loss_fn(forward(input), target).backward()`. Returns that loss
   /// (detached, on the last device). `loss_fn` runs once per micro-batch
   /// (never again in a recomputation), on the last partition's lane,
-  /// seeded per micro-batch like a cell.
+  /// seeded per micro-batch like a cell. A step that throws (a layer, or
+  /// the loss of a later micro-batch) after some backwards ran, as 1F1B,
+  /// interleaved and zero-bubble run them before the last loss, leaves
+  /// those micro-batches' gradients in `.grad` (where `loss.backward()` on
+  /// the plain model would have added nothing): call `zero_grad()` before
+  /// the next step. Buffers and DeferredBatchNorm statistics are left as
+  /// they were.
   torch::Tensor train_step(
       torch::Tensor input,
       torch::Tensor target,
