@@ -157,6 +157,25 @@ void add_file(
 }
 
 nlohmann::json state_to_json(const TrainingState& state) {
+  // The manifest is JSON text: a string that is not UTF-8 cannot go in it
+  // (nlohmann's own error would not be a c10::Error, and would come after
+  // the checkpoint's directory was made).
+  for (const auto& [key, value] : state.user) {
+    for (const auto* text : {&key, &value}) {
+      try {
+        (void)nlohmann::json(*text).dump();
+      } catch (const std::exception&) {
+        TORCH_CHECK_VALUE(
+            false,
+            "TrainingState::user['",
+            key.size() > 40 ? key.substr(0, 40) + "..." : key,
+            "']: its ",
+            text == &key ? "key" : "value",
+            " is not valid UTF-8 text, but the checkpoint's manifest keeps "
+            "text only; store bytes as hex or base64");
+      }
+    }
+  }
   return {
       {"step", state.step},
       {"epoch", state.epoch},
@@ -213,12 +232,16 @@ CheckpointReader::CheckpointReader(const std::string& dir) {
     version = manifest_.at("version").get<int64_t>();
     // The data files' checksums and places are in the manifest: a manifest
     // changed after it was written would read them wrong.
-    if (manifest_.contains(kManifestChecksumKey)) {
-      TORCH_CHECK_VALUE(
-          manifest_.at(kManifestChecksumKey).get<std::string>() ==
-              manifest_checksum(manifest_),
-          "it does not match the checksum it was written with");
-    }
+    // (Every manifest is written with one; one without it was changed.)
+    TORCH_CHECK_VALUE(
+        manifest_.contains(kManifestChecksumKey),
+        "it has no checksum of itself ('",
+        kManifestChecksumKey,
+        "')");
+    TORCH_CHECK_VALUE(
+        manifest_.at(kManifestChecksumKey).get<std::string>() ==
+            manifest_checksum(manifest_),
+        "it does not match the checksum it was written with");
   } catch (const std::exception& e) {
     damaged(e);
   }

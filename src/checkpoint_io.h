@@ -28,6 +28,9 @@ using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 /// The checkpoint format's name and version, in every manifest.
 constexpr const char* kCheckpointFormat = "gpipe-checkpoint";
 constexpr int64_t kCheckpointVersion = 1;
+/// The largest step a checkpoint's directory name (`step-` and at most 18
+/// digits) holds.
+constexpr int64_t kMaxCheckpointStep = 999999999999999999;
 constexpr const char* kManifest = "manifest.json";
 
 /// Tensors start at multiples of this in their file, so that a file's
@@ -144,5 +147,9 @@ class CheckpointReader {
 /// steps (a directory made, a file written or flushed, a rename); -1 (the
 /// default) never.
 void fail_checkpoint_after(int64_t writes);
+
+/// For tests: remove_tree fails (as on a tree the user may not change)
+/// while `fail` is true.
+void fail_checkpoint_removals(bool fail);
 
 }  // namespace gpipe::detail

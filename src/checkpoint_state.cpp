@@ -267,10 +267,17 @@ void save_checkpoint(
         state.cpu_generator, "TrainingState::cpu_generator");
   }
   const auto tmp = detail::begin_checkpoint(dir, state.step);
-  const std::string file = "rank-0.bin";
-  detail::add_file(
-      manifest, file, detail::write_tensor_file(tmp, file, tensors));
-  detail::write_random_file(tmp, state, manifest);
+  try {
+    const std::string file = "rank-0.bin";
+    detail::add_file(
+        manifest, file, detail::write_tensor_file(tmp, file, tensors));
+    detail::write_random_file(tmp, state, manifest);
+  } catch (...) {
+    // An unfinished checkpoint takes no room until the next save: it goes
+    // now (the next save would remove it too).
+    (void)detail::remove_tree(tmp);
+    throw;
+  }
   detail::commit_checkpoint(dir, tmp, state.step, std::move(manifest));
 }
 

@@ -38,6 +38,7 @@ namespace fs = std::filesystem;
 namespace {
 
 std::atomic<int64_t> writes_left{-1};
+std::atomic<bool> removals_fail{false};
 
 // A step of writing; a test may make it fail there as a crash would.
 void crash_point(const std::string& what) {
@@ -82,6 +83,9 @@ void sync_path(const std::string& path) {
 // remove_all(path, error_code&) jumps to address 0 on a directory that
 // holds files. nftw walks the tree children first, as remove_all does.
 std::string remove_tree(const std::string& path) {
+  if (removals_fail.load()) {
+    return c10::str("cannot remove '", path, "': a simulated failure");
+  }
   struct stat status {};
   if (::lstat(path.c_str(), &status) != 0) {
     return errno == ENOENT
@@ -101,6 +105,10 @@ std::string remove_tree(const std::string& path) {
 
 void fail_checkpoint_after(int64_t writes) {
   writes_left = writes;
+}
+
+void fail_checkpoint_removals(bool fail) {
+  removals_fail = fail;
 }
 
 namespace {
@@ -190,7 +198,11 @@ nlohmann::json write_tensor_file(
 
 std::string begin_checkpoint(const std::string& root, int64_t step) {
   TORCH_CHECK_VALUE(
-      step >= 0, "a checkpoint's step must be 0 or more, but got ", step);
+      step >= 0 && step <= kMaxCheckpointStep,
+      "a checkpoint's step must be from 0 to ",
+      kMaxCheckpointStep,
+      ", but got ",
+      step);
   std::error_code error;
   // Checkpoints saved inside one would never be loaded: loading `root`
   // reads `root` itself.
@@ -288,7 +300,10 @@ void commit_checkpoint(
   // Checkpoints of later steps are of a run that went on from an older one
   // and was given up (this one resumed from before them): they go, or a
   // resume would take them. Of the earlier ones the newest stays.
+  // A later one that cannot go is an error: the save itself is done, but a
+  // load would take the given-up run. An older one that cannot go is left.
   bool kept_one = false;
+  std::string later_left;
   auto all = checkpoints_in(root);
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     if (it->first == step) {
@@ -298,8 +313,25 @@ void commit_checkpoint(
       kept_one = true;
       continue;
     }
-    remove_tree(it->second.string());
+    const auto why = remove_tree(it->second.string());
+    if (it->first > step && !why.empty() && later_left.empty()) {
+      later_left = why;
+    }
   }
+  TORCH_CHECK(
+      later_left.empty(),
+      "the checkpoint of step ",
+      step,
+      " was written to '",
+      final_path.string(),
+      "', but a checkpoint of a later step, of the run it replaces, could "
+      "not be removed (",
+      later_left,
+      "): loading '",
+      root,
+      "' would take that one; remove it, or load '",
+      final_path.string(),
+      "' itself");
 }
 
 }  // namespace gpipe::detail

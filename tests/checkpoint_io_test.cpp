@@ -493,6 +493,101 @@ TEST(CheckpointIoTest, SavingAnEarlierStepDropsTheLaterOnes) {
       (std::vector<std::string>{"step-00000006", "step-00000007"}));
 }
 
+// A later checkpoint the save could not remove: the save said nothing, and
+// the next load took the given-up run.
+TEST(CheckpointIoTest, ALaterCheckpointThatCannotGoIsAnError) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  TrainingState state;
+  for (const int64_t step : {2, 8}) {
+    state.step = step;
+    save_checkpoint(dir.path, model, *opt, state);
+  }
+  state.step = 3;
+  detail::fail_checkpoint_removals(true);
+  std::string message;
+  try {
+    save_checkpoint(dir.path, model, *opt, state);
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  detail::fail_checkpoint_removals(false);
+  EXPECT_NE(
+      message.find(
+          "the checkpoint of step 3 was written to '" + dir.path +
+          "/step-00000003', but a checkpoint of a later step"),
+      std::string::npos)
+      << message;
+  EXPECT_NE(message.find("step-00000008"), std::string::npos) << message;
+  // The next save removes it.
+  state.step = 4;
+  save_checkpoint(dir.path, model, *opt, state);
+  EXPECT_EQ(
+      entries_of(dir.path),
+      (std::vector<std::string>{"step-00000003", "step-00000004"}));
+}
+
+// What a checkpoint's manifest cannot hold is refused before anything is
+// written: a user string that is not UTF-8 (nlohmann's type_error, not a
+// c10::Error, and a temporary directory left), a step of more digits than
+// a directory name is read with (saved, then never found).
+TEST(CheckpointIoTest, StatesItCannotKeepAreRefusedBeforeWriting) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  TrainingState state;
+  state.user["loader"] = std::string("\xff\x00\x80", 3);
+  try {
+    save_checkpoint(dir.path, model, *opt, state);
+    ADD_FAILURE() << "bytes that are not UTF-8 were saved";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("TrainingState::user['loader']: its value "
+                                   "is not valid UTF-8 text"),
+        std::string::npos)
+        << e.what();
+  }
+  // Nothing was made: not the directory, nor a temporary one in it.
+  EXPECT_TRUE(!fs::exists(dir.path) || entries_of(dir.path).empty());
+  state.user = {{"loader", std::string("a\0b\n\"q\" \xc3\xa9", 10)}};
+  state.step = 999999999999999999;
+  save_checkpoint(dir.path, model, *opt, state);
+  EXPECT_EQ(read_training_state(dir.path).step, 999999999999999999);
+  EXPECT_EQ(read_training_state(dir.path).user, state.user);
+  state.step = 1000000000000000000;
+  try {
+    save_checkpoint(dir.path, model, *opt, state);
+    ADD_FAILURE() << "step 10^18 was saved";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "a checkpoint's step must be from 0 to 999999999999999999, but "
+            "got 1000000000000000000"),
+        std::string::npos)
+        << e.what();
+  }
+  // A manifest whose checksum entry is gone (one damaged byte of its key)
+  // was read without the check.
+  const auto manifest_path =
+      (fs::path(latest_checkpoint(dir.path)) / "manifest.json").string();
+  std::string written;
+  {
+    std::ifstream in(manifest_path);
+    written.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto at = written.find("manifest_fnv1a64_words");
+  ASSERT_NE(at, std::string::npos);
+  written[at] = 'M';
+  std::ofstream(manifest_path) << written;
+  auto other = make_model(kLayouts[1]);
+  auto other_opt = make_optimizer(Opt::SGDMomentum, other->parameters());
+  expect_refused(
+      other,
+      [&] { load_checkpoint(dir.path, other, *other_opt); },
+      {manifest_path, "has no checksum of itself", "damaged"});
+}
+
 // What the optimizer's options need must be in the checkpoint (Adam with
 // amsgrad keeps a third moment), and a generator state must be one.
 TEST(CheckpointIoTest, OptionsAndGeneratorStatesAreChecked) {

@@ -70,9 +70,13 @@ struct TrainingState {
 
 /// Saves `model`'s parameters and buffers, `optimizer`'s state (its
 /// parameters must be the model's) and `state` as a new checkpoint in
-/// `dir` (made when missing), named by `state.step`. A c10::Error says why
-/// it could not (a c10::ValueError when `dir` is a checkpoint itself); the
-/// previous checkpoints stay as they were.
+/// `dir` (made when missing), named by `state.step` (0 to
+/// 999999999999999999). A c10::Error says why it could not (a
+/// c10::ValueError when `dir` is a checkpoint itself, or `state.user`
+/// holds text that is not UTF-8); the previous checkpoints stay as they
+/// were. Checkpoints of later steps go (a run resumed from an earlier one
+/// gave them up): one that cannot go is an error naming it, after this
+/// checkpoint was written. One writer per directory at a time.
 void save_checkpoint(
     const std::string& dir,
     const GPipe& model,

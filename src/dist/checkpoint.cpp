@@ -146,6 +146,7 @@ void save_checkpoint(
   if (world.rank() == 0) {
     std::string begun;
     try {
+      (void)gpipe::detail::state_to_json(state);  // text it can write
       begun = ok(gpipe::detail::begin_checkpoint(dir, state.step));
     } catch (...) {
       begun = fail_here();
