@@ -313,17 +313,27 @@ void Plan::validate() const {
   // follows the actions listed, not micro_batches x stages (a one-line CSV
   // may name micro-batch 999999999), and the first problem named is the
   // one a walk over every pair would meet first.
-  std::set<std::pair<int64_t, int64_t>> pairs;
+  // `seen` is in (micro-batch, stage, action) order: its distinct pairs
+  // come out sorted.
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  pairs.reserve(seen.size());
   for (const auto& k : seen) {
-    pairs.emplace(std::get<0>(k), std::get<1>(k));
+    const std::pair<int64_t, int64_t> pair{std::get<0>(k), std::get<1>(k)};
+    if (pairs.empty() || pairs.back() != pair) {
+      pairs.push_back(pair);
+    }
   }
   // The first pair without `present`, found within (pairs with it) + 1
-  // steps.
+  // steps, put in its place among the others.
   auto first_without = [&](auto present) {
     for (int64_t i = 0; i < micro_batches; ++i) {
       for (int64_t j = 0; j < stages; ++j) {
         if (!present(i, j)) {
-          pairs.emplace(i, j);
+          const std::pair<int64_t, int64_t> pair{i, j};
+          const auto at = std::lower_bound(pairs.begin(), pairs.end(), pair);
+          if (at == pairs.end() || *at != pair) {
+            pairs.insert(at, pair);
+          }
           return;
         }
       }
@@ -337,7 +347,10 @@ void Plan::validate() const {
     first_without(
         [&](int64_t i, int64_t j) { return has(i, j, Phase::Forward); });
   }
-  if (backwards > 0) {
+  // (A pair has at most one whole backward and one input part, and both
+  // only in a plan refused below: as many as every pair, and none is
+  // missing.)
+  if (backwards > 0 && static_cast<int64_t>(backwards) != all) {
     first_without([&](int64_t i, int64_t j) {
       return has(i, j, Phase::Backward) || has(i, j, Phase::BackwardInput);
     });

@@ -49,7 +49,7 @@ Plan with_losses(Plan plan);
 void validate_transfers(
     const Plan& plan,
     const std::map<int64_t, size_t>& stage_lane,
-    const std::set<std::pair<int64_t, int64_t>>& pairs,
+    const std::vector<std::pair<int64_t, int64_t>>& pairs,
     const std::function<bool(int64_t, int64_t, Phase)>& has);
 
 // Note [One table of schedules]

@@ -21,7 +21,7 @@ namespace detail {
 void validate_transfers(
     const Plan& plan,
     const std::map<int64_t, size_t>& stage_lane,
-    const std::set<std::pair<int64_t, int64_t>>& pairs,
+    const std::vector<std::pair<int64_t, int64_t>>& pairs,
     const std::function<bool(int64_t, int64_t, Phase)>& has) {
   auto crosses = [&](int64_t j) {  // between stages j and j + 1
     auto a = stage_lane.find(j);
