@@ -1,3 +1,5 @@
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
 #include <gpipe/models/timed.h>
 #include <torch/autograd.h>
 
@@ -14,19 +16,32 @@ void wait_for(std::chrono::microseconds d) {
   }
 }
 
+// The counts a graph updates, kept alive by the graph itself (a layer may
+// go before the backward of its output runs).
+struct CountsHolder : torch::CustomClassHolder {
+  explicit CountsHolder(std::shared_ptr<TimedCounts> c)
+      : counts(std::move(c)) {}
+  std::shared_ptr<TimedCounts> counts;
+};
+
 struct Timed : torch::autograd::Function<Timed> {
   static torch::Tensor forward(
       torch::autograd::AutogradContext* ctx,
       torch::Tensor x,
       torch::Tensor w,
-      const TimedCosts* costs,
-      TimedCounts* counts) {
-    wait_for(costs->forward);
+      const TimedCosts& costs,
+      const std::shared_ptr<TimedCounts>& counts) {
+    wait_for(costs.forward);
     if (counts != nullptr) {
       ++counts->forward;
     }
-    ctx->saved_data["costs"] = reinterpret_cast<int64_t>(costs);
-    ctx->saved_data["counts"] = reinterpret_cast<int64_t>(counts);
+    // Values, not pointers into the layer.
+    ctx->saved_data["backward_input_us"] =
+        static_cast<int64_t>(costs.backward_input.count());
+    ctx->saved_data["backward_weight_us"] =
+        static_cast<int64_t>(costs.backward_weight.count());
+    ctx->saved_data["counts"] =
+        c10::IValue::make_capsule(c10::make_intrusive<CountsHolder>(counts));
     ctx->save_for_backward({x, w});
     return x * w;
   }
@@ -34,23 +49,26 @@ struct Timed : torch::autograd::Function<Timed> {
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
-    const auto* costs =
-        reinterpret_cast<const TimedCosts*>(ctx->saved_data["costs"].toInt());
-    auto* counts =
-        reinterpret_cast<TimedCounts*>(ctx->saved_data["counts"].toInt());
+    const std::chrono::microseconds backward_input{
+        ctx->saved_data["backward_input_us"].toInt()};
+    const std::chrono::microseconds backward_weight{
+        ctx->saved_data["backward_weight_us"].toInt()};
+    const auto holder = c10::static_intrusive_pointer_cast<CountsHolder>(
+        ctx->saved_data["counts"].toCapsule());
+    auto* counts = holder->counts.get();
     const auto saved = ctx->get_saved_variables();
     const auto& g = grads[0];
     torch::Tensor dx;
     torch::Tensor dw;
     if (ctx->needs_input_grad(0)) {
-      wait_for(costs->backward_input);
+      wait_for(backward_input);
       if (counts != nullptr) {
         ++counts->backward_input;
       }
       dx = g * saved[1];
     }
     if (ctx->needs_input_grad(1)) {
-      wait_for(costs->backward_weight);
+      wait_for(backward_weight);
       if (counts != nullptr) {
         ++counts->backward_weight;
       }
@@ -65,6 +83,18 @@ struct Timed : torch::autograd::Function<Timed> {
 TimedLayerImpl::TimedLayerImpl(
     int64_t features, TimedCosts costs, std::shared_ptr<TimedCounts> counts)
     : features_(features), costs_(costs), counts_(std::move(counts)) {
+  TORCH_CHECK_VALUE(
+      features >= 1, "TimedLayer: expected features >= 1, but got ", features);
+  TORCH_CHECK_VALUE(
+      costs.forward.count() >= 0 && costs.backward_input.count() >= 0 &&
+          costs.backward_weight.count() >= 0,
+      "TimedLayer: expected costs of 0 us or more, but got forward ",
+      costs.forward.count(),
+      " us, backward_input ",
+      costs.backward_input.count(),
+      " us, backward_weight ",
+      costs.backward_weight.count(),
+      " us");
   reset();
 }
 
@@ -73,7 +103,7 @@ void TimedLayerImpl::reset() {
 }
 
 torch::Tensor TimedLayerImpl::forward(torch::Tensor x) {
-  return Timed::apply(x, weight, &costs_, counts_.get());
+  return Timed::apply(x, weight, costs_, counts_);
 }
 
 }  // namespace gpipe::models

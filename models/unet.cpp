@@ -9,6 +9,7 @@
 #include <torch/nn/modules/pooling.h>
 #include <torch/nn/modules/upsampling.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -102,6 +103,13 @@ void check_arguments(
       options.dropout() >= 0 && options.dropout() <= 1,
       "unet: expected dropout in [0, 1], but got ",
       options.dropout());
+  // The widest cell has C x 2^depth channels.
+  TORCH_CHECK_VALUE(
+      C <= (std::numeric_limits<int64_t>::max() >> options.depth()),
+      "unet: C x 2^depth channels must fit in int64, but C is ",
+      C,
+      " and depth ",
+      options.depth());
 }
 
 // Appends a cell's B units of 4 layers, named `<prefix>_<layer><unit>`.
@@ -174,18 +182,49 @@ int64_t unet_parameter_count(
     int64_t out_channels,
     const UNetOptions& options) {
   check_arguments(B, C, in_channels, out_channels, options);
+  // Every product and sum checked: sizes the model takes can make a count
+  // past int64 (depth 30, or C = 2^40).
+  bool overflow = false;
+  auto mul = [&overflow](int64_t a, int64_t b) {
+    int64_t r = 0;
+    overflow = overflow || __builtin_mul_overflow(a, b, &r);
+    return r;
+  };
+  auto add = [&overflow](int64_t a, int64_t b) {
+    int64_t r = 0;
+    overflow = overflow || __builtin_add_overflow(a, b, &r);
+    return r;
+  };
   int64_t count = 0;
   for (const auto& cell : cells(C, in_channels, options)) {
     // 3x3 convolutions: in -> mid, (B - 2) x mid -> mid, mid -> out; a
     // single one goes in -> out.
     if (B == 1) {
-      count += 9 * cell.in * cell.out;
+      count = add(count, mul(9, mul(cell.in, cell.out)));
     } else {
-      count += 9 * (cell.in * cell.mid + (B - 2) * cell.mid * cell.mid +
-                    cell.mid * cell.out);
+      const auto middle = mul(B - 2, mul(cell.mid, cell.mid));
+      count =
+          add(count,
+              mul(9,
+                  add(add(mul(cell.in, cell.mid), middle),
+                      mul(cell.mid, cell.out))));
     }
   }
-  return count + (C / 2) * out_channels;
+  count = add(count, mul(C / 2, out_channels));
+  TORCH_CHECK_VALUE(
+      !overflow,
+      "unet_parameter_count: the count for B = ",
+      B,
+      ", C = ",
+      C,
+      ", in_channels = ",
+      in_channels,
+      ", out_channels = ",
+      out_channels,
+      ", depth ",
+      options.depth(),
+      " does not fit in int64");
+  return count;
 }
 
 }  // namespace gpipe::models

@@ -72,6 +72,30 @@ Batch gather(const std::vector<Batch>& micro_batches) {
           width);
       pieces.push_back(micro_batches[i][k]);
     }
+    // An output a layer leaves undefined (an optional one) stays so; it
+    // must be undefined in every micro-batch or in none.
+    const auto defined = static_cast<size_t>(
+        std::count_if(pieces.begin(), pieces.end(), [](const torch::Tensor& t) {
+          return t.defined();
+        }));
+    if (defined == 0) {
+      out.emplace_back();
+      continue;
+    }
+    if (defined < pieces.size()) {
+      const auto undefined = std::find_if(
+          pieces.begin(), pieces.end(), [](const torch::Tensor& t) {
+            return !t.defined();
+          });
+      TORCH_CHECK_VALUE(
+          false,
+          "gather: tensor ",
+          k,
+          " is undefined in micro-batch ",
+          undefined - pieces.begin(),
+          " but defined in others; it must be undefined in every "
+          "micro-batch or in none");
+    }
     out.push_back(torch::cat(pieces, /*dim=*/0));
   }
   return out;

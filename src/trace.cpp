@@ -299,6 +299,12 @@ std::string Trace::svg() const {
     end = std::max(end, e.end_us);
   }
   const double span = std::max(end - begin, 1.0);
+  // Times in ms, or in us for a trace shorter than 1 ms (its labels would
+  // all read 0.00 ms).
+  const bool in_us = end - begin < 1000.0;
+  auto time_text = [in_us](double us, int ms_digits) {
+    return in_us ? fixed(us, 1) + " us" : fixed(us / 1000.0, ms_digits) + " ms";
+  };
   // The label column fits "<label> <last lane>" (about 6.5 px a character
   // at 11 px), at least the 70 px that "lane 12" takes.
   const double label_chars = static_cast<double>(
@@ -324,7 +330,7 @@ std::string Trace::svg() const {
       << (plain_noun
               ? label + (lanes == 1 ? "" : "s")
               : std::string(lanes == 1 ? "row" : "rows") + " (" + label + ")")
-      << ", " << fixed(span / 1000.0, 2) << " ms</text>\n";
+      << ", " << time_text(span, 2) << "</text>\n";
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const double y = top + row * static_cast<double>(lane);
     out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">" << label
@@ -345,8 +351,9 @@ std::string Trace::svg() const {
         << "\" fill=\"" << colour_of(e.kind) << "\""
         << (e.failed ? " stroke=\"#d00000\" stroke-width=\"2\"" : "")
         << "><title>" << to_string(e.kind) << " micro-batch " << e.micro_batch
-        << (e.failed ? " (failed)" : "") << ", " << fixed(e.start_us / 1000.0)
-        << "-" << fixed(e.end_us / 1000.0) << " ms</title></rect>\n";
+        << (e.failed ? " (failed)" : "") << ", "
+        << (in_us ? fixed(e.start_us, 1) : fixed(e.start_us / 1000.0)) << "-"
+        << time_text(e.end_us, 3) << "</title></rect>\n";
     if (w > 14 && !beside) {
       out << "<text x=\"" << fixed(x0 + w / 2, 2) << "\" y=\""
           << fixed(y + row * 0.65, 1)
@@ -361,7 +368,7 @@ std::string Trace::svg() const {
     // The last label ends at the axis's end, inside the picture.
     out << "<text x=\"" << fixed(left + width * k / 4, 1) << "\" y=\""
         << fixed(axis, 1) << "\" text-anchor=\"" << (k == 4 ? "end" : "middle")
-        << "\">" << fixed(t / 1000.0, 2) << " ms</text>\n";
+        << "\">" << time_text(t, 2) << "</text>\n";
   }
   double lx = left;
   for (auto kind :

@@ -372,6 +372,38 @@ TEST_F(GPipeTest, SingletonTupleStaysATuple) {
 // type at::Tensor", a plain c10::Error). forward_tuple runs it as
 // `net->forward<std::vector<torch::Tensor>>(x)` does, and both errors say
 // which call fits.
+// A last layer with an optional output it leaves undefined: the plain
+// model returns it undefined; GPipe threw "tensor does not have a device".
+TEST_F(GPipeTest, AnUndefinedOutputStaysUndefined) {
+  struct MaybeImpl : torch::nn::Module {
+    std::vector<torch::Tensor> forward(torch::Tensor x) {
+      return {x * 2, torch::Tensor()};
+    }
+  };
+  torch::manual_seed(0);
+  torch::nn::Sequential net(
+      torch::nn::Linear(4, 4), std::make_shared<MaybeImpl>());
+  net->to(torch::kDouble);
+  const auto x = torch::randn({6, 4}, torch::kDouble);
+  for (const auto mode :
+       {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
+    GPipe model(net, GPipeOptions({1, 1}).chunks(3).checkpoint(mode));
+    auto out = model->forward_tuple(x);
+    ASSERT_EQ(out.size(), 2u);
+    EXPECT_TRUE(torch::allclose(
+        out[0], net->forward<std::vector<torch::Tensor>>(x)[0]));
+    EXPECT_FALSE(out[1].defined());
+    EXPECT_NO_THROW(out[0].sum().backward());
+  }
+  // Undefined in some micro-batches only: said so.
+  const auto msg = message_of([] {
+    gpipe::gather({{torch::ones({1})}, {torch::Tensor()}});
+  });
+  EXPECT_TRUE(contains(
+      msg, "tensor 0 is undefined in micro-batch 1 but defined in others"))
+      << msg;
+}
+
 TEST_F(GPipeTest, ATensorInATupleOutRunsThroughForwardTuple) {
   struct SplitImpl : torch::nn::Module {
     std::vector<torch::Tensor> forward(torch::Tensor x) {

@@ -6,6 +6,7 @@
 #include <gpipe/gpipe.h>
 #include <gpipe/models/amoebanet.h>
 #include <gpipe/models/resnet.h>
+#include <gpipe/models/timed.h>
 #include <gpipe/models/unet.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -414,6 +415,42 @@ TEST_F(SeededTest, UNetRejectsBadSizes) {
   EXPECT_THROW(
       models::unet(2, 4, 3, 1, models::UNetOptions().dropout(1.5)),
       c10::ValueError);
+  // Counts past int64 came back negative or wrapped (depth 30 is allowed).
+  EXPECT_THROW(
+      models::unet_parameter_count(1, 2, 3, 1, models::UNetOptions().depth(30)),
+      c10::ValueError);
+  EXPECT_THROW(
+      models::unet_parameter_count(1, int64_t{1} << 40), c10::ValueError);
+  EXPECT_THROW(
+      models::unet_parameter_count(int64_t{1} << 62, 4), c10::ValueError);
+  EXPECT_THROW(
+      models::unet_parameter_count(
+          1, int64_t{1} << 60, 3, 1, models::UNetOptions().depth(4)),
+      c10::ValueError);
+}
+
+TEST_F(SeededTest, TimedLayerChecksItsArgumentsAndOutlivesNothing) {
+  EXPECT_THROW(models::TimedLayer(-1), c10::ValueError);
+  EXPECT_THROW(models::TimedLayer(0), c10::ValueError);
+  EXPECT_THROW(
+      models::TimedLayer(3, models::TimedCosts{std::chrono::microseconds(-5)}),
+      c10::ValueError);
+  // The backward of an output whose layer is gone read the layer's costs
+  // and counts through pointers into it (freed memory, under valgrind and
+  // ASan). It now holds what it needs.
+  auto counts = std::make_shared<models::TimedCounts>();
+  torch::Tensor out;
+  const auto x = torch::randn({2, 3}, torch::requires_grad());
+  {
+    const std::chrono::microseconds none{0};
+    models::TimedLayer layer(3, models::TimedCosts{none, none, none}, counts);
+    out = layer->forward(x);
+  }
+  out.sum().backward();
+  EXPECT_EQ(counts->forward.load(), 1);
+  EXPECT_EQ(counts->backward_input.load(), 1);
+  EXPECT_EQ(counts->backward_weight.load(), 1);
+  EXPECT_TRUE(x.grad().equal(torch::ones({2, 3})));
 }
 
 TEST_F(SeededTest, UNetThroughGPipeEqualsPlain) {

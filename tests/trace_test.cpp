@@ -250,6 +250,22 @@ TEST_F(TraceTest, ChromeJsonHasOneCompleteEventPerInterval) {
   EXPECT_EQ(names, 2);  // one per lane
 }
 
+TEST_F(TraceTest, AShortTraceIsLabelledInMicroseconds) {
+  // A 7 us trace read "0.00 ms, 0.00 ms, 0.00 ms, 0.01 ms, 0.01 ms".
+  Trace trace;
+  trace.add(TraceEvent{0, 0, TraceKind::Forward, 100.0, 104.0});
+  trace.add(TraceEvent{1, 0, TraceKind::Backward, 104.0, 107.0});
+  const auto svg = trace.svg();
+  EXPECT_NE(svg.find(">0.0 us</text>"), std::string::npos) << svg;
+  EXPECT_NE(svg.find(">7.0 us</text>"), std::string::npos) << svg;
+  EXPECT_NE(svg.find(", 7.0 us</text>"), std::string::npos) << svg;
+  EXPECT_EQ(svg.find(" ms<"), std::string::npos) << svg;
+  // A longer one stays in ms.
+  trace.add(TraceEvent{0, 1, TraceKind::Forward, 107.0, 2107.0});
+  EXPECT_NE(trace.svg().find(">2.01 ms</text>"), std::string::npos)
+      << trace.svg();
+}
+
 TEST_F(TraceTest, SvgDrawsEveryIntervalAndWritesFiles) {
   GPipe model(linears(), GPipeOptions({2, 2}).chunks(3));
   auto trace = std::make_shared<Trace>();
@@ -265,7 +281,13 @@ TEST_F(TraceTest, SvgDrawsEveryIntervalAndWritesFiles) {
   EXPECT_EQ(titles, trace->events().size());
   // The time axis's last label ends where the axis does, inside the
   // picture (centred there, its right half was cut off).
-  const auto last_label = svg.rfind(" ms</text>");
+  // (In ms, or in us for a trace shorter than 1 ms.)
+  const auto last_label = std::max(
+      svg.rfind(" ms</text>") == std::string::npos ? 0
+                                                   : svg.rfind(" ms</text>"),
+      svg.rfind(" us</text>") == std::string::npos ? 0
+                                                   : svg.rfind(" us</text>"));
+  ASSERT_GT(last_label, 0u);
   ASSERT_NE(last_label, std::string::npos);
   const auto its_tag = svg.rfind("<text ", last_label);
   EXPECT_NE(

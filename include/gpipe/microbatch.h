@@ -20,7 +20,9 @@ using Batch = std::vector<torch::Tensor>;
 /// two micro-batches of 1). All tensors must share the batch size.
 std::vector<Batch> scatter(const Batch& inputs, int64_t chunks);
 
-/// Concatenates the micro-batches tensor by tensor along dim 0.
+/// Concatenates the micro-batches tensor by tensor along dim 0; a tensor
+/// undefined in every micro-batch (an optional output) stays undefined,
+/// one undefined in some only is a c10::ValueError.
 Batch gather(const std::vector<Batch>& micro_batches);
 
 }  // namespace gpipe
