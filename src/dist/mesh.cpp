@@ -127,6 +127,36 @@ World World::split(int64_t color, int64_t key) const {
 Mesh::Mesh(World world, int64_t pipeline_size)
     : world_(world), pipeline_(world), data_(world) {
   const auto size = world_.size();
+  // Every rank's pipeline size, agreed first (the largest and the largest
+  // negative, one collective of two numbers): ranks given others built
+  // meshes of other layouts and met only in their next collective, at its
+  // timeout; a rank refusing a size alone left the others waiting. Now
+  // every rank refuses alike, naming the sizes.
+  if (size > 1) {
+    auto& connection = *world_.connection();
+    connection.check();
+    std::vector<torch::Tensor> words{
+        torch::tensor(std::vector<int64_t>{pipeline_size, -pipeline_size})};
+    connection.closing_on_failure([&] {
+      connection.all_reduce(
+          words,
+          c10d::ReduceOp::MAX,
+          "Mesh (its agreement on the pipeline size)");
+    });
+    const auto* w = words[0].data_ptr<int64_t>();
+    TORCH_CHECK_VALUE(
+        w[0] == -w[1],
+        "gpipe::dist::Mesh expects the same pipeline size on every rank, but "
+        "the ranks passed sizes from ",
+        -w[1],
+        " to ",
+        w[0],
+        " (",
+        connection.rank_name(connection.rank),
+        ": ",
+        pipeline_size,
+        ")");
+  }
   TORCH_CHECK_VALUE(
       pipeline_size >= 1,
       "gpipe::dist::Mesh expects a pipeline size of at least 1 (stages per "

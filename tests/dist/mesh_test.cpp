@@ -87,6 +87,36 @@ TEST(MeshTest, LayoutPutsAReplicasStagesSideBySide) {
   EXPECT_EQ(seen[3], (std::vector<int64_t>{1, 1, 2, 2, 4}));
 }
 
+// Rank 0 given 2, the others 4: three ranks built meshes of 1 replica and
+// rank 0 waited in a split until the timeout; one rank given 3 refused
+// alone and left the others waiting. Every rank refuses alike now, at
+// once, and the World stays usable.
+TEST(MeshTest, RanksGivenOtherPipelineSizesAllRefuse) {
+  run_ranks(4, [](World world) {
+    for (const int64_t odd : {2, 3}) {
+      const int64_t mine = world.rank() == (odd == 2 ? 0 : 1) ? odd : 4;
+      try {
+        Mesh mesh(world, mine);
+        ADD_FAILURE() << "no error on rank " << world.rank();
+      } catch (const c10::ValueError& e) {
+        const std::string what = e.what_without_backtrace();
+        EXPECT_NE(
+            what.find(
+                "expects the same pipeline size on every rank, but the "
+                "ranks passed sizes from " +
+                std::to_string(odd) + " to 4"),
+            std::string::npos)
+            << what;
+      }
+    }
+    auto t = torch::ones({2});
+    world.all_reduce(t);
+    EXPECT_TRUE(t.equal(torch::full({2}, 4.0)));
+    Mesh mesh(world, 2);
+    EXPECT_EQ(mesh.data_size(), 2);
+  });
+}
+
 TEST(MeshTest, APipelineSizeThatDoesNotDivideTheWorldIsRefused) {
   run_ranks(4, [](World world) {
     try {
