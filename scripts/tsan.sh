@@ -73,19 +73,18 @@ if ((dist)); then
   TSAN_OPTIONS="$TSAN_OPTIONS:log_path=$logs/rank:exitcode=0" \
     "$root/tests/dist/dist_test.sh" "$build/tools/gpipe-run" \
     "$build/tests/gpipe_dist_worker" parity || status=$?
-  # Reports in which every thread racing with ours is a thread of a Gloo
-  # process group (started while gloo_groups' group or pair factory makes
-  # one, in src/dist/gloo.cpp) are left out by scripts/tsan_gloo_filter.awk:
-  # those threads finish a collective's work, then drop their references to
-  # the work, its future and its tensors inside LibTorch, by atomic
-  # decrements TSan does not see, so the free that follows on either side
-  # looks raced with the other's earlier access (56 reports in the replicas'
-  # runs: the gradient all-reduce, World::split's all-gather, the replicas'
-  # agreement; none in the runs of one pipeline). TSan's suppressions cannot
-  # say this: they do not match the stack that made a thread. Races between
-  # our own threads (caller, lanes, the failure listener), and with the
-  # thread of Gloo's transport device (made elsewhere), which moves the
-  # bytes of point-to-point messages, stay reported.
+  # Reports of an object's lifetime across a thread of a Gloo process
+  # group are left out by scripts/tsan_gloo_filter.awk (which says exactly
+  # which): the threads of Gloo's collectives finish a work, then drop
+  # their references to the work, its future and its tensors inside
+  # LibTorch, by atomic decrements TSan does not see, so the free that
+  # follows on either side looks raced with the other's earlier access
+  # (56 to 67 reports in the replicas' runs: the gradient all-reduce,
+  # World::split's all-gather, the replicas' agreement; none in the runs
+  # of one pipeline). TSan's suppressions cannot say this: they do not
+  # match the stack that made a thread. Races in which a Gloo thread runs
+  # our code or copies memory ours use, and races between our own threads
+  # (the caller, lanes, the failure listener), stay reported.
   kept=$logs/kept
   for f in "$logs"/rank*; do
     [[ -e $f ]] && awk -f "$root/scripts/tsan_gloo_filter.awk" "$f" >>"$kept"

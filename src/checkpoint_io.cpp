@@ -237,7 +237,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) {
         manifest_.contains(kManifestChecksumKey),
         "it has no checksum of itself ('",
         kManifestChecksumKey,
-        "')");
+        "'; every gpipe since 2026-11-29 writes one)");
     TORCH_CHECK_VALUE(
         manifest_.at(kManifestChecksumKey).get<std::string>() ==
             manifest_checksum(manifest_),

@@ -354,9 +354,25 @@ void set_cpu_generator_state(const torch::Tensor& state) {
   gen.set_state(state);
 }
 
-torch::Tensor set_cpu_generator_aside() {
-  // A counter from a random start, mixed (splitmix64's finaliser): distinct
-  // seeds, unrelated to the user's stream.
+bool inside_cell();  // engine/stage.h
+
+namespace {
+
+// The one aside of the process: how many hold it, and the user's state.
+struct Aside {
+  std::mutex mutex;
+  int64_t holders = 0;  // guarded by mutex
+  torch::Tensor state;  // guarded by mutex
+};
+
+Aside& the_aside() {
+  static Aside aside;
+  return aside;
+}
+
+// A seed no other aside gets: a counter from a random start, mixed
+// (splitmix64's finaliser), unrelated to the user's stream.
+uint64_t aside_seed() {
   static std::atomic<uint64_t> next{[] {
     std::random_device device;
     return (static_cast<uint64_t>(device()) << 32) ^ device();
@@ -364,13 +380,41 @@ torch::Tensor set_cpu_generator_aside() {
   uint64_t z = next.fetch_add(0x9e3779b97f4a7c15ULL);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+CpuGeneratorAside::CpuGeneratorAside() {
+  // A cell holds the lease: waiting for it here would wait for itself.
+  TORCH_CHECK(
+      !inside_cell(),
+      "gpipe: profiling (balance_by_time, balance_by_size, autotune) cannot "
+      "run inside a pipeline's cell (a layer's forward or backward, or a "
+      "loss); run it outside the pipeline");
+  auto& aside = the_aside();
+  std::lock_guard<std::mutex> lock(aside.mutex);
+  if (aside.holders++ > 0) {
+    return;
+  }
   Exclusive hold;
   auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  auto state = gen.get_state();
-  gen.set_current_seed(z);
-  return state;
+  std::lock_guard<std::mutex> gen_lock(gen.mutex());
+  aside.state = gen.get_state();
+  gen.set_current_seed(aside_seed());
+}
+
+CpuGeneratorAside::~CpuGeneratorAside() {
+  auto& aside = the_aside();
+  std::lock_guard<std::mutex> lock(aside.mutex);
+  if (--aside.holders > 0) {
+    return;
+  }
+  Exclusive hold;
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> gen_lock(gen.mutex());
+  gen.set_state(aside.state);
+  aside.state = torch::Tensor();
 }
 
 uint64_t draw_step_seed() {

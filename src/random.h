@@ -210,12 +210,20 @@ void set_cpu_generator_state(const torch::Tensor& state);
 /// lease (see the Note above).
 uint64_t draw_step_seed();
 
-/// Moves the default CPU generator onto a stream of its own, seeded with a
-/// seed no other call of this process gets, and returns the state it left
-/// (put it back with set_cpu_generator_state), under the exclusive lease:
-/// what runs meanwhile (balance's profiling) draws nothing of the user's
+/// While alive: the default CPU generator runs on a stream of its own,
+/// seeded with a seed no other use in this process gets, and the user's
+/// state comes back when it goes (both under the exclusive lease). What
+/// runs meanwhile (balance's profiling) draws nothing of the user's
 /// stream, so putting the state back hands out no number twice, whatever
-/// other threads draw meanwhile.
-torch::Tensor set_cpu_generator_aside();
+/// other threads draw meanwhile. Nested and overlapping ones (two threads
+/// profiling) share one aside: the first sets it, the last puts the user's
+/// state back. Refused inside a cell, which holds the lease.
+class CpuGeneratorAside {
+ public:
+  CpuGeneratorAside();
+  ~CpuGeneratorAside();
+  CpuGeneratorAside(const CpuGeneratorAside&) = delete;
+  CpuGeneratorAside& operator=(const CpuGeneratorAside&) = delete;
+};
 
 }  // namespace gpipe::detail

@@ -1,6 +1,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/irange.h>
 #include <gpipe/balance.h>
+#include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -824,6 +825,49 @@ TEST_F(BalanceTest, WhatAnotherThreadDrawsWhileBalancingStaysDrawn) {
   std::sort(sorted.begin(), sorted.end());
   EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end())
       << "a number was drawn twice among " << drawn.size();
+}
+
+TEST_F(BalanceTest, OverlappingProfilesPutTheUsersStreamBack) {
+  // Each profile set the generator aside and put back what it had found:
+  // one that began inside another's and ended after it put back the other's
+  // aside stream, and the user's seeded stream was lost.
+  torch::nn::Sequential model{torch::nn::ReLU(), torch::nn::Tanh()};
+  const auto sample = torch::rand({4, 4});
+  torch::manual_seed(7);
+  const auto expected = torch::rand({8});
+  torch::manual_seed(7);
+  std::thread first([&] { gpipe::balance_by_time(2, model, sample, 0.1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  std::thread second([&] { gpipe::balance_by_time(2, model, sample, 0.3); });
+  first.join();
+  second.join();
+  EXPECT_TRUE(torch::rand({8}).equal(expected));
+}
+
+TEST_F(BalanceTest, ProfilingInsideACellIsRefusedNotAHang) {
+  // Inside a cell (which holds the lease on the generators), profiling
+  // waited for the lease it held.
+  struct ProfilingImpl : torch::nn::Module {
+    torch::Tensor forward(torch::Tensor x) {
+      torch::nn::Sequential inner{torch::nn::ReLU(), torch::nn::Tanh()};
+      gpipe::balance_by_time(2, inner, x.detach(), 0);
+      return x;
+    }
+  };
+  torch::nn::Sequential net(
+      torch::nn::Linear(4, 4), std::make_shared<ProfilingImpl>());
+  gpipe::GPipe model(net, gpipe::GPipeOptions({1, 1}).chunks(2));
+  try {
+    model->forward(torch::rand({4, 4}));
+    ADD_FAILURE() << "profiling inside a cell ran";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("cannot run inside a pipeline's cell"),
+        std::string::npos)
+        << e.what();
+  }
+  // Again (the lease was let go): the same refusal, not a hang.
+  EXPECT_THROW(model->forward(torch::rand({4, 4})), c10::Error);
 }
 
 TEST_F(BalanceTest, InPlaceLayersAreProfiledAndTheSampleIsLeftAlone) {

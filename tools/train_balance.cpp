@@ -83,10 +83,14 @@ std::vector<int64_t> choose_balance(
   const auto partitions = static_cast<int64_t>(args.balance.size());
   std::vector<int64_t> balance(partitions, 0);
   std::vector<double> costs;
-  // What each cell runs: a micro-batch of training images (of a batch no
-  // larger than the training set: --limit 10 makes micro-batches of 3).
+  // What each cell runs: a micro-batch of a replica's shard of a batch (of
+  // a batch no larger than the training set: --limit 10 makes
+  // micro-batches of 3).
+  const int64_t replicas =
+      world == nullptr ? 1 : world->size() / args.pipeline_size;
   const auto batch = std::min<int64_t>(images.size(0), args.batch_size);
-  const auto rows = (batch + args.chunks - 1) / args.chunks;
+  const auto shard = std::max<int64_t>(1, batch / replicas);
+  const auto rows = (shard + args.chunks - 1) / args.chunks;
   if (world == nullptr || world->rank() == 0) {
     // Profiling must not move the random stream: a run with --balance
     // given draws the same batches and masks.

@@ -9,8 +9,6 @@
 #include <mutex>
 #include <utility>
 
-#include "random.h"
-
 namespace gpipe::detail {
 
 namespace {
@@ -217,12 +215,6 @@ void ProfiledLayer::restore() {
   for (const auto i : c10::irange(saved->modules.size())) {
     saved->modules[i]->train(saved->training[i]);
   }
-}
-
-CpuRngStateGuard::CpuRngStateGuard() : state_(set_cpu_generator_aside()) {}
-
-CpuRngStateGuard::~CpuRngStateGuard() {
-  set_cpu_generator_state(state_);
 }
 
 }  // namespace gpipe::detail

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "packet.h"
+#include "random.h"
 #include "skip.h"
 
 namespace gpipe::detail {
@@ -132,20 +133,11 @@ class ProfiledLayer {
 
 // Profiling draws random numbers (dropout, and Cloneable::clone() calls
 // reset(), which initialises parameters afresh before copying the values).
-// Those come from a stream of their own (random.h:
-// set_cpu_generator_aside), and the CPU generator is put back where it
+// Those come from a stream of their own (random.h: CpuGeneratorAside),
+// and the CPU generator is put back where it
 // stood afterwards: balancing changes nothing the program draws later, and
 // what other threads draw meanwhile comes from that other stream, so the
 // user's numbers they would have drawn are not handed out twice.
-class CpuRngStateGuard {
- public:
-  CpuRngStateGuard();
-  ~CpuRngStateGuard();
-  CpuRngStateGuard(const CpuRngStateGuard&) = delete;
-  CpuRngStateGuard& operator=(const CpuRngStateGuard&) = delete;
-
- private:
-  torch::Tensor state_;
-};
+using CpuRngStateGuard = CpuGeneratorAside;
 
 }  // namespace gpipe::detail

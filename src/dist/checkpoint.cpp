@@ -264,6 +264,12 @@ void save_checkpoint(
                    : fail_here();
       }
     }
+    if (!is_ok(done) && is_ok(begun)) {
+      // An unfinished checkpoint takes no room until the next save (every
+      // writer has reported, so none writes into it any more; one renamed
+      // into place is not there).
+      (void)gpipe::detail::remove_tree(tmp);
+    }
     store.set(prefix + "done", bytes_of(done));
   }
   const auto done = string_of(store.get(prefix + "done"));
@@ -279,9 +285,7 @@ void save_checkpoint(
     std::rethrow_exception(own);
   }
   TORCH_CHECK(
-      is_ok(done),
-      "gpipe::dist::save_checkpoint: the checkpoint was not written: ",
-      value_of(done));
+      is_ok(done), "gpipe::dist::save_checkpoint failed: ", value_of(done));
 }
 
 TrainingState load_checkpoint(

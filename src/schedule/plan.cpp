@@ -347,9 +347,9 @@ void Plan::validate() const {
     first_without(
         [&](int64_t i, int64_t j) { return has(i, j, Phase::Forward); });
   }
-  // (A pair has at most one whole backward and one input part, and both
-  // only in a plan refused below: as many as every pair, and none is
-  // missing.)
+  // (A pair holds one whole backward or one input part, unless it holds
+  // both, which is refused below: as many as every pair means none is
+  // missing, or a plan refused anyway.)
   if (backwards > 0 && static_cast<int64_t>(backwards) != all) {
     first_without([&](int64_t i, int64_t j) {
       return has(i, j, Phase::Backward) || has(i, j, Phase::BackwardInput);
