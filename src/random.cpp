@@ -371,16 +371,13 @@ Aside& the_aside() {
 }
 
 // A seed no other aside gets: a counter from a random start, mixed
-// (splitmix64's finaliser), unrelated to the user's stream.
+// (splitmix64 is a bijection), unrelated to the user's stream.
 uint64_t aside_seed() {
   static std::atomic<uint64_t> next{[] {
     std::random_device device;
     return (static_cast<uint64_t>(device()) << 32) ^ device();
   }()};
-  uint64_t z = next.fetch_add(0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
+  return splitmix64(next.fetch_add(1));
 }
 
 }  // namespace

@@ -36,7 +36,7 @@ using detail::call_layer;
 using detail::check_module;
 using detail::CountingAllocatorScope;
 using detail::CountingWindow;
-using detail::CpuRngStateGuard;
+using detail::CpuGeneratorAside;
 using detail::layer_input;
 using detail::Packet;
 using detail::ProfiledLayer;
@@ -175,7 +175,7 @@ std::vector<double> profile_times_impl(
   if (!device.is_cpu()) {
     device_guard.reset_device(device);
   }
-  CpuRngStateGuard rng;
+  CpuGeneratorAside rng;
 
   const Packet start = prepared(sample, device);
   Sandbox sandbox(module, device);
@@ -302,7 +302,7 @@ std::vector<double> profile_sizes_impl(
 
   c10::InferenceMode no_inference(/*enabled=*/false);
   torch::AutoGradMode grad_mode(/*enabled=*/true);
-  CpuRngStateGuard rng;
+  CpuGeneratorAside rng;
 
   Packet micro{{}, input.atomic};
   for (const auto& t : input.tensors) {

@@ -132,12 +132,10 @@ class ProfiledLayer {
 };
 
 // Profiling draws random numbers (dropout, and Cloneable::clone() calls
-// reset(), which initialises parameters afresh before copying the values).
-// Those come from a stream of their own (random.h: CpuGeneratorAside),
-// and the CPU generator is put back where it
-// stood afterwards: balancing changes nothing the program draws later, and
-// what other threads draw meanwhile comes from that other stream, so the
-// user's numbers they would have drawn are not handed out twice.
-using CpuRngStateGuard = CpuGeneratorAside;
+// reset(), which initialises parameters afresh before copying the values),
+// so the profilers hold a CpuGeneratorAside (random.h) while they run: the
+// numbers come from a stream of their own and the CPU generator is put back
+// afterwards, so balancing changes nothing the program draws later, and
+// what other threads draw meanwhile is not handed out twice.
 
 }  // namespace gpipe::detail
