@@ -3,13 +3,19 @@
 # on stderr naming the flag (no signal, no core dump, no CLI11 exit code), and
 # a valid run still trains.
 #
-#   train_cli_test.sh GPIPE_TRAIN bad           # needs no data set
-#   train_cli_test.sh GPIPE_TRAIN run [DATA_DIR] # exits 77 (skip) without one
+#   train_cli_test.sh GPIPE_TRAIN bad [DATA_DIR [FORKS]] # needs no data set
+#   train_cli_test.sh GPIPE_TRAIN run [DATA_DIR]         # exits 77 (skip) without one
+#
+# FORKS (tests/train_cli_forks.cpp) runs gpipe-train's program in processes
+# forked after LibTorch's start-up, a few milliseconds a run where starting
+# the binary takes 0.4 s; the cases marked `real` (and every case without
+# FORKS) start the binary itself.
 set -uo pipefail
 
 bin=$1
 mode=$2
 data=${3:-/usr/share/datasets/fashion-mnist}
+forks=${4:-}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 ulimit -c 0
@@ -21,11 +27,36 @@ fail() {
 }
 
 # run ARGS...: runs gpipe-train, leaving $status, $tmp/out and $tmp/err.
-# ${as[@]} goes first when set (another user).
+# ${as[@]} goes first when set (another user). Through FORKS unless the
+# case is `real` or runs as another user.
 as=()
+via_forks=0
+if [[ -n $forks ]]; then
+  coproc FORKS { exec "$forks" "$bin"; }
+  via_forks=1
+fi
 run() {
-  timeout 120 "${as[@]}" "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
-  status=$?
+  if ((via_forks)) && [[ ${#as[@]} -eq 0 ]]; then
+    local -a environment
+    mapfile -d '' -t environment < <(env -0)
+    printf '%s\0' "$tmp/out" "$tmp/err" "${#environment[@]}" \
+      "${environment[@]}" "$#" "$@" >&"${FORKS[1]}"
+    if ! read -r status <&"${FORKS[0]}"; then
+      status=255
+      echo "the forked run of gpipe-train $* got no answer" >>"$tmp/err"
+    fi
+  else
+    timeout 120 "${as[@]}" "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+    status=$?
+  fi
+}
+
+# real COMMAND...: COMMAND with the binary itself started for each run.
+real() {
+  local saved=$via_forks
+  via_forks=0
+  "$@"
+  via_forks=$saved
 }
 
 # bad FLAG ARGS...: ARGS must exit 2 with one stderr line that names FLAG.
@@ -61,14 +92,15 @@ if [[ $mode == bad ]]; then
 
   # The failures gpipe-train used to have: SIGFPE, std::terminate (twice),
   # OpenMP out of memory, and exit 0 having done nothing.
-  bad --log-every "${d[@]}" --log-every 0
-  bad --balance "${d[@]}" --balance 4,,5
-  bad --balance "${d[@]}" --balance abc
-  bad --threads-per-lane "${d[@]}" --threads-per-lane 99999999999
-  bad --epochs "${d[@]}" --epochs 0
+  # (The binary itself, as the cases of each kind below.)
+  real bad --log-every "${d[@]}" --log-every 0
+  real bad --balance "${d[@]}" --balance 4,,5
+  real bad --balance "${d[@]}" --balance abc
+  real bad --threads-per-lane "${d[@]}" --threads-per-lane 99999999999
+  real bad --epochs "${d[@]}" --epochs 0
 
   # CLI11's own errors, mapped to 2.
-  bad --no-such-flag "${d[@]}" --no-such-flag
+  real bad --no-such-flag "${d[@]}" --no-such-flag
   bad --no-such-flag "${d[@]}" --no-such-flag=3
   bad "--chunks expects a value after it" "${d[@]}" --chunks
   bad --chunks "${d[@]}" --chunks abc
@@ -178,7 +210,7 @@ if [[ $mode == bad ]]; then
   bad "--chunks 4: the 9 rows of a batch cut into 3 micro-batches of up to 3 rows, not 4 (Tensor::chunk's pieces); 3 or 5 micro-batches cut them" \
     "${d[@]}" --chunks 4 --batch-size 9
   printf '0F1000000000,0B0\n' >"$tmp/huge.csv"
-  bad "out of range" "${d[@]}" --plan "$tmp/huge.csv"
+  real bad "out of range" "${d[@]}" --plan "$tmp/huge.csv"
   # A forward-only plan (valid for inference) was refused by train_step
   # after profiling and building the model, with exit status 1.
   printf '0F0,0F1\r\n1F0,1F1\r\n' >"$tmp/forward-only.csv"
@@ -191,7 +223,7 @@ if [[ $mode == bad ]]; then
   bad --devices "${d[@]}" --devices cpu,cpu,
   # A CUDA device this LibTorch cannot reach: one line before anything is
   # built, not the dispatcher's dump (99 is past any machine's count).
-  bad --devices "${d[@]}" --devices cuda:98,cuda:99
+  real bad --devices "${d[@]}" --devices cuda:98,cuda:99
 
   # Saving and loading weights.
   : >"$tmp/a-file"
@@ -244,7 +276,7 @@ if [[ $mode == bad ]]; then
   bad "--load '$tmp/empty.pt': cannot read '$tmp/empty.pt': the file is empty; expected an archive" \
     "${d[@]}" --load "$tmp/empty.pt"
   printf 'PK\003\004 not really a zip' >"$tmp/corrupt.pt"
-  bad "it is truncated or not such an archive" "${d[@]}" --load "$tmp/corrupt.pt"
+  real bad "it is truncated or not such an archive" "${d[@]}" --load "$tmp/corrupt.pt"
   bad --resume "${d[@]}" --resume
   bad --resume "${d[@]}" --resume --save "$tmp/m.pt" --load "$tmp/m.pt"
 
@@ -266,14 +298,14 @@ if [[ $mode == bad ]]; then
   bad "more than each replica's shard of 1 row (--batch-size 2 over 2 replicas)" \
     "${d[@]}" --pipeline-size 2 --plan "$tmp/two.csv" --batch-size 2
   export WORLD_SIZE=two
-  bad WORLD_SIZE "${d[@]}"
+  real bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0
   bad WORLD_SIZE "${d[@]}"
   unset WORLD_SIZE
 
   # --help still prints the flags and exits 0, each option with its
   # default.
-  run --help
+  real run --help
   if [[ $status -ne 0 ]] || ! grep -qF -- --threads-per-lane "$tmp/out"; then
     fail "gpipe-train --help exited $status; stdout: $(head -c 500 "$tmp/out")"
   elif ! grep -qE -- '--chunks INT=4 ' "$tmp/out" ||

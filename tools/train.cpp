@@ -32,6 +32,7 @@
 #include "cli_message.h"
 #include "fashion_mnist.h"
 #include "train_args.h"
+#include "train_main.h"
 
 namespace {
 
@@ -475,9 +476,7 @@ int train(const Args& args) {
 
 }  // namespace
 
-// Exit status: 0 after training (or --help), 2 for a bad command line (one
-// line on stderr naming the flag), 1 when the run itself fails.
-int main(int argc, char** argv) {
+int gpipe_train::train_main(int argc, char** argv) {
   CLI::App app{
       "Train a CNN, ResNet or U-Net on Fashion-MNIST with GPipe pipeline "
       "parallelism"};
