@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "../tools/cli_message.h"
+#include "bench_main.h"
 #include "harness.h"
 #include "sections.h"
 
@@ -75,9 +76,7 @@ int bench_main(int argc, char** argv);
 
 }  // namespace
 
-// Bad flags: one line, exit status 2, before any section runs. An error in a
-// section: one line without LibTorch's backtrace, exit status 1.
-int main(int argc, char** argv) {
+int gpipe::bench::bench_program(int argc, char** argv) {
   try {
     return bench_main(argc, argv);
   } catch (const c10::Error& e) {

@@ -4,23 +4,43 @@
 # backtrace, no CLI11 exit code, no JSON written); a cheap valid run writes
 # its JSON and Markdown where asked.
 #
-#   bench_cli_test.sh GPIPE_BENCH
+#   bench_cli_test.sh GPIPE_BENCH [FORKS]
+#
+# FORKS (tests/cli_forks.cpp) runs gpipe-bench's program in processes forked
+# after LibTorch's start-up; the first cases (and every case without FORKS)
+# start the binary itself.
 set -uo pipefail
 
 bench=$(realpath "$1")
+forks=${2:+$(realpath "$2")}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 ulimit -c 0
 cd "$tmp" || exit 1
 failures=0
+if [[ -n $forks ]]; then
+  coproc FORKS { exec "$forks" "$bench"; }
+fi
 
 # Each case: the flag stderr must name, a tab, then the arguments (eval'd,
 # so that '' is an empty argument).
+cases=0
 while IFS=$'\t' read -r flag args; do
   [[ -z $flag || $flag == \#* ]] && continue
   eval "set -- $args"
-  timeout 60 "$bench" "$@" >out 2>err
-  status=$?
+  cases=$((cases + 1))
+  if [[ -n $forks && $cases -gt 4 ]]; then
+    mapfile -d '' -t environment < <(env -0)
+    printf '%s\0' "$tmp/out" "$tmp/err" "${#environment[@]}" \
+      "${environment[@]}" "$#" "$@" >&"${FORKS[1]}"
+    if ! read -r status <&"${FORKS[0]}"; then
+      status=255
+      echo "the forked run got no answer" >>err
+    fi
+  else
+    timeout 60 "$bench" "$@" >out 2>err
+    status=$?
+  fi
   lines=$(wc -l <err)
   if [[ $status -ne 2 || $lines -ne 1 ]] || ! grep -qF -- "$flag" err ||
     grep -q "frame #" err || [[ -e gpipe-bench.json ]]; then

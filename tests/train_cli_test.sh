@@ -6,7 +6,7 @@
 #   train_cli_test.sh GPIPE_TRAIN bad [DATA_DIR [FORKS]] # needs no data set
 #   train_cli_test.sh GPIPE_TRAIN run [DATA_DIR]         # exits 77 (skip) without one
 #
-# FORKS (tests/train_cli_forks.cpp) runs gpipe-train's program in processes
+# FORKS (tests/cli_forks.cpp) runs gpipe-train's program in processes
 # forked after LibTorch's start-up, a few milliseconds a run where starting
 # the binary takes 0.4 s; the cases marked `real` (and every case without
 # FORKS) start the binary itself.

@@ -2,7 +2,7 @@
 
 // gpipe-train's whole program, as its main() runs it. Apart from main() so
 // that the command-line test can run it in processes forked after LibTorch's
-// start-up (tests/train_cli_forks.cpp).
+// start-up (tests/cli_forks.cpp).
 
 namespace gpipe_train {
 

@@ -1,29 +1,34 @@
-// gpipe-train's whole program (gpipe_train::train_main, the same objects
-// the binary is linked from), run once per request in a child forked from
-// this process, for tests/train_cli_test.sh.
+// A program of this project (gpipe-train's or gpipe-bench's: the same
+// objects its binary is linked from, reached through program_main) run once
+// per request in a child forked from this process, for the command-line
+// tests (tests/train_cli_test.sh, tests/bench_cli_test.sh).
 //
 // Note [Forked command-line runs]
 // A process linked with LibTorch takes about 0.4 s to start here, nearly
 // all of it LibTorch's own start-up (relocations and static initializers;
 // an empty main() linked with libtorch_cpu takes as long), and the
-// command-line test runs gpipe-train over a hundred times, each refused
+// command-line tests run the programs over a hundred times, each refused
 // within a millisecond of its start. This process starts once; each run is a
-// child forked from it before it has done anything else, which runs
-// train_main with the request's arguments, environment, standard output and
+// child forked from it before it has done anything else, which runs the
+// program with the request's arguments, environment, standard output and
 // standard error, and exits with its status as the binary's main() would.
 // The child shares nothing with the runs before it, and ends without
-// LibTorch's static destructors (run_child). The test still runs
-// the real binary for the cases a fork cannot stand for (another user, the
-// failures gpipe-train once had: a signal, std::terminate) and a few more.
+// LibTorch's static destructors (run_child). The tests still run the
+// binaries themselves for the cases a fork cannot stand for (another user,
+// the failures gpipe-train once had: a signal, std::terminate) and a few
+// more of each kind.
 //
-//   train_cli_forks GPIPE_TRAIN
+//   train_cli_forks PROGRAM   (or bench_cli_forks PROGRAM)
 //
-// A request on standard input, as NUL-terminated fields: the file for the
-// run's standard output, the file for its standard error, the number of
-// environment entries, the entries (NAME=VALUE: the run's whole
-// environment), the number of arguments, the arguments. The answer on
-// standard output is one line: the exit status, or 128 + the signal that
-// ended the run (as a shell says it). A run has 120 s (SIGALRM after that).
+// PROGRAM is the binary's path, the runs' argv[0]. A request on standard
+// input, as NUL-terminated fields: the file for the run's standard output,
+// the file for its standard error, the number of environment entries, the
+// entries (NAME=VALUE: the run's whole environment), the number of
+// arguments, the arguments. The answer on standard output is one line: the
+// exit status, or 128 + the signal that ended the run (as a shell says it).
+// A run has 120 s (SIGALRM after that).
+
+#include "cli_forks.h"
 
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -37,8 +42,6 @@
 #include <iostream>
 #include <string>
 #include <vector>
-
-#include "train_main.h"
 
 namespace {
 
@@ -79,7 +82,7 @@ bool read_fields(size_t n, std::vector<std::string>& fields) {
 }
 
 [[noreturn]] void die(const std::string& what) {
-  std::cerr << "train_cli_forks: " << what << std::endl;
+  std::cerr << "cli_forks: " << what << std::endl;
   std::exit(1);
 }
 
@@ -103,7 +106,7 @@ int threads_of_this_process() {
   const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (in < 0 || o < 0 || e < 0 || ::dup2(in, 0) < 0 || ::dup2(o, 1) < 0 ||
       ::dup2(e, 2) < 0) {
-    std::perror("train_cli_forks: the run's files");
+    std::perror("cli_forks: the run's files");
     std::_Exit(125);
   }
   ::close(in);
@@ -126,8 +129,7 @@ int threads_of_this_process() {
   }
   argv.push_back(nullptr);
   ::alarm(120);
-  const int status =
-      gpipe_train::train_main(static_cast<int>(args.size()), argv.data());
+  const int status = program_main(static_cast<int>(args.size()), argv.data());
   // What main()'s return does that a test can see: the streams flushed.
   // LibTorch's static destructors (its operators deregistered one by one,
   // about 90 ms of a forked run's 100) are left to the process's end.
@@ -141,7 +143,7 @@ int threads_of_this_process() {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    die("usage: train_cli_forks GPIPE_TRAIN");
+    die("usage: cli_forks PROGRAM");
   }
   const std::string program = argv[1];
   while (true) {
