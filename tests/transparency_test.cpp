@@ -107,6 +107,102 @@ TEST_F(TransparencyTest, OutputsAndGradientsEqualThePlainSequential) {
   }
 }
 
+// A model put in eval() between forward() and loss.backward(): the plain
+// model back-propagates through the graph its forward recorded in training
+// mode, and so does GPipe, whose checkpointed cells recompute in the modes
+// their forward ran in (BatchNorm on the micro-batch's statistics, Dropout
+// with its mask) and are left in eval() afterwards. With BatchNorm (plain
+// and deferred) against the plain model at chunks 1; with Dropout against
+// the same GPipe step without the switch.
+TEST_F(TransparencyTest, EvalBeforeBackwardRecomputesInTheForwardsModes) {
+  auto batch_norms = [] {
+    torch::nn::Sequential net(
+        torch::nn::Linear(6, 8),
+        torch::nn::BatchNorm1d(8),
+        torch::nn::Tanh(),
+        torch::nn::Linear(8, 8),
+        torch::nn::BatchNorm1d(8),
+        torch::nn::Linear(8, 2));
+    net->to(torch::kDouble);
+    for (const auto k : {1, 4}) {
+      // Running statistics far from the batch's: eval() shows at once.
+      net[k]->named_buffers()["running_mean"].fill_(3.0);
+    }
+    return net;
+  };
+  const auto x = torch::randn({9, 6}, torch::kDouble);
+  for (auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    for (bool deferred : {false, true}) {
+      for (bool through_net : {false, true}) {
+        SCOPED_TRACE(
+            gpipe::to_string(mode) + (deferred ? " deferred" : "") +
+            (through_net ? ", net->eval()" : ", model->eval()"));
+        auto plain = batch_norms();
+        auto net = copy_of(plain);
+        gpipe::GPipe model(
+            net,
+            gpipe::GPipeOptions({3, 3})
+                .chunks(1)
+                .checkpoint(mode)
+                .deferred_batch_norm(deferred));
+        auto y1 = plain->forward(x);
+        auto y2 = model->forward(x);
+        plain->eval();
+        if (through_net) {
+          net->eval();
+        } else {
+          model->eval();
+        }
+        y1.pow(2).sum().backward();
+        y2.pow(2).sum().backward();
+        gpipe::testing::expect_same_gradients(*plain, *model);
+        // Left in eval(), with the statistics of one forward.
+        EXPECT_FALSE(net[1]->is_training());
+        EXPECT_FALSE(net[4]->is_training());
+        expect_close(
+            net[4]->named_buffers()["running_mean"],
+            plain[4]->named_buffers()["running_mean"],
+            "running mean");
+        expect_close(model->forward(x), plain->forward(x), "eval output");
+      }
+    }
+  }
+  auto dropouts = [] {
+    torch::nn::Sequential net(
+        torch::nn::Linear(6, 8),
+        torch::nn::Dropout(0.5),
+        torch::nn::Tanh(),
+        torch::nn::Linear(8, 8),
+        torch::nn::Dropout(0.3),
+        torch::nn::Linear(8, 2));
+    net->to(torch::kDouble);
+    return net;
+  };
+  for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+    SCOPED_TRACE(gpipe::to_string(mode) + ", dropout");
+    auto base = dropouts();
+    std::vector<std::vector<torch::Tensor>> grads;
+    for (bool switch_modes : {false, true}) {
+      auto net = copy_of(base);
+      gpipe::GPipe model(
+          net, gpipe::GPipeOptions({3, 3}).chunks(3).checkpoint(mode));
+      torch::manual_seed(7);
+      auto y = model->forward(x);
+      if (switch_modes) {
+        model->eval();
+      }
+      y.pow(2).sum().backward();
+      grads.push_back(gpipe::testing::grads_of(*model));
+      EXPECT_EQ(model->is_training(), !switch_modes);
+    }
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    for (size_t k = 0; k < grads[0].size(); ++k) {
+      expect_close(grads[0][k], grads[1][k], "parameter " + std::to_string(k));
+    }
+  }
+}
+
 TEST_F(TransparencyTest, Float32GradientsWithinRelativeTolerance) {
   auto plain = linears(4);
   auto net = copy_of(plain);

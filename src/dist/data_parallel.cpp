@@ -127,7 +127,9 @@ GradientBuckets::GradientBuckets(
       numel += p.numel();
     }
     Bucket bucket;
-    bucket.flat = torch::zeros({numel}, group.front().options());
+    const auto n = static_cast<int64_t>(group.size());
+    bucket.flat = torch::zeros({numel + n}, group.front().options());
+    bucket.had = bucket.flat.narrow(0, numel, n);
     int64_t offset = 0;
     for (auto& p : group) {
       // The bucket's memory, but not an autograd view of it: the optimizer's
@@ -230,10 +232,12 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
   // element, at about twice the time of a product.
   const auto scale = 1.0 / static_cast<double>(data_.size());
   std::vector<size_t> in_place;  // slots backward accumulated into
+  std::vector<float> had(bucket.parameters.size(), 1.0F);
   for (const auto k : c10::irange(bucket.parameters.size())) {
     auto& p = bucket.parameters[k];
     auto& slot = bucket.slots[k];
     const auto& grad = p.grad();
+    had[k] = grad.defined() ? 1.0F : 0.0F;
     TORCH_CHECK_TYPE(
         !grad.defined() || grad.layout() == torch::kStrided,
         "gpipe::dist: the replicas average dense gradients, but a parameter "
@@ -262,6 +266,8 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
       bucket.slots[k].mul_(scale);
     }
   }
+  bucket.had.copy_(torch::from_blob(
+      had.data(), {static_cast<int64_t>(had.size())}, torch::kFloat));
   bucket.staged = on_group_device(connection.groups, bucket.flat);
   std::vector<torch::Tensor> tensors{bucket.staged};
   bucket.work = connection.group->allreduce(tensors);
@@ -279,8 +285,10 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
 std::vector<int64_t> GradientBuckets::bucket_bytes() const {
   std::vector<int64_t> sizes;
   for (const auto& bucket : buckets_) {
-    sizes.push_back(
-        static_cast<int64_t>(bucket.flat.numel() * bucket.flat.element_size()));
+    // The gradients' bytes, without the numbers of `had`.
+    sizes.push_back(static_cast<int64_t>(
+        (bucket.flat.numel() - bucket.had.numel()) *
+        bucket.flat.element_size()));
   }
   return sizes;
 }
@@ -306,6 +314,15 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
       bucket.flat.copy_(bucket.staged);
     }
     bucket.staged = torch::Tensor();
+    // A parameter no replica had a gradient for gets none (Note [Gradient
+    // buckets]).
+    const auto had = bucket.had.to(torch::kCPU, torch::kFloat);
+    const auto* any = had.data_ptr<float>();
+    for (const auto p : c10::irange(bucket.parameters.size())) {
+      if (any[p] == 0.0F) {
+        bucket.parameters[p].mutable_grad().reset();
+      }
+    }
   }
   if (trace != nullptr) {
     // (The callbacks have run once the waits returned.)

@@ -33,8 +33,13 @@
 // the timing and on the parameters a replica's data used, and joining them
 // would give the replicas collectives of other sizes. A parameter
 // without a gradient (a layer the step did not use) takes part with zeros,
-// so that the replicas agree on every bucket's layout; afterwards it has a
-// zero gradient, as under DDP.
+// so that the replicas agree on every bucket's layout. Each bucket also
+// carries, after its gradients, one number per parameter: whether this
+// replica had its gradient. A parameter that no replica had a gradient for
+// gets none afterwards, as one pipeline on the whole batch leaves it (DDP
+// would leave zeros, which weight decay and Adam's steps then read); one
+// that some replica had gets the average with the others' zeros, as the
+// whole batch's mean.
 
 #include <c10/util/intrusive_ptr.h>
 #include <gpipe/dist.h>
@@ -105,6 +110,9 @@ class GradientBuckets {
     std::vector<torch::Tensor> parameters;
     std::vector<torch::Tensor> slots;  // each parameter's part of `flat`
     torch::Tensor flat;
+    // `flat`'s last part: per parameter, whether a replica had its gradient
+    // (summed by the all-reduce).
+    torch::Tensor had;
     // `flat` where the group reduces it (itself unless the group's device
     // is another: CPU stages on NCCL), while the all-reduce runs.
     torch::Tensor staged;

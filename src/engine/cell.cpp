@@ -1,7 +1,9 @@
 #include "engine/cell.h"
 
 #include <c10/util/irange.h>
+#include <gpipe/batchnorm.h>
 #include <gpipe/trace.h>
+#include <torch/nn/module.h>
 
 namespace gpipe::detail {
 
@@ -81,6 +83,65 @@ void BufferRestore::restore() {
   }
   buffers_.clear();
   saved_.clear();
+}
+
+// Note [The modes of a recomputation]
+// A checkpointed cell's backward runs its partition's forward again, and
+// the layers read their train/eval mode then, not as it was: a model put in
+// eval() between forward() and loss.backward() would recompute BatchNorm
+// with its running statistics and Dropout without its mask, and back-
+// propagate through a forward that never ran (the plain model's graph was
+// recorded in the forward's modes). So a pass notes each module's mode when
+// it begins (Stage::refresh), each checkpointed cell keeps that note, and
+// its recomputation runs in those modes when they differ. Module::train
+// sets a module's children too, so the modes are set in modules()'s order,
+// each module before its children: each ends in its own. A
+// DeferredBatchNorm's mode is the one it computes with (in_training(): the
+// layer it replaced, which the user's Sequential holds), and its train()
+// sets both. The partition's modules are its lane's alone while the cell
+// runs, and the caller waits in backward().
+namespace {
+
+bool mode_of(const ModeSnapshot& modes, size_t k) {
+  const auto* deferred = modes.deferred[k];
+  return deferred != nullptr ? deferred->in_training()
+                             : modes.modules[k]->is_training();
+}
+
+void set_modes(const ModeSnapshot& modes, const std::vector<bool>& training) {
+  for (const auto k : c10::irange(modes.modules.size())) {
+    modes.modules[k]->train(training[k]);
+  }
+}
+
+}  // namespace
+
+ModeRestore::ModeRestore(const ModeSnapshot* forward) {
+  if (forward == nullptr) {
+    return;
+  }
+  bool same = true;
+  found_.reserve(forward->modules.size());
+  for (const auto k : c10::irange(forward->modules.size())) {
+    found_.push_back(mode_of(*forward, k));
+    same = same && found_.back() == forward->training[k];
+  }
+  if (same) {
+    found_.clear();
+    return;
+  }
+  forward_ = forward;
+  set_modes(*forward, forward->training);
+}
+
+ModeRestore::~ModeRestore() {
+  if (forward_ != nullptr) {
+    try {
+      set_modes(*forward_, found_);
+    } catch (...) {
+      // A layer's own train() that throws did so above as well.
+    }
+  }
 }
 
 void record(

@@ -62,6 +62,23 @@ class BufferRestore {
   std::vector<torch::Tensor> saved_;
 };
 
+/// While alive: a partition's modules in the modes `forward` recorded, when
+/// they are in others now (a model put in eval() between a checkpointed
+/// forward and its backward); then back in the modes found, also when the
+/// recomputation fails. Nothing when they are as recorded, or `forward` is
+/// null. Note [The modes of a recomputation] in engine/cell.cpp.
+class ModeRestore {
+ public:
+  explicit ModeRestore(const ModeSnapshot* forward);
+  ~ModeRestore();
+  ModeRestore(const ModeRestore&) = delete;
+  ModeRestore& operator=(const ModeRestore&) = delete;
+
+ private:
+  const ModeSnapshot* forward_ = nullptr;  // null: nothing to put back
+  std::vector<bool> found_;
+};
+
 using CellClock = std::chrono::steady_clock;
 
 /// Now, when tracing; a stage pays only this test otherwise.

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <gpipe/batchnorm.h>
 #include <gpipe/module.h>
 #include <gpipe/options.h>
 #include <gpipe/placement.h>
@@ -101,7 +102,12 @@ bool layers_training(
   bool any = false;
   for (const auto& partition : partitions) {
     for (const auto& layer : partition->children()) {
-      if (layer->is_training()) {
+      // A DeferredBatchNorm computes in the mode of the layer it replaced,
+      // which the user's Sequential holds: net->eval() sets that one.
+      const auto* deferred =
+          dynamic_cast<const DeferredBatchNormImpl*>(layer.get());
+      if (deferred != nullptr ? deferred->in_training()
+                              : layer->is_training()) {
         return true;
       }
       any = true;

@@ -42,7 +42,8 @@ std::vector<torch::nn::Sequential> split_partitions(
 /// while any of their layers is in training mode, whatever the pipeline's
 /// own flag says, so that `eval()` on the user's Sequential (whose layers
 /// the partitions share) turns checkpointing off as `eval()` on the GPipe
-/// does; with no layers, `own`, the pipeline's flag.
+/// does (a DeferredBatchNorm's mode: the one it computes in,
+/// in_training()); with no layers, `own`, the pipeline's flag.
 bool layers_training(
     const std::vector<std::shared_ptr<torch::nn::Module>>& partitions,
     bool own);

@@ -54,9 +54,11 @@ Stage::Stage(
 void Stage::refresh() {
   trainable_parameters_.clear();
   accumulators_unheld_.clear();
+  auto modes = std::make_shared<ModeSnapshot>();
+  modes->modules = module_->modules();
   // In Module::parameters()'s order: each module's own, the module before
   // its children.
-  for (const auto& m : module_->modules()) {
+  for (const auto& m : modes->modules) {
     for (const auto& item : OwnParameters::of(*m)) {
       const auto& p = item.value();
       if (p.defined() && p.requires_grad()) {
@@ -65,7 +67,12 @@ void Stage::refresh() {
             torch::autograd::impl::try_get_grad_accumulator(p) == nullptr);
       }
     }
+    auto* deferred = dynamic_cast<DeferredBatchNormImpl*>(m.get());
+    modes->deferred.push_back(deferred);
+    modes->training.push_back(
+        deferred != nullptr ? deferred->in_training() : m->is_training());
   }
+  modes_ = std::move(modes);
 }
 
 namespace {
@@ -215,6 +222,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
     c.input_versions = versions_of(skip_inputs, x.tensors);
   }
   c.seed = ctx.seed;
+  c.modes = c.checkpointed ? modes_ : nullptr;
   Packet y;
   std::vector<torch::Tensor> outgoing;
   auto body = [&] { run(x, incoming, y, outgoing); };
@@ -333,9 +341,12 @@ Flow Stage::backward(
     for (const auto k : c10::irange(skips_in_.size())) {
       incoming.emplace(skips_in_[k], c.skip_inputs[k]);
     }
-    replay_seeded(device_, c.seed, c.random, [&] {
-      run(c.input, incoming, y, skip_outputs);
-    });
+    {
+      ModeRestore modes(c.modes.get());
+      replay_seeded(device_, c.seed, c.random, [&] {
+        run(c.input, incoming, y, skip_outputs);
+      });
+    }
     connect_loss(c, y);
     if (ctx.trace) {
       backward_started = CellClock::now();

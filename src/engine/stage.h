@@ -43,6 +43,16 @@ struct Flow {
   std::vector<torch::Tensor> skips;
 };
 
+/// The train/eval modes of a partition's modules when a pass began, in
+/// Module::modules()'s order (each module before its children): what a
+/// checkpointed cell's recomputation runs under (Note [The modes of a
+/// recomputation] in engine/cell.cpp).
+struct ModeSnapshot {
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  std::vector<DeferredBatchNormImpl*> deferred;  // per module, or nullptr
+  std::vector<bool> training;
+};
+
 /// What a cell keeps between its forward and its backward.
 struct CellState {
   Packet input;                            // leaves
@@ -69,6 +79,8 @@ struct CellState {
   std::vector<int64_t> input_versions;
   uint64_t seed = 0;
   RandomOutcome random;
+  /// A checkpointed cell's: the modes its forward ran in.
+  std::shared_ptr<const ModeSnapshot> modes;
 };
 
 /// What one cell runs under; the same for every cell of a pass but the
@@ -203,6 +215,7 @@ class Stage {
   std::vector<DeferredBatchNormImpl*> deferred_batch_norms_;
   std::vector<torch::Tensor> trainable_parameters_;  // by refresh()
   std::vector<bool> accumulators_unheld_;            // by refresh()
+  std::shared_ptr<const ModeSnapshot> modes_;        // by refresh()
 };
 
 /// True on a thread inside a cell (a layer's forward or backward, or the

@@ -709,6 +709,151 @@ TEST(MeshTest, ReplicasWhoseDataUseOtherLayersAgree) {
   }
 }
 
+// A Linear(10, 10) registered but never called, between two layers.
+struct HoldsUnusedImpl : torch::nn::Cloneable<HoldsUnusedImpl> {
+  HoldsUnusedImpl() {
+    reset();
+  }
+  void reset() override {
+    unused = register_module("unused", torch::nn::Linear(10, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x.tanh();
+  }
+  torch::nn::Linear unused{nullptr};
+};
+TORCH_MODULE(HoldsUnused);
+
+// A parameter no replica's data reaches gets no gradient, as in one
+// pipeline on the whole batch: weight decay then leaves it alone there and
+// here (with zeros for a gradient it moved, and the replicas drifted from
+// one pipeline step by step). Two replicas of two stages and four of one,
+// three steps of SGD with weight decay.
+TEST(MeshTest, AParameterNoReplicaUsedGetsNoGradient) {
+  auto build_holding = [] {
+    torch::manual_seed(0);
+    torch::nn::Sequential net;
+    net->push_back(torch::nn::Linear(6, 10));
+    net->push_back(HoldsUnused());
+    net->push_back(torch::nn::Linear(10, 10));
+    net->push_back(torch::nn::Tanh());
+    net->push_back(torch::nn::Linear(10, 3));
+    net->to(torch::kDouble);
+    return net;
+  };
+  const auto batch = batch_of(8);
+  const LossFunction loss_fn = cross_entropy;
+  const auto sgd = torch::optim::SGDOptions(0.1).weight_decay(0.1);
+  for (const int64_t p : {2, 1}) {
+    SCOPED_TRACE("pipeline size " + std::to_string(p));
+    const auto balance =
+        p == 2 ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{5};
+    GPipe ref(
+        build_holding(), GPipeOptions(balance).chunks(4).threads_per_lane(1));
+    torch::optim::SGD ref_opt(ref->parameters(), sgd);
+    for (int step = 0; step < 3; ++step) {
+      ref->train_step(batch.x, batch.y, loss_fn, Schedule::OneFOneB);
+      ref_opt.step();
+      if (step < 2) {
+        ref_opt.zero_grad();
+      }
+    }
+    const auto ref_params = ref->named_parameters();
+    std::vector<torch::nn::Sequential> nets;
+    for (int r = 0; r < 4; ++r) {
+      nets.push_back(build_holding());
+    }
+    RankFailures failures;
+    run_ranks(4, [&](World world) {
+      Mesh mesh(world, p);
+      dist::PipelineStage stage(
+          nets[world.rank()],
+          GPipeOptions(balance)
+              .chunks(4 / mesh.data_size())
+              .threads_per_lane(1),
+          mesh);
+      torch::optim::SGD opt(stage->parameters(), sgd);
+      const auto d = mesh.data_rank();
+      const auto rows = 8 / mesh.data_size();
+      for (int step = 0; step < 3; ++step) {
+        stage->train_step(
+            mesh.pipeline_rank() == 0 ? batch.x.narrow(0, rows * d, rows)
+                                      : torch::Tensor(),
+            mesh.pipeline_rank() == p - 1 ? batch.y.narrow(0, rows * d, rows)
+                                          : torch::Tensor(),
+            loss_fn,
+            Schedule::OneFOneB);
+        opt.step();
+        if (step < 2) {
+          opt.zero_grad();
+        }
+      }
+      const auto where = "rank " + std::to_string(world.rank());
+      failures.add(differing(
+          *stage,
+          [&](const std::string& name) { return ref_params[name]; },
+          where));
+      for (const auto& param : stage->named_parameters()) {
+        if (param.value().grad().defined() !=
+            ref_params[param.key()].grad().defined()) {
+          failures.add(
+              {where + ": " + param.key() + " has a gradient " +
+               (param.value().grad().defined() ? "" : "not ") +
+               "where one pipeline on the whole batch has " +
+               (param.value().grad().defined() ? "none" : "one")});
+        }
+      }
+    });
+    failures.report();
+  }
+}
+
+// net->eval() on the user's Sequential reaches its DeferredBatchNorm on
+// every rank (the pass's mode is the one the layer computes in, the
+// layer it replaced), so the ranks agree on the mode of the forward that
+// follows; it matched one GPipe's. The mode check had read the
+// DeferredBatchNorm's own flag, which only eval() on the stage sets: the
+// ranks with the layer said train(), the others eval(), and the job ended.
+TEST(MeshTest, NetEvalReachesADeferredBatchNormOnEveryRank) {
+  auto build_bn = [] {
+    torch::manual_seed(0);
+    torch::nn::Sequential net;
+    net->push_back(torch::nn::Linear(6, 10));
+    net->push_back(torch::nn::Tanh());
+    net->push_back(torch::nn::BatchNorm1d(10));
+    net->push_back(torch::nn::Linear(10, 3));
+    net->to(torch::kDouble);
+    return net;
+  };
+  const auto batch = batch_of(8);
+  const auto options =
+      GPipeOptions({2, 2}).chunks(2).deferred_batch_norm(true).threads_per_lane(
+          1);
+  auto ref_net = build_bn();
+  GPipe ref(ref_net, options);
+  ref->train_step(batch.x, batch.y, cross_entropy, Schedule::FillDrain);
+  ref_net->eval();
+  const auto expected = ref->forward(batch.x);
+  std::vector<torch::nn::Sequential> nets{build_bn(), build_bn()};
+  RankFailures failures;
+  run_ranks(2, [&](World world) {
+    auto& net = nets[world.rank()];
+    dist::PipelineStage stage(net, options, world);
+    stage->train_step(
+        world.rank() == 0 ? batch.x : torch::Tensor(),
+        world.rank() == 1 ? batch.y : torch::Tensor(),
+        cross_entropy,
+        Schedule::FillDrain);
+    net->eval();
+    const auto out =
+        stage->forward(world.rank() == 0 ? batch.x : torch::Tensor());
+    if (world.rank() == 1 && !torch::allclose(out, expected, 1e-10, 1e-12)) {
+      failures.add({"rank 1: the output in eval() differs from one GPipe's"});
+    }
+  });
+  failures.report();
+}
+
 // Every rank's error names `text`, and all of them came well within the
 // ranks' 30 s timeout of `start`.
 void expect_every_rank_to_fail_fast(
