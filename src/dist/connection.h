@@ -41,6 +41,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/types.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -249,5 +250,24 @@ struct Connection : std::enable_shared_from_this<Connection> {
   int64_t stage_ids_ = 0;
   std::atomic<int64_t> split_ids_{0};
 };
+
+/// What a collective on a World's group begins with (Note [The first
+/// collective's words] in connection_collectives.cpp).
+enum class FirstCollective : int64_t {
+  AllReduce = 1,  // World::all_reduce
+  Broadcast = 2,  // World::broadcast
+  TrainStep = 3,  // a training step's, over the replicas (Mesh::data())
+};
+
+/// The first collective of a `kind` of operation on `connection`'s group:
+/// a maximum over the ranks of 11 numbers, {kind, args, -args, refused,
+/// -kind}. Throws a c10::ValueError when the ranks ran other kinds; else
+/// returns the numbers reduced.
+std::vector<int64_t> first_collective(
+    Connection& connection,
+    FirstCollective kind,
+    const std::array<int64_t, 4>& args,
+    int64_t refused,
+    const std::string& what);
 
 }  // namespace gpipe::dist::detail

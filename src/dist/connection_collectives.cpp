@@ -5,6 +5,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <chrono>
@@ -144,6 +145,73 @@ void Connection::run_collective(
       }
     }
   }
+}
+
+// Note [The first collective's words]
+// Gloo aborts the process (an enforce in its event-loop thread) when a
+// message is larger than the buffer its receiver posted, as when two ranks
+// of one group run collectives of other sizes at once: a World::all_reduce
+// of the user's on Mesh::data() on one rank while another runs a training
+// step, whose first collective there averaged gradients or agreed on the
+// shards. So every operation gpipe runs on a World's group begins with one
+// collective of the same 11 numbers (a maximum): what it is, its four
+// arguments, their negatives, a refusal, and its kind's negative. Ranks that
+// began other operations see it at once and refuse alike, naming both.
+namespace {
+
+const char* first_collective_name(int64_t kind) {
+  switch (static_cast<FirstCollective>(kind)) {
+    case FirstCollective::AllReduce:
+      return "World::all_reduce";
+    case FirstCollective::Broadcast:
+      return "World::broadcast";
+    case FirstCollective::TrainStep:
+      return "train_step (its start over the replicas)";
+  }
+  return "an unknown collective";
+}
+
+}  // namespace
+
+std::vector<int64_t> first_collective(
+    Connection& connection,
+    FirstCollective kind,
+    const std::array<int64_t, 4>& args,
+    int64_t refused,
+    const std::string& what) {
+  const auto k = static_cast<int64_t>(kind);
+  std::vector<torch::Tensor> words{torch::tensor(
+      std::vector<int64_t>{
+          k,
+          args[0],
+          args[1],
+          args[2],
+          args[3],
+          -args[0],
+          -args[1],
+          -args[2],
+          -args[3],
+          refused,
+          -k},
+      torch::kLong)};
+  connection.closing_on_failure(
+      [&] { connection.all_reduce(words, c10d::ReduceOp::MAX, what); });
+  const auto* w = words[0].data_ptr<int64_t>();
+  std::vector<int64_t> reduced(w, w + 11);
+  TORCH_CHECK_VALUE(
+      reduced[0] == -reduced[10],
+      "gpipe::dist: the ranks of a World ran other operations at once: ",
+      first_collective_name(reduced[0]),
+      " and ",
+      first_collective_name(-reduced[10]),
+      " (",
+      connection.rank_name(connection.rank),
+      " ran ",
+      first_collective_name(k),
+      "); every rank of a World must run the same collectives in the same "
+      "order, and a collective of your own on Mesh::data() or "
+      "Mesh::pipeline() waits for the others' training step to end");
+  return reduced;
 }
 
 }  // namespace gpipe::dist::detail

@@ -46,10 +46,11 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
 // Gloo aborts the process (an enforce in its event-loop thread, which no
 // caller can catch) when a rank receives more bytes than it posted: ranks
 // that pass tensors of other sizes to one collective would end the job
-// with SIGABRT. So a World's collective first agrees on the tensor's size,
-// dtype and shape (a hash of its sizes) and, for a broadcast, the root, in
-// one collective of a few numbers (the largest of each and of its
-// negative), and every rank refuses alike when they differ. So are the
+// with SIGABRT. So a World's collective first agrees on what it is (Note
+// [The first collective's words]), the tensor's size, dtype and shape (a
+// hash of its sizes) and, for a broadcast, the root, in one collective of a
+// few numbers (the largest of each and of its negative), and every rank
+// refuses alike when they differ. So are the
 // arguments a rank refuses on its own (`mine`: an undefined tensor, a root
 // out of range): refused there alone, they left the others waiting in this
 // agreement, which the refusing rank's next collective then answered,
@@ -71,20 +72,20 @@ void agree_on_tensor(
   const auto shape = static_cast<int64_t>(hash >> 2);  // its negative fits
   // The last word: 1 + the highest rank that refused its own arguments.
   const int64_t refused = mine ? connection.rank + 1 : 0;
-  std::vector<torch::Tensor> words{torch::tensor(
-      std::vector<int64_t>{
-          n, dtype, shape, root, -n, -dtype, -shape, -root, refused},
-      torch::kLong)};
-  connection.closing_on_failure([&] {
-    connection.all_reduce(
-        words,
-        c10d::ReduceOp::MAX,
-        std::string("World::") + what + " (its agreement on the tensor)");
-  });
+  const auto kind = std::string(what) == "broadcast"
+                        ? detail::FirstCollective::Broadcast
+                        : detail::FirstCollective::AllReduce;
+  const auto words = detail::first_collective(
+      connection,
+      kind,
+      {n, dtype, shape, root},
+      refused,
+      std::string("World::") + what + " (its agreement on the tensor)");
   if (mine) {
     std::rethrow_exception(mine);
   }
-  const auto* w = words[0].data_ptr<int64_t>();
+  // After the kind: n, dtype, shape, root, their negatives, `refused`.
+  const auto* w = words.data() + 1;
   TORCH_CHECK_VALUE(
       w[8] == 0,
       "gpipe::dist::World::",

@@ -854,6 +854,45 @@ TEST(MeshTest, NetEvalReachesADeferredBatchNormOnEveryRank) {
   failures.report();
 }
 
+// A collective of the user's on Mesh::data() on one rank while the other
+// replica runs a training step: both ranks refuse, naming both operations.
+// Gloo aborted the process (a message larger than the buffer posted for the
+// step's first collective there).
+TEST(MeshTest, AUsersCollectiveAgainstATrainingStepIsRefusedNotAnAbort) {
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(2);
+  std::vector<std::string> errors(2);
+  std::mutex mutex;
+  run_ranks(2, [&](World world) {
+    Mesh mesh(world, 1);
+    dist::PipelineStage stage(
+        nets[world.rank()],
+        GPipeOptions({7}).chunks(2).threads_per_lane(1),
+        mesh);
+    try {
+      if (world.rank() == 0) {
+        stage->train_step(
+            batch.x.narrow(0, 0, 4),
+            batch.y.narrow(0, 0, 4),
+            cross_entropy,
+            Schedule::OneFOneB);
+      } else {
+        auto t = torch::ones({3});
+        mesh.data().all_reduce(t);
+      }
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[world.rank()] = e.what_without_backtrace();
+    }
+  });
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("ran other operations at once"), std::string::npos)
+        << error;
+    EXPECT_NE(error.find("World::all_reduce"), std::string::npos) << error;
+    EXPECT_NE(error.find("train_step"), std::string::npos) << error;
+  }
+}
+
 // Every rank's error names `text`, and all of them came well within the
 // ranks' 30 s timeout of `start`.
 void expect_every_rank_to_fail_fast(
