@@ -59,19 +59,6 @@ bool write_file(const std::string& path, const std::string& text) {
   return !out.fail();
 }
 
-// A positive, finite number (CLI11's PositiveNumber prints its range's end,
-// DBL_MAX, in 309 digits, and lets NaN through).
-const CLI::Validator kPositiveFinite(
-    [](std::string& text) -> std::string {
-      char* end = nullptr;
-      const double value = std::strtod(text.c_str(), &end);
-      if (text.empty() || *end != '\0' || !std::isfinite(value) || value <= 0) {
-        return "expected a positive number, but got '" + text + "'";
-      }
-      return std::string();
-    },
-    /*validator_desc=*/"POSITIVE");
-
 int bench_main(int argc, char** argv);
 
 }  // namespace
@@ -180,8 +167,21 @@ int bench_main(int argc, char** argv) {
          budget_mib,
          "unet-memory: MiB per device (lane), at most 16384 (the models grow "
          "until a step no longer fits it)")
-      ->check(kPositiveFinite)
-      ->check(CLI::Range(0.0, 16384.0));
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            char* end = nullptr;
+            const double value = std::strtod(text.c_str(), &end);
+            if (text.empty() || *end != '\0' || !std::isfinite(value) ||
+                value <= 0 || value > 16384) {
+              return "expected a positive number of MiB up to 16384, but "
+                     "got '" +
+                     text + "'";
+            }
+            return std::string();
+          },
+          // (CLI11's PositiveNumber and Range print DBL_MAX in 309 digits,
+          // or a range from 0, and let NaN through.)
+          "POSITIVE, AT MOST 16384"));
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   app.add_option("--data-dir", data_dir, "accuracy: Fashion-MNIST's folder");
   int seeds = 3;
@@ -209,6 +209,38 @@ int bench_main(int argc, char** argv) {
         "gpipe-bench: %s (see gpipe-bench --help)\n",
         gpipe::tools::cli_message(e, &app).c_str());
     return 2;
+  }
+  // A file or folder flag given empty (--markdown '') would be taken as
+  // not given, and its results lost.
+  for (const auto& [flag, path] :
+       {std::pair<const char*, const std::string&>{"--json", json_path},
+        {"--markdown", markdown_path},
+        {"--svg-dir", svg_dir},
+        {"--dist-trace", dist_trace}}) {
+    if (app.count(flag) > 0 && path.empty()) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: %s expects a path, but got ''; leave the flag out "
+          "for its default\n",
+          flag);
+      return 2;
+    }
+  }
+  if (!markdown_path.empty()) {
+    namespace fs = std::filesystem;
+    std::error_code ignored;
+    const auto same = fs::equivalent(json_path, markdown_path, ignored) ||
+                      fs::absolute(json_path).lexically_normal() ==
+                          fs::absolute(markdown_path).lexically_normal();
+    if (same) {
+      std::fprintf(
+          stderr,
+          "gpipe-bench: --markdown '%s' is the file --json '%s' names: the "
+          "tables would overwrite the JSON; give them two files\n",
+          markdown_path.c_str(),
+          json_path.c_str());
+      return 2;
+    }
   }
   for (const auto& [flag, path] :
        {std::pair<const char*, const std::string&>{"--json", json_path},

@@ -290,4 +290,28 @@ inline torch::nn::Sequential mlp(int64_t blocks, int64_t width) {
   return net;
 }
 
+/// The counts of `requested` that `rows` rows cut into: Tensor::chunk cuts 2
+/// rows asked for 32 pieces into 2, and a row labelled 32 would time 2. The
+/// others are left out with a line that says so.
+inline std::vector<int64_t> chunk_counts_of(
+    int64_t rows, const std::vector<int64_t>& requested) {
+  std::vector<int64_t> kept;
+  for (const auto m : requested) {
+    const int64_t size = (rows + m - 1) / m;
+    const int64_t pieces = size > 0 ? (rows + size - 1) / size : 0;
+    if (pieces == m) {
+      kept.push_back(m);
+    } else {
+      std::printf(
+          "# chunks %lld left out: %lld rows cut into %lld micro-batches, not "
+          "%lld\n",
+          static_cast<long long>(m),
+          static_cast<long long>(rows),
+          static_cast<long long>(pieces),
+          static_cast<long long>(m));
+    }
+  }
+  return kept;
+}
+
 }  // namespace gpipe::bench

@@ -58,7 +58,7 @@ nlohmann::json inference_section(
             iters));
   }
   at::set_num_threads(1);
-  for (int64_t chunks : {1, 4, 8}) {
+  for (const int64_t chunks : chunk_counts_of(x.size(0), {1, 4, 8})) {
     gpipe::GPipe model(
         net,
         gpipe::GPipeOptions({blocks, blocks})

@@ -83,9 +83,10 @@ nlohmann::json speed_section(
     torch::nn::Sequential net,
     const torch::Tensor& x,
     int iters,
-    const std::vector<int64_t>& chunk_list,
+    const std::vector<int64_t>& requested_chunks,
     bool quick) {
   const auto layers = static_cast<int64_t>(net->size());
+  const auto chunk_list = chunk_counts_of(x.size(0), requested_chunks);
   std::vector<Row> rows;
 
   // The plain Sequential, with 1 and with 2 intra-op threads.

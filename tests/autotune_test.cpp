@@ -380,6 +380,36 @@ TEST_F(AutotuneTest, BadOptionsAreRefused) {
   EXPECT_NE(
       error_of(quick(2).memory_limit(10)).find("memory limit of 10 bytes"),
       std::string::npos);
+  // No candidate: the message gives the reason that holds (it gave both
+  // as "or").
+  const auto above = error_of(quick(2).chunks({32}));
+  EXPECT_NE(above.find("above the batch size 8"), std::string::npos) << above;
+  EXPECT_EQ(above.find("more stages"), std::string::npos) << above;
+  const auto stages = error_of(
+      quick(8).schedules({gpipe::Schedule::Interleaved1F1B}).chunks({2}));
+  EXPECT_NE(
+      stages.find("needs more stages than the model's 8 layers"),
+      std::string::npos)
+      << stages;
+  EXPECT_EQ(stages.find("batch size"), std::string::npos) << stages;
+  // Every parameter frozen: a choice train_step would refuse (it was
+  // returned, and the first step refused it).
+  {
+    auto frozen = model();
+    for (auto& p : frozen->parameters()) {
+      p.requires_grad_(false);
+    }
+    try {
+      autotune(frozen, x, y, loss_of, quick(2));
+      ADD_FAILURE() << "no error for a model with every parameter frozen";
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(
+          std::string(e.what_without_backtrace())
+              .find("every parameter is frozen"),
+          std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
   try {
     autotune(net, x, y.narrow(0, 0, 4), loss_of, quick(2));
     ADD_FAILURE() << "no error for 8 inputs and 4 targets";

@@ -78,6 +78,13 @@ unknown flag '--bogus'	--bogus --only random
 --markdown	--only random --markdown /nonexistent/folder/x.md
 --quick is a switch: give it alone (or =true, =false), but got 'maybe'	--only random --quick=maybe
 --svg-dir '/nonexistent/folder' is not a folder this user can write into	--only unet-memory --svg-dir /nonexistent/folder
+--markdown expects a path, but got ''	--only random --markdown ''
+--svg-dir expects a path, but got ''	--only random --svg-dir ''
+--dist-trace expects a path, but got ''	--only random --dist-trace ''
+--markdown 'same.out' is the file --json 'same.out' names	--only random --json same.out --markdown same.out
+--markdown './r.out' is the file --json 'r.out' names	--only random --json r.out --markdown ./r.out
+--budget-mib: expected a positive number of MiB up to 16384, but got '16385'	--only unet-memory --budget-mib 16385
+--budget-mib: expected a positive number of MiB up to 16384, but got '0'	--only unet-memory --budget-mib 0
 EOF
 
 # The mesh section on other than 4 ranks: refused before joining (it
@@ -100,6 +107,21 @@ elif [[ ! -s r.json || ! -s r.md ]] || ! grep -q '"random"' r.json; then
   failures=$((failures + 1))
 else
   echo "ok: --only random --json r.json --markdown r.md"
+fi
+
+# Chunk counts a batch cannot be cut into are left out, not timed as fewer
+# micro-batches under their label (a batch of 1 ran 1 micro-batch as
+# "gpipe-2p-chunks8").
+if ! timeout 120 "$bench" --only inference --blocks 2 --width 8 --batch 1 \
+  --iters 1 --json i.json >out 2>err; then
+  echo "FAIL: gpipe-bench --only inference --batch 1 failed: $(head -c 400 err)"
+  failures=$((failures + 1))
+elif ! grep -q '^# chunks 8 left out: 1 rows cut into 1 micro-batches, not 8' out ||
+  grep -q 'chunks8' i.json; then
+  echo "FAIL: --batch 1 timed chunk counts it cannot cut: $(grep -i chunks out i.json | head -5)"
+  failures=$((failures + 1))
+else
+  echo "ok: --only inference --batch 1 leaves chunks 4 and 8 out"
 fi
 
 if [[ $failures -gt 0 ]]; then

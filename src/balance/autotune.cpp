@@ -255,16 +255,24 @@ Autotuned autotune(
   };
   const auto chunk_counts = distinct(options.chunks());
   const auto modes = distinct(options.checkpoints());
+  // Why nothing was tried, if so: no schedule's stages fit the layers (the
+  // fewest stages asked for), or no count fits the batch.
+  int64_t fewest_stages = std::numeric_limits<int64_t>::max();
+  bool a_schedule_fits = false;
+  bool a_count_fits = false;
   for (const auto schedule : distinct(options.schedules())) {
     const auto placement = placement_for(schedule, lanes);
     const auto stages = placement.stages();
+    fewest_stages = std::min(fewest_stages, stages);
     if (stages > layers) {
       continue;  // fewer layers than stages
     }
+    a_schedule_fits = true;
     for (const auto m : chunk_counts) {
       if (m > batch) {
         continue;
       }
+      a_count_fits = true;
       const auto rows = (batch + m - 1) / m;
       // Tensor::chunk cuts 9 rows into 3 micro-batches of 3, not 4: the
       // plan of m micro-batches would never run on this batch.
@@ -402,14 +410,21 @@ Autotuned autotune(
     }
   }
   TORCH_CHECK_VALUE(
-      !tuned.candidates.empty(),
-      "autotune: no candidate to try: every schedule needs more stages than "
-      "the model's ",
+      !tuned.candidates.empty() || a_schedule_fits,
+      "autotune: no candidate to try: every schedule asked for needs more "
+      "stages than the model's ",
       layers,
       " layers on ",
       detail::count_of(lanes, "lane", "lanes"),
-      ", or every chunks is above the batch size ",
+      " (the fewest: ",
+      fewest_stages,
+      ")");
+  TORCH_CHECK_VALUE(
+      !tuned.candidates.empty() || a_count_fits,
+      "autotune: no candidate to try: every micro-batch count asked for "
+      "(AutotuneOptions::chunks) is above the batch size ",
       batch);
+  TORCH_CHECK_VALUE(!tuned.candidates.empty(), "autotune: no candidate to try");
   std::stable_sort(
       tuned.candidates.begin(),
       tuned.candidates.end(),

@@ -20,6 +20,18 @@ void verify_autotune(
   TORCH_CHECK_VALUE(
       !net.is_empty() && net->size() > 0,
       "autotune: expected a Sequential with layers");
+  // A plan for training steps that would refuse to run: train_step needs
+  // something that requires grad.
+  bool trainable = sample_input.defined() && sample_input.requires_grad();
+  for (const auto& p : net->parameters()) {
+    trainable = trainable || p.requires_grad();
+  }
+  TORCH_CHECK_VALUE(
+      trainable,
+      "autotune: expected a model with a parameter that requires grad (or "
+      "a sample input that does), but every parameter is frozen: a training "
+      "step with the choice would change nothing, and train_step refuses "
+      "it");
   const auto layers = static_cast<int64_t>(net->size());
   const auto lanes = options.lanes();
   TORCH_CHECK_VALUE(
