@@ -96,8 +96,12 @@ class World {
   /// and this rank. `tensor` is dense and contiguous, the same shape and
   /// dtype on every rank, on any device (it is copied to the backend's
   /// device and back where that is another). all_reduce and broadcast
-  /// first agree on the tensor's size and dtype (a collective of four
-  /// numbers): where they differ, every rank throws a c10::ValueError.
+  /// first agree on what they are and on the tensor's size and dtype (a
+  /// collective of eleven numbers, which barrier, split, Mesh's and
+  /// PipelineStage's constructors and, on a replica's first stage, a
+  /// training step with replicas begin with too): where they differ, or a
+  /// rank runs another of these at once, every rank throws a
+  /// c10::ValueError.
   /// Sums `tensor` over the ranks, in place.
   void all_reduce(torch::Tensor& tensor) const;
   /// Copies rank `root`'s `tensor` into every rank's, in place.

@@ -20,18 +20,6 @@ void verify_autotune(
   TORCH_CHECK_VALUE(
       !net.is_empty() && net->size() > 0,
       "autotune: expected a Sequential with layers");
-  // A plan for training steps that would refuse to run: train_step needs
-  // something that requires grad.
-  bool trainable = sample_input.defined() && sample_input.requires_grad();
-  for (const auto& p : net->parameters()) {
-    trainable = trainable || p.requires_grad();
-  }
-  TORCH_CHECK_VALUE(
-      trainable,
-      "autotune: expected a model with a parameter that requires grad (or "
-      "a sample input that does), but every parameter is frozen: a training "
-      "step with the choice would change nothing, and train_step refuses "
-      "it");
   const auto layers = static_cast<int64_t>(net->size());
   const auto lanes = options.lanes();
   TORCH_CHECK_VALUE(
@@ -99,6 +87,21 @@ void verify_autotune(
       sample_input.sizes(),
       " and ",
       sample_target.sizes());
+  // A choice for training steps that would refuse to run: train_step needs
+  // something that requires grad.
+  bool trainable = sample_input.requires_grad();
+  bool any_parameter = false;
+  for (const auto& p : net->parameters()) {
+    any_parameter = true;
+    trainable = trainable || p.requires_grad();
+  }
+  TORCH_CHECK_VALUE(
+      trainable,
+      "autotune: expected a model with a parameter that requires grad (or a "
+      "sample input that does), but ",
+      any_parameter ? "every parameter is frozen" : "it has no parameters",
+      ": a training step with the choice would change nothing, and "
+      "train_step refuses it");
   const auto batch =
       options.batch_size() > 0 ? options.batch_size() : sample_input.size(0);
   const auto sample_rows = sample_input.size(0);

@@ -257,6 +257,10 @@ enum class FirstCollective : int64_t {
   AllReduce = 1,  // World::all_reduce
   Broadcast = 2,  // World::broadcast
   TrainStep = 3,  // a training step's, over the replicas (Mesh::data())
+  Barrier = 4,    // World::barrier
+  Split = 5,      // World::split
+  Mesh = 6,       // Mesh's constructor (its pipeline size)
+  Stage = 7,      // PipelineStage's constructor, over the replicas
 };
 
 /// The first collective of a `kind` of operation on `connection`'s group:

@@ -156,7 +156,11 @@ void Connection::run_collective(
 // shards. So every operation gpipe runs on a World's group begins with one
 // collective of the same 11 numbers (a maximum): what it is, its four
 // arguments, their negatives, a refusal, and its kind's negative. Ranks that
-// began other operations see it at once and refuse alike, naming both.
+// began other operations see it at once and refuse alike, naming both. (A
+// training step does so on a replica's first stage, which agrees with the
+// other replicas' before the step: agree_to_start. The other stages' first
+// collective over the replicas is the gradient all-reduce, late in the
+// step, and is not guarded.)
 namespace {
 
 const char* first_collective_name(int64_t kind) {
@@ -167,6 +171,14 @@ const char* first_collective_name(int64_t kind) {
       return "World::broadcast";
     case FirstCollective::TrainStep:
       return "train_step (its start over the replicas)";
+    case FirstCollective::Barrier:
+      return "World::barrier";
+    case FirstCollective::Split:
+      return "World::split";
+    case FirstCollective::Mesh:
+      return "the Mesh constructor";
+    case FirstCollective::Stage:
+      return "the PipelineStage constructor (the first replica's parameters)";
   }
   return "an unknown collective";
 }

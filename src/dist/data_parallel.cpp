@@ -232,12 +232,14 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
   // element, at about twice the time of a product.
   const auto scale = 1.0 / static_cast<double>(data_.size());
   std::vector<size_t> in_place;  // slots backward accumulated into
-  std::vector<float> had(bucket.parameters.size(), 1.0F);
+  bucket.missing.clear();
   for (const auto k : c10::irange(bucket.parameters.size())) {
     auto& p = bucket.parameters[k];
     auto& slot = bucket.slots[k];
     const auto& grad = p.grad();
-    had[k] = grad.defined() ? 1.0F : 0.0F;
+    if (!grad.defined()) {
+      bucket.missing.push_back(k);
+    }
     TORCH_CHECK_TYPE(
         !grad.defined() || grad.layout() == torch::kStrided,
         "gpipe::dist: the replicas average dense gradients, but a parameter "
@@ -266,8 +268,12 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
       bucket.slots[k].mul_(scale);
     }
   }
-  bucket.had.copy_(torch::from_blob(
-      had.data(), {static_cast<int64_t>(had.size())}, torch::kFloat));
+  // Fills on the bucket's device, without waiting for it (a copy from host
+  // memory would, on a GPU, in the middle of the backward).
+  bucket.had.fill_(1);
+  for (const auto k : bucket.missing) {
+    bucket.had.narrow(0, static_cast<int64_t>(k), 1).fill_(0);
+  }
   bucket.staged = on_group_device(connection.groups, bucket.flat);
   std::vector<torch::Tensor> tensors{bucket.staged};
   bucket.work = connection.group->allreduce(tensors);
@@ -315,13 +321,17 @@ void GradientBuckets::finish(Trace* trace, int64_t lane) {
     }
     bucket.staged = torch::Tensor();
     // A parameter no replica had a gradient for gets none (Note [Gradient
-    // buckets]).
-    const auto had = bucket.had.to(torch::kCPU, torch::kFloat);
-    const auto* any = had.data_ptr<float>();
-    for (const auto p : c10::irange(bucket.parameters.size())) {
-      if (any[p] == 0.0F) {
-        bucket.parameters[p].mutable_grad().reset();
+    // buckets]); only one this replica had none for can be such, so a
+    // bucket without one is not read (on a GPU, reading waits for it).
+    if (!bucket.missing.empty()) {
+      const auto had = bucket.had.to(torch::kCPU, torch::kFloat);
+      const auto* any = had.data_ptr<float>();
+      for (const auto p : bucket.missing) {
+        if (any[p] == 0.0F) {
+          bucket.parameters[p].mutable_grad().reset();
+        }
       }
+      bucket.missing.clear();
     }
   }
   if (trace != nullptr) {
@@ -341,6 +351,12 @@ void broadcast_from_first_replica(
   }
   torch::NoGradGuard no_grad;
   auto& connection = *data.connection();
+  first_collective(
+      connection,
+      FirstCollective::Stage,
+      {0, 0, 0, 0},
+      0,
+      "PipelineStage (its agreement over the replicas)");
   for (auto& group : pack(tensors, kDefaultBucketBytes, kDefaultBucketBytes)) {
     auto flat = flatten(group);
     std::vector<torch::Tensor> list{flat};
@@ -361,9 +377,22 @@ std::exception_ptr agree_to_start(
     int64_t pass,
     int64_t rows,
     const std::exception_ptr& mine) {
-  const auto& connection = *data.connection();
+  auto& connection = *data.connection();
   const auto replicas = data.size();
   const auto here = data.rank();
+  // The step's first collective over the replicas has the words every
+  // operation on a World's group begins with, so that a collective of the
+  // user's there at once is refused, not an abort (Note [The first
+  // collective's words]). Only the first stages agree here; the other
+  // stages' first collective over the replicas stays the gradient
+  // all-reduce, where a rank that lost its peer in another replica hears
+  // that peer's name from its pipeline (failed_over_replicas).
+  first_collective(
+      connection,
+      FirstCollective::TrainStep,
+      {0, 0, 0, 0},
+      0,
+      "train_step's start over the replicas");
   // A refusal's words go through the store, read by the others only when
   // one refused (set before the all-reduce below, so there once it ends).
   const auto key = [&](int64_t replica) {

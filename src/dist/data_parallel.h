@@ -113,6 +113,9 @@ class GradientBuckets {
     // `flat`'s last part: per parameter, whether a replica had its gradient
     // (summed by the all-reduce).
     torch::Tensor had;
+    // The parameters this replica had no gradient for when the bucket
+    // started.
+    std::vector<size_t> missing;
     // `flat` where the group reduces it (itself unless the group's device
     // is another: CPU stages on NCCL), while the all-reduce runs.
     torch::Tensor staged;

@@ -8,6 +8,7 @@
 #include <gpipe/dist.h>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -72,6 +73,12 @@ World World::split(int64_t color, int64_t key) const {
     all[0].push_back(torch::empty({2}, on));
   }
   std::vector<torch::Tensor> input{mine};
+  detail::first_collective(
+      parent,
+      detail::FirstCollective::Split,
+      {0, 0, 0, 0},
+      0,
+      "World::split (its agreement)");
   parent.check();
   parent.closing_on_failure([&] {
     parent.wait_collective(
@@ -135,15 +142,14 @@ Mesh::Mesh(World world, int64_t pipeline_size)
   if (size > 1) {
     auto& connection = *world_.connection();
     connection.check();
-    std::vector<torch::Tensor> words{
-        torch::tensor(std::vector<int64_t>{pipeline_size, -pipeline_size})};
-    connection.closing_on_failure([&] {
-      connection.all_reduce(
-          words,
-          c10d::ReduceOp::MAX,
-          "Mesh (its agreement on the pipeline size)");
-    });
-    const auto* w = words[0].data_ptr<int64_t>();
+    const auto words = detail::first_collective(
+        connection,
+        detail::FirstCollective::Mesh,
+        {pipeline_size, 0, 0, 0},
+        0,
+        "Mesh (its agreement on the pipeline size)");
+    // The largest size and the largest of their negatives.
+    const std::array<int64_t, 2> w{words[1], words[5]};
     TORCH_CHECK_VALUE(
         w[0] == -w[1],
         "gpipe::dist::Mesh expects the same pipeline size on every rank, but "

@@ -278,18 +278,6 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
               "train_step needs grad mode on, but it is off "
               "(torch::NoGradGuard or InferenceMode)");
         };
-        // With replicas, the step's first collective over them has the
-        // words every operation on a World's group begins with, so that a
-        // collective of the user's there at once is refused, not an abort
-        // (Note [The first collective's words]).
-        if (mesh_.data_size() > 1) {
-          detail::first_collective(
-              *mesh_.data().connection(),
-              detail::FirstCollective::TrainStep,
-              {0, 0, 0, 0},
-              0,
-              "train_step's start over the replicas");
-        }
         if (!first) {
           check_arguments();
         }

@@ -207,6 +207,12 @@ void World::barrier() const {
   if (size() == 1) {
     return;
   }
+  detail::first_collective(
+      *connection_,
+      detail::FirstCollective::Barrier,
+      {0, 0, 0, 0},
+      0,
+      "World::barrier");
   c10d::BarrierOptions options;
   const auto& device = connection_->groups.device;
   // NCCL's barrier runs on the rank's GPU, and c10d makes its tensor on the

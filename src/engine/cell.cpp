@@ -130,17 +130,40 @@ ModeRestore::ModeRestore(const ModeSnapshot* forward) {
     found_.clear();
     return;
   }
+  // A DeferredBatchNorm's own flag too, which train() sets to the mode it
+  // computes in (it may have been another: net->eval() leaves it).
+  own_found_.reserve(forward->modules.size());
+  for (const auto k : c10::irange(forward->modules.size())) {
+    own_found_.push_back(forward->modules[k]->is_training());
+  }
   forward_ = forward;
-  set_modes(*forward, forward->training);
+  try {
+    set_modes(*forward, forward->training);
+  } catch (...) {
+    put_back();  // a layer's own train() threw
+    throw;
+  }
+}
+
+void ModeRestore::put_back() {
+  if (forward_ == nullptr) {
+    return;
+  }
+  const auto* forward = forward_;
+  forward_ = nullptr;
+  set_modes(*forward, found_);
+  for (const auto k : c10::irange(forward->modules.size())) {
+    if (forward->deferred[k] != nullptr) {
+      forward->deferred[k]->torch::nn::Module::train(own_found_[k]);
+    }
+  }
 }
 
 ModeRestore::~ModeRestore() {
-  if (forward_ != nullptr) {
-    try {
-      set_modes(*forward_, found_);
-    } catch (...) {
-      // A layer's own train() that throws did so above as well.
-    }
+  try {
+    put_back();
+  } catch (...) {
+    // A layer's own train() that throws did so above as well.
   }
 }
 

@@ -75,8 +75,12 @@ class ModeRestore {
   ModeRestore& operator=(const ModeRestore&) = delete;
 
  private:
+  void put_back();
+
   const ModeSnapshot* forward_ = nullptr;  // null: nothing to put back
-  std::vector<bool> found_;
+  std::vector<bool> found_;      // the modes found (in_training() for a
+                                 // DeferredBatchNorm)
+  std::vector<bool> own_found_;  // each module's own flag found
 };
 
 using CellClock = std::chrono::steady_clock;

@@ -858,7 +858,18 @@ TEST(MeshTest, NetEvalReachesADeferredBatchNormOnEveryRank) {
 // replica runs a training step: both ranks refuse, naming both operations.
 // Gloo aborted the process (a message larger than the buffer posted for the
 // step's first collective there).
+void expect_a_users_collective_against_a_training_step_refused(
+    const std::string& user);
+
 TEST(MeshTest, AUsersCollectiveAgainstATrainingStepIsRefusedNotAnAbort) {
+  for (const std::string user : {"World::all_reduce", "World::barrier"}) {
+    SCOPED_TRACE(user);
+    expect_a_users_collective_against_a_training_step_refused(user);
+  }
+}
+
+void expect_a_users_collective_against_a_training_step_refused(
+    const std::string& user) {
   const auto batch = batch_of(8);
   const auto nets = nets_of_ranks(2);
   std::vector<std::string> errors(2);
@@ -876,6 +887,8 @@ TEST(MeshTest, AUsersCollectiveAgainstATrainingStepIsRefusedNotAnAbort) {
             batch.y.narrow(0, 0, 4),
             cross_entropy,
             Schedule::OneFOneB);
+      } else if (user == "World::barrier") {
+        mesh.data().barrier();
       } else {
         auto t = torch::ones({3});
         mesh.data().all_reduce(t);
@@ -888,7 +901,7 @@ TEST(MeshTest, AUsersCollectiveAgainstATrainingStepIsRefusedNotAnAbort) {
   for (const auto& error : errors) {
     EXPECT_NE(error.find("ran other operations at once"), std::string::npos)
         << error;
-    EXPECT_NE(error.find("World::all_reduce"), std::string::npos) << error;
+    EXPECT_NE(error.find(user), std::string::npos) << error;
     EXPECT_NE(error.find("train_step"), std::string::npos) << error;
   }
 }
