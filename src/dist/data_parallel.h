@@ -36,8 +36,8 @@
 // so that the replicas agree on every bucket's layout. Each bucket also
 // carries, after its gradients, one number per parameter: whether this
 // replica had its gradient. A parameter that no replica had a gradient for
-// gets none afterwards, as one pipeline on the whole batch leaves it (DDP
-// would leave zeros, which weight decay and Adam's steps then read); one
+// gets none afterwards, as one pipeline on the whole batch leaves it (not
+// zeros, which weight decay and Adam's steps would read); one
 // that some replica had gets the average with the others' zeros, as the
 // whole batch's mean.
 
