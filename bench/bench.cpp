@@ -91,12 +91,20 @@ int bench_main(int argc, char** argv) {
   app.add_option(
          "--blocks",
          blocks,
-         "Linear+ReLU blocks of the speed model (at least 2: its rows cut it "
-         "in two)")
+         "Linear+ReLU blocks of the model of speed, inference, trace, "
+         "microbatch and dist (at least 2: its rows cut it in two); the "
+         "other sections build their own")
       ->check(CLI::Range(int64_t{2}, int64_t{4096}));
-  app.add_option("--width", width, "Features of each Linear")
+  app.add_option(
+         "--width",
+         width,
+         "Features of each Linear of the model of speed, inference, trace, "
+         "microbatch, dist and mesh")
       ->check(CLI::Range(int64_t{1}, int64_t{65536}));
-  app.add_option("--batch", batch, "Mini-batch size")
+  app.add_option(
+         "--batch",
+         batch,
+         "Mini-batch size of speed, inference, trace, microbatch and dist")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option(
          "--iters",
@@ -106,7 +114,10 @@ int bench_main(int argc, char** argv) {
          "counts of pairs, memory measures one step")
       ->check(CLI::Range(1, 100000));
   app.add_option(
-         "--chunks", chunk_list, "Chunk counts for the 2-partition rows")
+         "--chunks",
+         chunk_list,
+         "Chunk counts for speed's 2-partition rows (the other sections choose "
+         "their own; a count the batch does not cut into is left out)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   app.add_option("--json", json_path, "Where to write the JSON results");
   app.add_flag(
