@@ -290,15 +290,21 @@ inline torch::nn::Sequential mlp(int64_t blocks, int64_t width) {
   return net;
 }
 
-/// The counts of `requested` that `rows` rows cut into: Tensor::chunk cuts 2
-/// rows asked for 32 pieces into 2, and a row labelled 32 would time 2. The
-/// others are left out with a line that says so.
+/// How many micro-batches Tensor::chunk cuts `rows` rows asked for `m` into
+/// (2 rows asked for 32: 2; 9 rows asked for 8: 5).
+inline int64_t pieces_of(int64_t rows, int64_t m) {
+  const int64_t size = (rows + m - 1) / m;
+  return size > 0 ? (rows + size - 1) / size : 0;
+}
+
+/// The counts of `requested` that `rows` rows cut into: a row labelled 32
+/// that the batch cuts into 2 would time 2. The others are left out with a
+/// line that says so.
 inline std::vector<int64_t> chunk_counts_of(
     int64_t rows, const std::vector<int64_t>& requested) {
   std::vector<int64_t> kept;
   for (const auto m : requested) {
-    const int64_t size = (rows + m - 1) / m;
-    const int64_t pieces = size > 0 ? (rows + size - 1) / size : 0;
+    const int64_t pieces = pieces_of(rows, m);
     if (pieces == m) {
       kept.push_back(m);
     } else {

@@ -41,11 +41,7 @@ nlohmann::json trace_section(
   // cuts 9 rows asked for 8 into 5): a count it does not would run fewer
   // under its label.
   int64_t m = std::min<int64_t>(8, batch);
-  while (m > 1) {
-    const auto rows = (batch + m - 1) / m;
-    if ((batch + rows - 1) / rows == m) {
-      break;
-    }
+  while (m > 1 && pieces_of(batch, m) != m) {
     --m;
   }
   std::vector<Case> cases{

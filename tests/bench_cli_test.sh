@@ -11,6 +11,7 @@
 # start the binary itself.
 set -uo pipefail
 
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bench=$(realpath "$1")
 forks=${2:+$(realpath "$2")}
 tmp=$(mktemp -d)
@@ -19,7 +20,8 @@ ulimit -c 0
 cd "$tmp" || exit 1
 failures=0
 if [[ -n $forks ]]; then
-  coproc FORKS { exec "$forks" "$bench"; }
+  source "$here/cli_forks.sh"
+  forks_start "$forks" "$bench"
 fi
 
 # Each case: the flag stderr must name, a tab, then the arguments (eval'd,
@@ -30,13 +32,7 @@ while IFS=$'\t' read -r flag args; do
   eval "set -- $args"
   cases=$((cases + 1))
   if [[ -n $forks && $cases -gt 4 ]]; then
-    mapfile -d '' -t environment < <(env -0)
-    printf '%s\0' "$tmp/out" "$tmp/err" "${#environment[@]}" \
-      "${environment[@]}" "$#" "$@" >&"${FORKS[1]}"
-    if ! read -r status <&"${FORKS[0]}"; then
-      status=255
-      echo "the forked run got no answer" >>err
-    fi
+    forks_run "$tmp/out" "$tmp/err" "$@"
   else
     timeout 60 "$bench" "$@" >out 2>err
     status=$?

@@ -32,19 +32,13 @@ fail() {
 as=()
 via_forks=0
 if [[ -n $forks ]]; then
-  coproc FORKS { exec "$forks" "$bin"; }
+  source "$(dirname "${BASH_SOURCE[0]}")/cli_forks.sh"
+  forks_start "$forks" "$bin"
   via_forks=1
 fi
 run() {
   if ((via_forks)) && [[ ${#as[@]} -eq 0 ]]; then
-    local -a environment
-    mapfile -d '' -t environment < <(env -0)
-    printf '%s\0' "$tmp/out" "$tmp/err" "${#environment[@]}" \
-      "${environment[@]}" "$#" "$@" >&"${FORKS[1]}"
-    if ! read -r status <&"${FORKS[0]}"; then
-      status=255
-      echo "the forked run of gpipe-train $* got no answer" >>"$tmp/err"
-    fi
+    forks_run "$tmp/out" "$tmp/err" "$@"
   else
     timeout 120 "${as[@]}" "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
     status=$?

@@ -59,6 +59,7 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
 void agree_on_tensor(
     detail::Connection& connection,
     const torch::Tensor& tensor,
+    detail::FirstCollective kind,
     const char* what,
     int64_t root,
     const std::exception_ptr& mine) {
@@ -72,9 +73,6 @@ void agree_on_tensor(
   const auto shape = static_cast<int64_t>(hash >> 2);  // its negative fits
   // The last word: 1 + the highest rank that refused its own arguments.
   const int64_t refused = mine ? connection.rank + 1 : 0;
-  const auto kind = std::string(what) == "broadcast"
-                        ? detail::FirstCollective::Broadcast
-                        : detail::FirstCollective::AllReduce;
   const auto words = detail::first_collective(
       connection,
       kind,
@@ -159,7 +157,13 @@ void World::all_reduce(torch::Tensor& tensor) const {
   if (size() == 1) {
     return;
   }
-  agree_on_tensor(*connection_, tensor, "all_reduce", 0, mine);
+  agree_on_tensor(
+      *connection_,
+      tensor,
+      detail::FirstCollective::AllReduce,
+      "all_reduce",
+      0,
+      mine);
   // Every rank has this dtype now: all refuse it alike.
   TORCH_CHECK_VALUE(
       tensor.scalar_type() != torch::kBool && !tensor.is_complex(),
@@ -188,7 +192,13 @@ void World::broadcast(torch::Tensor& tensor, int64_t root) const {
   if (size() == 1) {
     return;
   }
-  agree_on_tensor(*connection_, tensor, "broadcast", root, mine);
+  agree_on_tensor(
+      *connection_,
+      tensor,
+      detail::FirstCollective::Broadcast,
+      "broadcast",
+      root,
+      mine);
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;

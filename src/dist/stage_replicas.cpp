@@ -1,0 +1,141 @@
+// PipelineStage's side of the replicas (Note [Gradient buckets] in
+// data_parallel.h): its gradient buckets, kept between steps, and what a
+// training step adds to the pipeline's own pass (run_pipeline_step in
+// pipeline_stage.cpp): the buckets started and waited for, the loss
+// averaged, a failure in another replica passed on.
+
+#include <c10/util/Exception.h>
+#include <gpipe/dist.h>
+#include <torch/torch.h>
+
+#include <exception>
+#include <memory>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <utility>
+#include <vector>
+
+#include "dist/connection.h"
+#include "dist/data_parallel.h"
+#include "dist/stage_engine.h"
+#include "text.h"
+
+namespace gpipe::dist {
+
+void PipelineStageImpl::set_gradient_bucket_bytes(int64_t bytes) {
+  TORCH_CHECK_VALUE(
+      bytes > 0,
+      "set_gradient_bucket_bytes expects a positive number of bytes, but got ",
+      bytes);
+  engine_->bucket_bytes = bytes;
+}
+
+int64_t PipelineStageImpl::gradient_bucket_bytes() const {
+  return engine_->bucket_bytes;
+}
+
+torch::Tensor PipelineStageImpl::run_train_step(
+    torch::Tensor input,
+    torch::Tensor target,
+    const LossFunction& loss_fn,
+    Schedule schedule,
+    const Plan* plan) {
+  const auto& data = mesh_.data();
+  if (data.size() > 1) {
+    // Kept between steps unless what trains changed (a layer frozen or
+    // thawed) or the bucket size did.
+    auto& buckets = engine_->buckets;
+    bool same = buckets.size() == partitions_.size() &&
+                engine_->bucket_bytes == engine_->buckets_made_with;
+    for (size_t k = 0; same && k < partitions_.size(); ++k) {
+      same = buckets[k]->holds(partitions_[k]->parameters());
+    }
+    if (!same) {
+      buckets.clear();
+      for (const auto& part : partitions_) {
+        buckets.push_back(std::make_unique<detail::GradientBuckets>(
+            data, part->parameters(), engine_->bucket_bytes));
+      }
+      engine_->buckets_made_with = engine_->bucket_bytes;
+    }
+  }
+  torch::Tensor loss;
+  try {
+    loss = run_pipeline_step(
+        std::move(input), std::move(target), loss_fn, schedule, plan);
+  } catch (...) {
+    // A pass that failed this replica's pipeline fails the other replicas
+    // too (their gradient all-reduce would wait for this one); a refusal
+    // that every replica makes alike leaves the stage usable.
+    if (const auto failure = engine_->connection->failure()) {
+      if (data.size() > 1) {
+        data.connection()->fail(*failure);
+      }
+    }
+    throw;
+  }
+  if (data.size() > 1) {
+    try {
+      loss = average_over_replicas(loss);
+    } catch (...) {
+      std::rethrow_exception(failed_over_replicas(std::current_exception()));
+    }
+  }
+  return loss;
+}
+
+torch::Tensor PipelineStageImpl::average_over_replicas(torch::Tensor loss) {
+  const auto& data = mesh_.data();
+  // Each stage's buckets started on its lane as soon as its gradients
+  // were final (Note [Gradient buckets]); a plan without a backward of a
+  // stage leaves its buckets to start here.
+  for (auto& buckets : engine_->buckets) {
+    if (!buckets->started()) {
+      buckets->start();
+    }
+  }
+  const auto trace = engine_->current_trace();
+  for (auto& buckets : engine_->buckets) {
+    buckets->finish(trace.get(), world_.rank());
+  }
+  // The loss's sum over the replicas (their shards were agreed equal
+  // before the step began: agree_to_start).
+  std::vector<torch::Tensor> summed_on{
+      loss.detach().to(torch::kDouble).reshape({1})};
+  data.connection()->all_reduce(
+      summed_on, c10d::ReduceOp::SUM, "loss all-reduce over the replicas");
+  const auto replicas = static_cast<double>(data.size());
+  auto sums = summed_on[0];
+  return (sums[0] / replicas).to(loss.scalar_type());  // on loss's device
+}
+
+// A rank of another replica failed while this one averaged: a rank that
+// shares a data World with it may hear only that its collective broke
+// (its peer there died), where a neighbour in this replica's pipeline heard
+// which rank failed (from its own data World). So the failure is passed on
+// to this replica's pipeline, and a rank whose own error names no rank
+// waits a moment for a neighbour's that does.
+std::exception_ptr PipelineStageImpl::failed_over_replicas(
+    std::exception_ptr error) {
+  auto& pipeline = *engine_->connection;
+  bool named = false;
+  try {
+    std::rethrow_exception(error);
+  } catch (const gpipe::detail::RelayedFailure&) {
+    named = true;  // a failure notice, as the failing rank wrote it
+  } catch (...) {
+  }
+  if (!named) {
+    pipeline.await_failure_notice();
+    if (pipeline.failure()) {
+      try {
+        pipeline.check();
+      } catch (...) {
+        return std::current_exception();
+      }
+    }
+  }
+  pipeline.fail_with(error);
+  return error;
+}
+
+}  // namespace gpipe::dist
