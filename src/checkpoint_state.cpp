@@ -251,8 +251,8 @@ void save_checkpoint(
   manifest["layers"] = names;
   manifest["layout"] = {
       {"writer", "gpipe::GPipe"},
-      {"balance", model->options.balance()},
-      {"stages_per_lane", model->options.stages_per_lane()},
+      {"balance", model->balance()},
+      {"stages_per_lane", model->stages_per_lane()},
       {"placement", model->placement().lane_of_stage()},
       {"chunks", model->options.chunks()},
       {"processes", 1},

@@ -53,7 +53,7 @@ struct GPipeImpl::Engine : detail::Pipeline {
 };
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
-    : options(std::move(options_)), sequential_(module) {
+    : options(std::move(options_)), built_(options), sequential_(module) {
   detail::verify_options(module, options, "gpipe::GPipe");
   if (options.deferred_batch_norm()) {
     module = convert_deferred_batch_norm(module, options.chunks());
@@ -138,6 +138,7 @@ void GPipeImpl::train(bool on) {
 }
 
 torch::Tensor GPipeImpl::forward(torch::Tensor input) {
+  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
   verify_batch({input});
   if (!pipeline_) {
     return input;
@@ -156,6 +157,7 @@ torch::Tensor GPipeImpl::forward(torch::Tensor input) {
 }
 
 std::vector<torch::Tensor> GPipeImpl::forward_tuple(torch::Tensor input) {
+  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
   verify_batch({input});
   if (!pipeline_) {
     return {input};
@@ -169,6 +171,7 @@ std::vector<torch::Tensor> GPipeImpl::forward_tuple(torch::Tensor input) {
 
 std::vector<torch::Tensor> GPipeImpl::forward(
     std::vector<torch::Tensor> inputs) {
+  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
   verify_batch(inputs);
   if (!pipeline_) {
     return inputs;
@@ -214,6 +217,7 @@ torch::Tensor GPipeImpl::run_train_step(
     const LossFunction& loss_fn,
     const Schedule* schedule,
     const Plan* plan) {
+  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
   verify_batch({input});
   TORCH_CHECK_VALUE(
       static_cast<bool>(loss_fn), "train_step expects a loss_fn, but got none");
@@ -252,11 +256,11 @@ torch::Tensor GPipeImpl::run_train_step(
 }
 
 int64_t GPipeImpl::lanes() const {
-  return detail::placement_of(options).lanes();
+  return detail::placement_of(built_).lanes();
 }
 
 Placement GPipeImpl::placement() const {
-  return detail::placement_of(options);
+  return detail::placement_of(built_);
 }
 
 void GPipeImpl::to(
@@ -284,20 +288,20 @@ void GPipeImpl::to(torch::Device device, bool non_blocking) {
 }
 
 void GPipeImpl::pretty_print(std::ostream& stream) const {
-  stream << "gpipe::GPipe(balance=" << c10::IntArrayRef(options.balance())
+  stream << "gpipe::GPipe(balance=" << c10::IntArrayRef(built_.balance())
          << ", chunks=" << options.chunks()
          << ", checkpoint=" << to_string(options.checkpoint());
-  if (!options.placement().empty()) {
-    stream << ", placement=" << to_string(options.placement());
-  } else if (options.stages_per_lane() > 1) {
-    stream << ", stages_per_lane=" << options.stages_per_lane();
+  if (!built_.placement().empty()) {
+    stream << ", placement=" << to_string(built_.placement());
+  } else if (built_.stages_per_lane() > 1) {
+    stream << ", stages_per_lane=" << built_.stages_per_lane();
   }
   stream << ")";
 }
 
 int64_t GPipeImpl::size() const {
   int64_t total = 0;
-  for (auto b : options.balance()) {
+  for (auto b : built_.balance()) {
     total += b;
   }
   return total;

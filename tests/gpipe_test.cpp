@@ -110,6 +110,72 @@ TEST_F(GPipeTest, IndexesLayersAcrossPartitions) {
   EXPECT_TRUE(contains(msg, "the model has no layers, but got 0")) << msg;
 }
 
+// `options` is public: changing its layout after construction left
+// balance(), size() and model[i] describing partitions the model did not
+// have (model[-1] failed an internal assert, a checkpoint's manifest took
+// the new balance) while the passes ran the old one.
+TEST_F(GPipeTest, ALayoutChangedInOptionsIsRefusedAtTheNextPass) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(3, 3), torch::nn::ReLU(), torch::nn::Linear(3, 3));
+  GPipe model(net, GPipeOptions({2, 1}).chunks(2));
+  const auto x = torch::randn({4, 3});
+  model->options.balance({1, 2});
+  EXPECT_EQ(model->balance(), (std::vector<int64_t>{2, 1}));
+  EXPECT_EQ(model->size(), 3);
+  EXPECT_EQ(model[-1].get(), net->ptr(2).get());
+  std::ostringstream printed;
+  printed << *model;
+  EXPECT_TRUE(contains(printed.str(), "balance=[2, 1]")) << printed.str();
+  auto msg = message_of([&] { model->forward(x); });
+  EXPECT_TRUE(contains(
+      msg,
+      "gpipe::GPipe was built with options.balance() [2, 1], but it is now "
+      "[1, 2]"))
+      << msg;
+  EXPECT_THROW(model->forward(x), c10::ValueError);
+  auto loss = [](torch::Tensor out, torch::Tensor target) {
+    return torch::mse_loss(out, target);
+  };
+  EXPECT_THROW(model->train_step(x, x, loss), c10::ValueError);
+  model->options.balance({2, 1}).stages_per_lane(2);
+  msg = message_of([&] { model->forward_tuple(x); });
+  EXPECT_TRUE(contains(msg, "options.stages_per_lane() 1, but it is now 2"))
+      << msg;
+  model->options.stages_per_lane(1).placement(gpipe::Placement({1, 0}));
+  msg = message_of([&] { model->forward(std::vector<torch::Tensor>{x}); });
+  EXPECT_TRUE(contains(msg, "options.placement() none, but it is now")) << msg;
+  // Set back, the model runs; chunks and checkpoint may change.
+  model->options.placement(gpipe::Placement());
+  model->options.chunks(4).checkpoint(Checkpoint::Never);
+  EXPECT_TRUE(torch::allclose(model->forward(x), net->forward(x)));
+  EXPECT_EQ(model->chunks(), 4);
+}
+
+// A hook on a parameter runs once per micro-batch, on that micro-batch's
+// part of the gradient (the guide, section 2): a hook that scales gives the
+// plain model's .grad, one that clips does not.
+TEST_F(GPipeTest, AParameterHookRunsOncePerMicroBatch) {
+  auto net = two_linears();
+  auto plain = copy_of(net);
+  GPipe model(net, GPipeOptions({1, 1}).chunks(4));
+  std::atomic<int> calls{0};
+  net[0]->parameters()[0].register_hook([&](torch::Tensor g) {
+    ++calls;
+    return g * 0.5;
+  });
+  plain[0]->parameters()[0].register_hook(
+      [](torch::Tensor g) { return g * 0.5; });
+  const auto x = torch::randn({8, 3});
+  model->forward(x).pow(2).sum().backward();
+  plain->forward(x).pow(2).sum().backward();
+  EXPECT_EQ(calls.load(), 4);
+  EXPECT_TRUE(torch::allclose(
+      net[0]->parameters()[0].grad(),
+      plain[0]->parameters()[0].grad(),
+      1e-5,
+      1e-6));
+}
+
 TEST_F(GPipeTest, BalanceOfWrongLengthIsRefusedWithAdvice) {
   for (auto balance : std::vector<std::vector<int64_t>>{{1}, {3}}) {
     EXPECT_THROW(GPipe(two_linears(), GPipeOptions(balance)), c10::ValueError);

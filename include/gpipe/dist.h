@@ -316,11 +316,12 @@ class PipelineStageImpl : public torch::nn::Module {
   int64_t rank() const {
     return world_.rank();
   }
+  /// The layout as built (`options`' balance and stages_per_lane).
   const std::vector<int64_t>& balance() const {
-    return options.balance();
+    return built_.balance();
   }
   int64_t stages_per_lane() const {
-    return options.stages_per_lane();
+    return built_.stages_per_lane();
   }
   int64_t chunks() const {
     return options.chunks();
@@ -331,10 +332,16 @@ class PipelineStageImpl : public torch::nn::Module {
     return threads_per_lane_;
   }
 
+  /// The options it was built with. As GPipe's: `chunks` and `checkpoint`
+  /// may be changed between passes (alike on every rank); a pass after the
+  /// layout (balance, devices, stages_per_lane, placement, threads_per_lane,
+  /// deferred_batch_norm) was changed here is refused on every rank.
   GPipeOptions options;
 
  private:
   friend std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
+  // The options as built: the layout the stage has.
+  GPipeOptions built_;
   struct Engine;
   torch::Tensor run_train_step(
       torch::Tensor input,

@@ -119,9 +119,13 @@ class GPipeImpl : public torch::nn::Module {
   /// `gpipe::GPipe(balance=[2, 2], chunks=4, checkpoint=except_last)`.
   void pretty_print(std::ostream& stream) const override;
 
-  /// Number of layers of each partition.
+  /// Number of layers of each partition, as built.
   const std::vector<int64_t>& balance() const {
-    return options.balance();
+    return built_.balance();
+  }
+  /// Partitions per lane, as built (`options.stages_per_lane()`).
+  int64_t stages_per_lane() const {
+    return built_.stages_per_lane();
   }
   /// Device of each partition (one per partition).
   const std::vector<torch::Device>& devices() const {
@@ -162,7 +166,11 @@ class GPipeImpl : public torch::nn::Module {
   /// Layer `index` across partitions; negative indices count from the end.
   std::shared_ptr<torch::nn::Module> operator[](int64_t index) const;
 
-  /// The options it was built with (`balance`, `chunks`, ...).
+  /// The options it was built with (`balance`, `chunks`, ...). `chunks`
+  /// and `checkpoint` may be changed between passes; the layout (balance,
+  /// devices, stages_per_lane, placement, threads_per_lane,
+  /// deferred_batch_norm) is fixed: a pass after it was changed here is
+  /// refused with a c10::ValueError naming the change.
   GPipeOptions options;
 
  private:
@@ -173,6 +181,8 @@ class GPipeImpl : public torch::nn::Module {
       const Schedule* schedule,
       const Plan* plan);
 
+  // The options as built: the layout the partitions have.
+  GPipeOptions built_;
   torch::nn::ModuleList partitions_;
   // The Sequential given (its layers are the partitions'), not registered:
   // train() and eval() reach its own flag too.

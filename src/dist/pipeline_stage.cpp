@@ -53,6 +53,7 @@ PipelineStageImpl::PipelineStageImpl(
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential module, GPipeOptions options_, Mesh mesh)
     : options(std::move(options_)),
+      built_(options),
       mesh_(std::move(mesh)),
       world_(mesh_.pipeline()) {
   const auto rank = world_.rank();
@@ -270,10 +271,12 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         // leaving the others waiting; on rank 0, before the pass begins, it
         // is refused by every rank (refusable).
         auto check_arguments = [&] {
+          gpipe::detail::verify_layout_unchanged(
+              options, built_, "gpipe::dist::PipelineStage");
           TORCH_CHECK_VALUE(
               static_cast<bool>(loss_fn),
               "train_step expects a loss_fn, but got none");
-          TORCH_CHECK(
+          TORCH_CHECK_VALUE(
               torch::GradMode::is_enabled(),
               "train_step needs grad mode on, but it is off "
               "(torch::NoGradGuard or InferenceMode)");
@@ -347,6 +350,13 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
       *engine_->pipeline,
       [this] { return engine_->next_pass(); },
       [&](int64_t pass_id, Sends& begin_sends, std::unique_lock<std::mutex>&) {
+        auto check_layout = [&] {
+          gpipe::detail::verify_layout_unchanged(
+              options, built_, "gpipe::dist::PipelineStage");
+        };
+        if (!first) {
+          check_layout();
+        }
         Begin local;
         local.kind = PassKind::Forward;
         RankEndpoints ends(
@@ -367,6 +377,7 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
               pass_id,
               begin_sends,
               [&] {
+                check_layout();
                 ends.inputs = scatter_input(
                     input, options.chunks(), "forward", *engine_->connection);
                 return input.size(0);
@@ -426,13 +437,13 @@ std::shared_ptr<Trace> PipelineStageImpl::trace() const {
 
 void PipelineStageImpl::pretty_print(std::ostream& stream) const {
   stream << "gpipe::dist::PipelineStage(rank=" << world_.rank() << "/"
-         << world_.size() << ", balance=" << c10::IntArrayRef(options.balance())
+         << world_.size() << ", balance=" << c10::IntArrayRef(built_.balance())
          << ", chunks=" << options.chunks();
   if (mesh_.data_size() > 1) {
     stream << ", replica=" << mesh_.data_rank() << "/" << mesh_.data_size();
   }
-  if (options.stages_per_lane() > 1) {
-    stream << ", stages_per_lane=" << options.stages_per_lane();
+  if (built_.stages_per_lane() > 1) {
+    stream << ", stages_per_lane=" << built_.stages_per_lane();
   }
   stream << ", checkpoint=" << to_string(options.checkpoint())
          << ", device=" << device_ << ")";

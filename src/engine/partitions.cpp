@@ -9,6 +9,9 @@
 #include <gpipe/skip.h>
 #include <gpipe/verify.h>
 
+#include <sstream>
+#include <string>
+
 #include "device.h"
 #include "text.h"
 
@@ -66,6 +69,68 @@ void verify_options(
       kMaxThreadsPerLane,
       ", but got ",
       options.threads_per_lane());
+}
+
+namespace {
+
+template <typename T>
+std::string text_of(const std::vector<T>& values) {
+  std::ostringstream out;
+  out << '[';
+  for (const auto i : c10::irange(values.size())) {
+    out << (i > 0 ? ", " : "") << values[i];
+  }
+  out << ']';
+  return out.str();
+}
+
+}  // namespace
+
+void verify_layout_unchanged(
+    const GPipeOptions& now, const GPipeOptions& built, const char* who) {
+  std::string field;
+  std::string was;
+  std::string is;
+  if (now.balance() != built.balance()) {
+    field = "balance";
+    was = text_of(built.balance());
+    is = text_of(now.balance());
+  } else if (now.devices() != built.devices()) {
+    field = "devices";
+    was = text_of(built.devices());
+    is = text_of(now.devices());
+  } else if (now.stages_per_lane() != built.stages_per_lane()) {
+    field = "stages_per_lane";
+    was = std::to_string(built.stages_per_lane());
+    is = std::to_string(now.stages_per_lane());
+  } else if (!(now.placement() == built.placement())) {
+    field = "placement";
+    was = built.placement().empty() ? "none" : to_string(built.placement());
+    is = now.placement().empty() ? "none" : to_string(now.placement());
+  } else if (now.threads_per_lane() != built.threads_per_lane()) {
+    field = "threads_per_lane";
+    was = std::to_string(built.threads_per_lane());
+    is = std::to_string(now.threads_per_lane());
+  } else if (now.deferred_batch_norm() != built.deferred_batch_norm()) {
+    field = "deferred_batch_norm";
+    was = built.deferred_batch_norm() ? "true" : "false";
+    is = now.deferred_batch_norm() ? "true" : "false";
+  } else {
+    return;
+  }
+  TORCH_CHECK_VALUE(
+      false,
+      who,
+      " was built with options.",
+      field,
+      "() ",
+      was,
+      ", but it is now ",
+      is,
+      ": the layout (balance, devices, stages_per_lane, placement, "
+      "threads_per_lane, deferred_batch_norm) is fixed when the model is "
+      "built, and only chunks and checkpoint may change between passes; set "
+      "it back, or build a new model for another layout");
 }
 
 Placement placement_of(const GPipeOptions& options) {

@@ -28,6 +28,13 @@ void verify_options(
     const GPipeOptions& options,
     const char* who);
 
+/// Refuses a pass of a model built with `built` whose public `options` now
+/// has another layout: balance, devices, stages_per_lane, placement,
+/// threads_per_lane or deferred_batch_norm were changed after it was built.
+/// Only chunks and checkpoint may change between passes.
+void verify_layout_unchanged(
+    const GPipeOptions& now, const GPipeOptions& built, const char* who);
+
 /// The placement `options` (verified) asks for: `options.placement()`, or
 /// `Placement::modulo(partitions / stages_per_lane, stages_per_lane)`.
 Placement placement_of(const GPipeOptions& options);

@@ -454,7 +454,7 @@ torch::Tensor Pipeline::train(
     auto targets = ends.targets(start);
     pass = start_pass(m, ends.originals, start.options);
     ends.prepare(*pass);
-    TORCH_CHECK(
+    TORCH_CHECK_VALUE(
         pass->grad,
         "train_step needs grad mode on and something that requires grad (a "
         "parameter or the input)");

@@ -108,5 +108,44 @@ TEST(StageOptionsTest, GPipeAndPipelineStageRefuseTheSameMistakesAlike) {
   });
 }
 
+// A layout changed in one rank's public options after construction is
+// refused on every rank at the next pass (train_step, then forward), naming
+// the change, rather than running partitions the options do not describe.
+TEST(StageOptionsTest, ALayoutChangedInOptionsIsRefusedOnEveryRank) {
+  for (const bool train : {true, false}) {
+    SCOPED_TRACE(train ? "train_step" : "forward");
+    std::vector<std::string> messages(2);
+    run_ranks(2, [&](World world) {
+      torch::nn::Sequential net(
+          torch::nn::Linear(3, 3), torch::nn::Tanh(), torch::nn::Linear(3, 3));
+      dist::PipelineStage stage(net, GPipeOptions({2, 1}).chunks(2), world);
+      if (world.rank() == 1) {
+        stage->options.balance({1, 2});
+      }
+      EXPECT_EQ(stage->balance(), (std::vector<int64_t>{2, 1}));
+      const auto x = torch::randn({4, 3});
+      try {
+        if (train) {
+          stage->train_step(x, x, [](torch::Tensor out, torch::Tensor y) {
+            return torch::mse_loss(out, y);
+          });
+        } else {
+          stage->forward(x);
+        }
+        ADD_FAILURE() << "rank " << world.rank() << " ran the pass";
+      } catch (const c10::Error& e) {
+        messages[world.rank()] = e.what_without_backtrace();
+      }
+    });
+    for (const auto& m : messages) {
+      EXPECT_NE(
+          m.find("gpipe::dist::PipelineStage was built with options.balance() "
+                 "[2, 1], but it is now [1, 2]"),
+          std::string::npos)
+          << m;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gpipe
