@@ -136,6 +136,20 @@ else
   ok "4 x 2000 lines of 200 bytes, none torn"
 fi
 
+# A line of exactly 1 MiB is one line, and a longer one comes out in
+# pieces of 1 MiB, each prefixed, with no empty piece (a line of exactly
+# 1 MiB came out as itself and then an empty "[0] ").
+run -n 1 -- sh -c '
+  head -c 1048576 /dev/zero | tr "\\0" a; echo
+  head -c 2097152 /dev/zero | tr "\\0" b; echo
+  head -c 1048577 /dev/zero | tr "\\0" c; echo'
+lengths=$(awk '{ print length($0) }' "$tmp/out" | tr '\n' ' ')
+if [[ $status -ne 0 || $lengths != "1048580 1048580 1048580 1048580 5 " ]]; then
+  fail "lines of 1, 2 and 1 MiB + 1 byte: exit status $status, lengths $lengths"
+else
+  ok "a line of 1 MiB is one line; longer ones come in pieces of 1 MiB"
+fi
+
 # A rank that exits 0 early stops nobody, and is reaped (no zombie) while
 # the others run.
 timeout -k 2 15 "$bin" -n 2 -- sh -c '

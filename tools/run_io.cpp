@@ -164,7 +164,9 @@ void print_lines(
     size_t end = newline;
     if (newline == std::string::npos) {
       const size_t rest = stream.partial.size() - begin;
-      if (rest == 0 || (!flush && rest < kMaxLine)) {
+      // A piece of exactly kMaxLine waits for what follows: its newline
+      // makes it a line, not a piece and then an empty line.
+      if (rest == 0 || (!flush && rest <= kMaxLine)) {
         break;
       }
       end = begin + std::min(rest, kMaxLine);
