@@ -150,6 +150,20 @@ else
   ok "a line of 1 MiB is one line; longer ones come in pieces of 1 MiB"
 fi
 
+# A rank that exits 0 while the others run, before one fails (its peers'
+# errors can only say that a connection closed): the verdict names it.
+run -n 3 -- sh -c '
+  if [ "$RANK" = 2 ]; then exit 0; fi
+  sleep 0.5
+  if [ "$RANK" = 1 ]; then exit 3; fi
+  sleep 10'
+verdict=$(tail -n 1 "$tmp/err")
+if [[ $status -ne 3 || $verdict != *"rank 1 failed first (exited with code 3); stopped rank 0; before it, rank 2 had exited with code 0 while the others ran" ]]; then
+  fail "a rank that left early, then a failure: exit status $status, verdict: $verdict"
+else
+  ok "a rank that exited 0 before another failed is named: $verdict"
+fi
+
 # A rank that exits 0 early stops nobody, and is reaped (no zombie) while
 # the others run.
 timeout -k 2 15 "$bin" -n 2 -- sh -c '

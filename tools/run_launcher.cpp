@@ -89,6 +89,7 @@ void Launcher::reset_for_restart() {
   killed_ = false;
   exit_order_.clear();
   failed_rank_ = -1;
+  ended_early_.clear();
   failed_status_ = 0;
   forget_empty_groups();
 }
@@ -353,6 +354,10 @@ void Launcher::reap() {
     }
     for (auto& stream : rank->streams) {
       read_stream(output_, *rank, stream, kDrainReads);
+    }
+    if (!failed(rank->status) && !stopping_ && failed_rank_ < 0 &&
+        any_running()) {
+      ended_early_.push_back(rank->rank);
     }
     if (failed(rank->status) && !stopping_) {
       failed_rank_ = rank->rank;

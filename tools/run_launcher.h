@@ -86,6 +86,10 @@ class Launcher {
   std::vector<pid_t> exit_order_;
   int64_t failed_rank_ = -1;
   int failed_status_ = 0;
+  // Ranks that ended well while others ran, before any failed: a rank whose
+  // peers then fail for want of it (their errors can only say that a
+  // connection closed), named in the verdict.
+  std::vector<int64_t> ended_early_;
   // The signal that gpipe-run got, if that is what stopped the ranks.
   int signal_ = 0;
   // Which start of the ranks this is (0: the first).

@@ -33,7 +33,10 @@ namespace gpipe_run {
 // filter, still writing its last lines), but SIGKILL with the survivors at
 // the deadline; with no stop under way it is waited for, as a shell waits
 // for every writer of a pipe. Then the verdict, the last line: the rank that
-// failed first, the ranks stopped, the ranks that failed on their own.
+// failed first, the ranks stopped, the ranks that failed on their own, and
+// the ranks that had exited with code 0 before it while others ran (a rank
+// that leaves the job early makes its peers fail with nothing to say but
+// that a connection closed; so it is named).
 //
 // With no stop under way, what the ranks left is waited for --grace seconds
 // after the last rank ended; then it gets SIGTERM, and SIGKILL --grace
@@ -170,6 +173,12 @@ void Launcher::report_verdict() const {
   }
   if (!stopped.empty()) {
     verdict += "; stopped " + ranks_phrase(stopped);
+  }
+  if (failed_rank_ >= 0 && !ended_early_.empty()) {
+    // Their peers' errors can only say that a connection closed.
+    verdict += "; before it, " + ranks_phrase(ended_early_) +
+               (ended_early_.size() == 1 ? " had" : " had each") +
+               " exited with code 0 while the others ran";
   }
   output_.report(verdict);
 }
