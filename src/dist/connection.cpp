@@ -238,7 +238,9 @@ torch::Tensor Connection::wait_bytes(
     return buffer;
   }
   const bool timed_out = error.find("imed out") != std::string::npos;
-  if (!error.empty() && !timed_out) {
+  if (!error.empty()) {
+    // A peer that failed (or, timing out in a collective, learned whom it
+    // waited for) tells first: its notice, not this wait, is the report.
     await_failure_notice();
   }
   if (!error.empty()) {
@@ -466,6 +468,9 @@ void Connection::wait_sends(
       // A send completes when its receiver takes it. (Not sent and no
       // error: aborted by a failure, which fail() leaves as it is.)
       const bool timed_out = error.find("imed out") != std::string::npos;
+      if (!error.empty()) {
+        await_failure_notice();
+      }
       fail(
           rank_name(rank) +
           (timed_out

@@ -234,6 +234,12 @@ struct Connection : std::enable_shared_from_this<Connection> {
     return wait_bytes(peer, post_bytes(peer, tag, bytes), what);
   }
   [[noreturn]] void throw_failure() const;
+  // Note [Who a collective waits for] in connection_collectives.cpp: this
+  // rank has waited a while in collective `collective`; and, after a
+  // timeout, the ranks that had not reached it, in words (empty when the
+  // store cannot tell).
+  void mark_arrival(int64_t collective);
+  std::string absent_from(int64_t collective) const;
 
   mutable std::mutex mutex_;
   std::optional<std::string> failure_;  // guarded by mutex_
@@ -249,6 +255,8 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::thread listener_;
   int64_t stage_ids_ = 0;
   std::atomic<int64_t> split_ids_{0};
+  // Collectives waited for on this World, in order: the next one's number.
+  std::atomic<int64_t> collectives_{0};
 };
 
 /// What a collective on a World's group begins with (Note [The first

@@ -17,8 +17,73 @@
 
 namespace gpipe::dist::detail {
 
+// Note [Who a collective waits for]
+// A collective that times out can only say that some rank did not come.
+// So that it names which, a rank whose collective is still running after
+// a quarter of the timeout (2 s at most) writes the collective's number on
+// this World (they run in the same order on every rank) under its own key
+// of the store: one store write, and only for a collective that waits that
+// long. When it times out, it reads every rank's key: those that never
+// wrote this collective's number had not reached it (they stopped, died,
+// run something else, or came within the last quarter of the timeout),
+// and are named. Reading happens only on that failure path; a store that
+// is gone leaves the message as it was.
+
+namespace {
+
+constexpr const char* kArrivedKey = "arrived/";
+
+}  // namespace
+
+void Connection::mark_arrival(int64_t collective) {
+  try {
+    const auto text = std::to_string(collective);
+    store->set(
+        kArrivedKey + std::to_string(rank),
+        std::vector<uint8_t>(text.begin(), text.end()));
+  } catch (...) {
+    // The store is gone: the timeout's message names nobody.
+  }
+}
+
+std::string Connection::absent_from(int64_t collective) const {
+  std::vector<int64_t> absent;
+  try {
+    for (const auto r : c10::irange(size)) {
+      if (r == rank) {
+        continue;
+      }
+      const auto key = kArrivedKey + std::to_string(r);
+      int64_t reached = -1;
+      if (store->check({key})) {
+        const auto value = store->get(key);
+        reached = std::stoll(std::string(value.begin(), value.end()));
+      }
+      if (reached < collective) {
+        absent.push_back(r);
+      }
+    }
+  } catch (...) {
+    return {};
+  }
+  if (absent.empty()) {
+    return "every rank had reached it, and one stopped answering in it";
+  }
+  std::string names;
+  for (const auto k : c10::irange(absent.size())) {
+    names += (k == 0                   ? ""
+              : k + 1 == absent.size() ? " and "
+                                       : ", ") +
+             rank_name(absent[k]);
+  }
+  return names + (absent.size() == 1 ? " had" : " had each") +
+         " not reached it (stopped, died, or runs something else)";
+}
+
 void Connection::wait_collective(
     const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  // Its number on this World (Note [Who a collective waits for]).
+  const auto collective = collectives_++;
   // Woken by the collective's end or by a failure notice, whichever comes
   // first (a collective cannot be aborted, so a failure leaves it).
   auto future = work->getFuture();
@@ -33,32 +98,41 @@ void Connection::wait_collective(
   // GPU (NCCL's does): there the work itself is polled for its end.
   const bool poll = groups.device.is_cuda();
   auto ended = [&] { return poll ? work->isCompleted() : future->completed(); };
-  bool in_time = false;
-  {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // Waits until `until`: true when the collective ended or a failure came.
+  auto wait_until = [&](std::chrono::steady_clock::time_point until) {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
       if (ended() || failure_.has_value()) {
-        in_time = true;
-        break;
+        return true;
       }
       const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) {
-        break;
+      if (now >= until) {
+        return false;
       }
-      const auto left = deadline - now;
+      const auto left = until - now;
       failure_cv_.wait_for(
           lock,
           poll ? std::min<std::chrono::steady_clock::duration>(
                      left, std::chrono::milliseconds(1))
                : left);
     }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  const auto mark_at =
+      start + std::min<std::chrono::milliseconds>(
+                  timeout / 4, std::chrono::milliseconds(2000));
+  bool in_time = wait_until(mark_at);
+  if (!in_time && size > 1) {
+    mark_arrival(collective);
   }
+  in_time = in_time || wait_until(deadline);
   if (!ended()) {
     keep_forever(work);  // Gloo may still write into its tensors
     check();
     // Note [Errors without LibTorch's backtrace] in src/text.h.
     if (!in_time) {
+      const auto absent = size > 1 ? absent_from(collective) : std::string();
       gpipe::detail::fail_without_backtrace(c10::str(
           "gpipe::dist: the ",
           what,
@@ -66,7 +140,11 @@ void Connection::wait_collective(
           timeout.count() / 1000.0,
           " s (GPIPE_DIST_TIMEOUT) on ",
           rank_name(rank),
-          ": a rank stopped answering, or runs other collectives"));
+          ": ",
+          absent.empty()
+              ? std::string("a rank stopped answering, or runs other "
+                            "collectives")
+              : absent));
     }
   }
   // Gloo's own exceptions (gloo::IoException when a peer's connection

@@ -1205,6 +1205,60 @@ TEST(MeshTest, AFailureNamesTheRankWhereItHappenedOnEveryRank) {
   expect_every_rank_to_name_the_failing_rank(1, /*in_loss=*/true);
 }
 
+// A rank that stops coming (here, rank 2, replica 1's first stage, skips
+// step 1 and waits) is named by the ranks that wait for it: rank 0, whose
+// step begins with a collective over the replicas that rank 2 never
+// reaches, and rank 1, whose receive from rank 0 times out meanwhile,
+// through rank 0's notice. Before, rank 0 said only that "a rank stopped
+// answering" and rank 1 blamed rank 0 (Note [Who a collective waits for]).
+TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(4);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  std::atomic<int> failed{0};
+  dist::testing::run_threads(4, [&](int64_t r) {
+    auto world = dist::init_from_store(store, r, 4, std::chrono::seconds(2));
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[r], options, mesh);
+    const auto d = mesh.data_rank();
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1 && r == 2) {
+        // Stalled: alive (its World open) until the others have given up.
+        const auto give_up =
+            std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (failed < 3 && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        return;
+      }
+      try {
+        stage->train_step(
+            mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, 4)
+                                      : torch::Tensor(),
+            mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, 4)
+                                      : torch::Tensor(),
+            cross_entropy,
+            Schedule::OneFOneB);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r] = e.what_without_backtrace();
+        ++failed;
+        return;
+      }
+    }
+  });
+  EXPECT_NE(errors[0].find("rank 2 had not reached it"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("rank 2 had not reached it"), std::string::npos)
+      << errors[1];
+  EXPECT_NE(errors[3].find("rank 2"), std::string::npos) << errors[3];
+  EXPECT_TRUE(errors[2].empty()) << errors[2];
+}
+
 // Replicas whose shards differ in rows would have their gradients averaged
 // with equal weights, which no single pipeline on the whole batch does:
 // the replicas' first stages agree before the step begins, so every rank
