@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -57,6 +58,22 @@ bool write_file(const std::string& path, const std::string& text) {
   out << text;
   out.close();
   return !out.fail();
+}
+
+// The launcher's WORLD_SIZE: 1 when it is not set (or empty), 0 when it is
+// no positive integer (`abc`, `-2`, `3x`: refused by the caller).
+int64_t world_size_from_env() {
+  const char* text = std::getenv("WORLD_SIZE");
+  if (text == nullptr || *text == '\0') {
+    return 1;
+  }
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || value < 1) {
+    return 0;
+  }
+  return static_cast<int64_t>(value);
 }
 
 int bench_main(int argc, char** argv);
@@ -309,10 +326,17 @@ int bench_main(int argc, char** argv) {
   // Started as one rank of several (gpipe-run, torchrun): the dist section
   // (the default) or the U-Net speed table across the ranks, printed and
   // written by rank 0.
-  const char* world_size = std::getenv("WORLD_SIZE");
+  const int64_t world_size = world_size_from_env();
+  if (world_size == 0) {
+    std::fprintf(
+        stderr,
+        "gpipe-bench: WORLD_SIZE must be a positive integer (as gpipe-run "
+        "and torchrun set it), but got '%s'\n",
+        std::getenv("WORLD_SIZE"));
+    return 2;
+  }
 #if defined(GPIPE_NO_DIST)
-  if ((world_size != nullptr && std::atoi(world_size) > 1) || named("dist") ||
-      named("mesh")) {
+  if (world_size > 1 || named("dist") || named("mesh")) {
     std::fprintf(
         stderr,
         "gpipe-bench: this build has no gpipe::dist (-DGPIPE_DIST=OFF): the "
@@ -321,7 +345,7 @@ int bench_main(int argc, char** argv) {
     return 2;
   }
 #else
-  if (world_size != nullptr && std::atoi(world_size) > 1) {
+  if (world_size > 1) {
     for (const auto& section : only) {
       if (section != "dist" && section != "unet-speed" && section != "mesh") {
         std::fprintf(
@@ -341,13 +365,13 @@ int bench_main(int argc, char** argv) {
           dist_trace.c_str());
       return 2;
     }
-    if (named("mesh") && std::atoi(world_size) != 4) {
+    if (named("mesh") && world_size != 4) {
       std::fprintf(
           stderr,
           "gpipe-bench: --only mesh runs on 4 ranks (2 replicas of a 2-stage "
-          "pipeline), but WORLD_SIZE is %s: run `gpipe-run -n 4 -- "
+          "pipeline), but WORLD_SIZE is %lld: run `gpipe-run -n 4 -- "
           "gpipe-bench --only mesh`\n",
-          world_size);
+          static_cast<long long>(world_size));
       return 2;
     }
     auto world = gpipe::dist::init_from_env();

@@ -94,6 +94,24 @@ else
   echo "ok: --only mesh on 2 ranks -> $(cat err)"
 fi
 
+# A WORLD_SIZE that is no positive integer: refused naming it (it was
+# read as 0, so "--only dist needs ranks" sent the user to gpipe-run).
+for value in abc -2 3x 0; do
+  if [[ -n $forks ]]; then
+    WORLD_SIZE=$value forks_run "$tmp/out" "$tmp/err" --only dist
+  else
+    WORLD_SIZE=$value timeout 60 "$bench" --only dist >out 2>err
+    status=$?
+  fi
+  expected="WORLD_SIZE must be a positive integer (as gpipe-run and torchrun set it), but got '$value'"
+  if [[ $status -ne 2 || $(wc -l <err) -ne 1 ]] || ! grep -qF -- "$expected" err; then
+    echo "FAIL: WORLD_SIZE=$value --only dist: status $status: $(head -c 400 err)"
+    failures=$((failures + 1))
+  else
+    echo "ok: WORLD_SIZE=$value -> $(cat err)"
+  fi
+done
+
 # A valid run: the cheapest section, its results where they were asked for.
 if ! timeout 120 "$bench" --only random --json r.json --markdown r.md >out 2>err; then
   echo "FAIL: gpipe-bench --only random failed: $(head -c 400 err)"
