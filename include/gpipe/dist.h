@@ -56,7 +56,9 @@ struct Connection;
 bool is_available();
 
 /// The processes of one job and the c10d group they talk over. Copies share
-/// one connection; the last copy to go closes it.
+/// one connection; the last copy to go closes it. After a failure its
+/// group (threads, sockets, and on rank 0 the store's port) is kept until
+/// the process exits: Gloo may still write into a receive it posted.
 class World {
  public:
   explicit World(std::shared_ptr<detail::Connection> connection);

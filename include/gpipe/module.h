@@ -76,8 +76,9 @@ class GPipeImpl : public torch::nn::Module {
   /// interleaved and zero-bubble run them before the last loss, leaves
   /// those micro-batches' gradients in `.grad` (where `loss.backward()` on
   /// the plain model would have added nothing): call `zero_grad()` before
-  /// the next step. Buffers and DeferredBatchNorm statistics are left as
-  /// they were.
+  /// the next step. DeferredBatchNorm statistics are left as they were;
+  /// other buffers (a plain BatchNorm's running statistics) keep what the
+  /// forwards that ran wrote, as in the plain model.
   torch::Tensor train_step(
       torch::Tensor input,
       torch::Tensor target,

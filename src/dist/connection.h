@@ -269,7 +269,31 @@ enum class FirstCollective : int64_t {
   Split = 5,      // World::split
   Mesh = 6,       // Mesh's constructor (its pipeline size)
   Stage = 7,      // PipelineStage's constructor, over the replicas
+  // A training step's on a replica's stage after the first: begun as the
+  // step begins and read at its end, after its gradient all-reduces began.
+  StepStart = 8,
 };
+
+/// A first collective begun and not yet waited for.
+struct PendingFirstCollective {
+  FirstCollective kind = FirstCollective::AllReduce;
+  std::string what;
+  torch::Tensor words;   // where the result lands
+  torch::Tensor staged;  // on the group's device (words itself on CPU)
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+/// first_collective in two halves: begun now, without waiting; finished
+/// (waited for and checked as first_collective does) later. Collectives
+/// begun between the two follow it on every rank.
+PendingFirstCollective start_first_collective(
+    Connection& connection,
+    FirstCollective kind,
+    const std::array<int64_t, 4>& args,
+    int64_t refused,
+    const std::string& what);
+std::vector<int64_t> finish_first_collective(
+    Connection& connection, PendingFirstCollective& pending);
 
 /// The first collective of a `kind` of operation on `connection`'s group:
 /// a maximum over the ranks of 11 numbers, {kind, args, -args, refused,

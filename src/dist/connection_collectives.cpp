@@ -236,9 +236,12 @@ void Connection::run_collective(
 // arguments, their negatives, a refusal, and its kind's negative. Ranks that
 // began other operations see it at once and refuse alike, naming both. (A
 // training step does so on a replica's first stage, which agrees with the
-// other replicas' before the step: agree_to_start. The other stages' first
-// collective over the replicas is the gradient all-reduce, late in the
-// step, and is not guarded.)
+// other replicas' before the step: agree_to_start. The other stages begin
+// theirs as the step begins and read it at its end, before the gradient
+// all-reduce's results (start_first_collective): their step does not wait
+// for the other replicas to start, and its failures are met where the
+// gradient all-reduce's are, so that a rank killed in another replica is
+// still named.)
 namespace {
 
 const char* first_collective_name(int64_t kind) {
@@ -257,20 +260,25 @@ const char* first_collective_name(int64_t kind) {
       return "the Mesh constructor";
     case FirstCollective::Stage:
       return "the PipelineStage constructor (the first replica's parameters)";
+    case FirstCollective::StepStart:
+      return "train_step (its start over the replicas, on a later stage)";
   }
   return "an unknown collective";
 }
 
 }  // namespace
 
-std::vector<int64_t> first_collective(
+PendingFirstCollective start_first_collective(
     Connection& connection,
     FirstCollective kind,
     const std::array<int64_t, 4>& args,
     int64_t refused,
     const std::string& what) {
   const auto k = static_cast<int64_t>(kind);
-  std::vector<torch::Tensor> words{torch::tensor(
+  PendingFirstCollective pending;
+  pending.kind = kind;
+  pending.what = what;
+  pending.words = torch::tensor(
       std::vector<int64_t>{
           k,
           args[0],
@@ -283,13 +291,33 @@ std::vector<int64_t> first_collective(
           -args[3],
           refused,
           -k},
-      torch::kLong)};
+      torch::kLong);
+  connection.closing_on_failure([&] {
+    connection.check();
+    pending.staged = on_group_device(connection.groups, pending.words);
+    std::vector<torch::Tensor> tensors{pending.staged};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    pending.work = connection.group->allreduce(tensors, options);
+  });
+  return pending;
+}
+
+std::vector<int64_t> finish_first_collective(
+    Connection& connection, PendingFirstCollective& pending) {
+  auto work = std::move(pending.work);
+  pending.work.reset();
   connection.closing_on_failure(
-      [&] { connection.all_reduce(words, c10d::ReduceOp::MAX, what); });
-  const auto* w = words[0].data_ptr<int64_t>();
+      [&] { connection.wait_collective(work, pending.what); });
+  if (!pending.staged.is_same(pending.words)) {
+    pending.words.copy_(pending.staged);
+  }
+  const auto* w = pending.words.data_ptr<int64_t>();
   std::vector<int64_t> reduced(w, w + 11);
-  TORCH_CHECK_VALUE(
-      reduced[0] == -reduced[10],
+  if (reduced[0] == -reduced[10]) {
+    return reduced;
+  }
+  const auto message = c10::str(
       "gpipe::dist: the ranks of a World ran other operations at once: ",
       first_collective_name(reduced[0]),
       " and ",
@@ -297,11 +325,28 @@ std::vector<int64_t> first_collective(
       " (",
       connection.rank_name(connection.rank),
       " ran ",
-      first_collective_name(k),
+      first_collective_name(static_cast<int64_t>(pending.kind)),
       "); every rank of a World must run the same collectives in the same "
       "order, and a collective of your own on Mesh::data() or "
       "Mesh::pipeline() waits for the others' training step to end");
-  return reduced;
+  // A later stage's step has begun its gradient all-reduces after these
+  // words: the World's ranks are out of step for good, so it is closed on
+  // both sides (a retry would meet those all-reduces).
+  const auto step_start = static_cast<int64_t>(FirstCollective::StepStart);
+  if (reduced[0] == step_start || -reduced[10] == step_start) {
+    connection.fail(connection.rank_name(connection.rank) + ": " + message);
+  }
+  TORCH_CHECK_VALUE(false, message);
+}
+
+std::vector<int64_t> first_collective(
+    Connection& connection,
+    FirstCollective kind,
+    const std::array<int64_t, 4>& args,
+    int64_t refused,
+    const std::string& what) {
+  auto pending = start_first_collective(connection, kind, args, refused, what);
+  return finish_first_collective(connection, pending);
 }
 
 }  // namespace gpipe::dist::detail

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "dist/c10d_transport.h"
 #include "dist/connection.h"
@@ -29,6 +30,10 @@ struct PipelineStageImpl::Engine {
   int64_t bucket_bytes = detail::kDefaultBucketBytes;
   int64_t buckets_made_with = 0;  // the bucket_bytes `buckets` were made with
   std::vector<std::unique_ptr<detail::GradientBuckets>> buckets;
+  // With replicas, on a stage without partition 0: the step's first
+  // collective over the data World, begun as the step begins and finished
+  // before the gradients' (Note [The first collective's words]).
+  std::optional<detail::PendingFirstCollective> step_start;
   mutable std::mutex trace_mutex;
   std::shared_ptr<Trace> trace;  // guarded by trace_mutex
 

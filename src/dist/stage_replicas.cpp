@@ -58,6 +58,19 @@ torch::Tensor PipelineStageImpl::run_train_step(
       engine_->buckets_made_with = engine_->bucket_bytes;
     }
   }
+  // A replica's first stage agrees with the others' before the step
+  // (agree_to_start); the other stages begin the same words now and read
+  // them before the gradients' all-reduce (Note [The first collective's
+  // words] in connection_collectives.cpp).
+  engine_->step_start.reset();
+  if (data.size() > 1 && !engine_->pipeline->is_local(0)) {
+    engine_->step_start = detail::start_first_collective(
+        *data.connection(),
+        detail::FirstCollective::StepStart,
+        {0, 0, 0, 0},
+        0,
+        "train_step's start over the replicas");
+  }
   torch::Tensor loss;
   try {
     loss = run_pipeline_step(
@@ -70,7 +83,16 @@ torch::Tensor PipelineStageImpl::run_train_step(
       if (data.size() > 1) {
         data.connection()->fail(*failure);
       }
+    } else if (engine_->step_start) {
+      // Every replica began it, and refuses this step alike.
+      try {
+        detail::finish_first_collective(
+            *data.connection(), *engine_->step_start);
+      } catch (...) {
+        // The refusal is what this step reports.
+      }
     }
+    engine_->step_start.reset();
     throw;
   }
   if (data.size() > 1) {
@@ -92,6 +114,11 @@ torch::Tensor PipelineStageImpl::average_over_replicas(torch::Tensor loss) {
     if (!buckets->started()) {
       buckets->start();
     }
+  }
+  if (engine_->step_start) {
+    auto started = std::move(*engine_->step_start);
+    engine_->step_start.reset();
+    detail::finish_first_collective(*data.connection(), started);
   }
   const auto trace = engine_->current_trace();
   for (auto& buckets : engine_->buckets) {

@@ -906,6 +906,63 @@ void expect_a_users_collective_against_a_training_step_refused(
   }
 }
 
+// The same on a stage after the first (2 replicas of 2 stages): rank 3,
+// replica 1's last stage, runs an all_reduce of its own on Mesh::data()
+// while rank 1, replica 0's last stage, trains. Gloo aborted the process
+// (the step's first collective there was its gradient all-reduce); now the
+// step begins with words of the size of the user's collective's, read at
+// its end: rank 3 refuses naming both operations, the World is closed, and
+// every rank fails, none waiting out more than the (short) timeout.
+TEST(MeshTest, AUsersCollectiveAgainstALaterStagesStepIsRefusedNotAnAbort) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(4);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  const auto start = std::chrono::steady_clock::now();
+  dist::testing::run_threads(4, [&](int64_t r) {
+    auto world = dist::init_from_store(store, r, 4, std::chrono::seconds(3));
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[r], options, mesh);
+    const auto d = mesh.data_rank();
+    try {
+      if (r == 3) {
+        auto t = torch::ones({3});
+        mesh.data().all_reduce(t);
+      } else {
+        stage->train_step(
+            mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, 4)
+                                      : torch::Tensor(),
+            mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, 4)
+                                      : torch::Tensor(),
+            cross_entropy,
+            Schedule::OneFOneB);
+      }
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[r] = e.what_without_backtrace();
+    }
+  });
+  // Rank 1 reads the words at its step's end: by then the failure that
+  // rank 3's refusal set off in replica 1 (rank 2 could not reach rank 3)
+  // may have reached it first, and the first failure is what every rank
+  // reports.
+  const auto& error = errors[3];
+  EXPECT_NE(error.find("ran other operations at once"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("World::all_reduce"), std::string::npos) << error;
+  EXPECT_NE(error.find("train_step"), std::string::npos) << error;
+  for (const auto r : {0, 1, 2}) {
+    EXPECT_FALSE(errors[r].empty()) << "rank " << r << " trained";
+  }
+  EXPECT_LT(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count(),
+      15.0);
+}
+
 // Every rank's error names `text`, and all of them came well within the
 // ranks' 30 s timeout of `start`.
 void expect_every_rank_to_fail_fast(
