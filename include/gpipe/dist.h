@@ -337,7 +337,9 @@ class PipelineStageImpl : public torch::nn::Module {
   /// The options it was built with. As GPipe's: `chunks` and `checkpoint`
   /// may be changed between passes (alike on every rank); a pass after the
   /// layout (balance, devices, stages_per_lane, placement, threads_per_lane,
-  /// deferred_batch_norm) was changed here is refused on every rank.
+  /// deferred_batch_norm) was changed here fails on every rank with a
+  /// c10::ValueError naming the change (and, unless only rank 0 changed it
+  /// and it was refused before the pass began, the connection closes).
   GPipeOptions options;
 
  private:

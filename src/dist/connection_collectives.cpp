@@ -25,9 +25,11 @@ namespace gpipe::dist::detail {
 // of the store: one store write, and only for a collective that waits that
 // long. When it times out, it reads every rank's key: those that never
 // wrote this collective's number had not reached it (they stopped, died,
-// run something else, or came within the last quarter of the timeout),
-// and are named. Reading happens only on that failure path; a store that
-// is gone leaves the message as it was.
+// run something else, or came within that last quarter, 2 s at most), and
+// are named. A rank that finished its part without waiting long (a
+// broadcast's, while another rank was missing) wrote nothing and is named
+// too: the message says what the store shows. Reading happens only on that
+// failure path; a store that is gone leaves the message as it was.
 
 namespace {
 

@@ -384,9 +384,10 @@ std::exception_ptr agree_to_start(
   // operation on a World's group begins with, so that a collective of the
   // user's there at once is refused, not an abort (Note [The first
   // collective's words]). Only the first stages agree here; the other
-  // stages' first collective over the replicas stays the gradient
-  // all-reduce, where a rank that lost its peer in another replica hears
-  // that peer's name from its pipeline (failed_over_replicas).
+  // stages begin the same words as their pass begins and read them at its
+  // end, before their gradient all-reduce, where a rank that lost its peer
+  // in another replica hears that peer's name from its pipeline
+  // (failed_over_replicas).
   first_collective(
       connection,
       FirstCollective::TrainStep,

@@ -267,6 +267,19 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
       [&](int64_t pass_id,
           Sends& begin_sends,
           std::unique_lock<std::mutex>& held) {
+        // With replicas, a later stage begins the words every operation on
+        // the data World begins with; the step reads them before its
+        // gradients' all-reduce (Note [The first collective's words] in
+        // dist/connection_collectives.cpp). A replica's first stage agrees
+        // with the others' before the pass instead (agree_to_start).
+        if (mesh_.data_size() > 1 && !first && !engine_->step_start) {
+          engine_->step_start = detail::start_first_collective(
+              *mesh_.data().connection(),
+              detail::FirstCollective::StepStart,
+              {0, 0, 0, 0},
+              0,
+              "train_step's start over the replicas");
+        }
         // A mistake on one rank fails the pass on every rank, rather than
         // leaving the others waiting; on rank 0, before the pass begins, it
         // is refused by every rank (refusable).

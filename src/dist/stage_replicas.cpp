@@ -58,19 +58,11 @@ torch::Tensor PipelineStageImpl::run_train_step(
       engine_->buckets_made_with = engine_->bucket_bytes;
     }
   }
-  // A replica's first stage agrees with the others' before the step
-  // (agree_to_start); the other stages begin the same words now and read
-  // them before the gradients' all-reduce (Note [The first collective's
-  // words] in connection_collectives.cpp).
-  engine_->step_start.reset();
-  if (data.size() > 1 && !engine_->pipeline->is_local(0)) {
-    engine_->step_start = detail::start_first_collective(
-        *data.connection(),
-        detail::FirstCollective::StepStart,
-        {0, 0, 0, 0},
-        0,
-        "train_step's start over the replicas");
-  }
+  // A later stage's first words over the replicas, begun once its pass
+  // has begun (run_pipeline_step) and read before the gradients'
+  // all-reduce: this call's own unless a step of this stage was under way
+  // already (a train_step called from inside one of its cells, refused).
+  const bool outer_step = engine_->step_start.has_value();
   torch::Tensor loss;
   try {
     loss = run_pipeline_step(
@@ -83,7 +75,11 @@ torch::Tensor PipelineStageImpl::run_train_step(
       if (data.size() > 1) {
         data.connection()->fail(*failure);
       }
-    } else if (engine_->step_start) {
+      if (!outer_step && engine_->step_start) {
+        // Gloo may still write into its words.
+        detail::keep_forever(std::move(engine_->step_start->work));
+      }
+    } else if (!outer_step && engine_->step_start) {
       // Every replica began it, and refuses this step alike.
       try {
         detail::finish_first_collective(
@@ -92,7 +88,9 @@ torch::Tensor PipelineStageImpl::run_train_step(
         // The refusal is what this step reports.
       }
     }
-    engine_->step_start.reset();
+    if (!outer_step) {
+      engine_->step_start.reset();
+    }
     throw;
   }
   if (data.size() > 1) {
