@@ -9,7 +9,6 @@
 #include <gpipe/skip.h>
 #include <gpipe/verify.h>
 
-#include <sstream>
 #include <string>
 
 #include "device.h"
@@ -71,21 +70,6 @@ void verify_options(
       options.threads_per_lane());
 }
 
-namespace {
-
-template <typename T>
-std::string text_of(const std::vector<T>& values) {
-  std::ostringstream out;
-  out << '[';
-  for (const auto i : c10::irange(values.size())) {
-    out << (i > 0 ? ", " : "") << values[i];
-  }
-  out << ']';
-  return out.str();
-}
-
-}  // namespace
-
 void verify_layout_unchanged(
     const GPipeOptions& now, const GPipeOptions& built, const char* who) {
   std::string field;
@@ -93,12 +77,12 @@ void verify_layout_unchanged(
   std::string is;
   if (now.balance() != built.balance()) {
     field = "balance";
-    was = text_of(built.balance());
-    is = text_of(now.balance());
+    was = c10::str(c10::IntArrayRef(built.balance()));
+    is = c10::str(c10::IntArrayRef(now.balance()));
   } else if (now.devices() != built.devices()) {
     field = "devices";
-    was = text_of(built.devices());
-    is = text_of(now.devices());
+    was = c10::str(c10::ArrayRef<torch::Device>(built.devices()));
+    is = c10::str(c10::ArrayRef<torch::Device>(now.devices()));
   } else if (now.stages_per_lane() != built.stages_per_lane()) {
     field = "stages_per_lane";
     was = std::to_string(built.stages_per_lane());

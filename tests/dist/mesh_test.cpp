@@ -188,6 +188,21 @@ torch::Tensor cross_entropy(torch::Tensor out, torch::Tensor target) {
   return torch::nn::functional::cross_entropy(out, target);
 }
 
+// A 1F1B step of a 2-stage pipeline on its replica's shard of `batch`, 4
+// rows a replica: the inputs on its first stage, the targets on its last.
+torch::Tensor train_on_shard(
+    dist::PipelineStage& stage,
+    const dist::Mesh& mesh,
+    const Batch& batch,
+    const LossFunction& loss = cross_entropy) {
+  const auto d = mesh.data_rank();
+  return stage->train_step(
+      mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, 4) : torch::Tensor(),
+      mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, 4) : torch::Tensor(),
+      loss,
+      Schedule::OneFOneB);
+}
+
 // A balance of `stages` partitions of build()'s seven layers.
 std::vector<int64_t> balance_of(int64_t stages) {
   switch (stages) {
@@ -926,19 +941,12 @@ TEST(MeshTest, AUsersCollectiveAgainstALaterStagesStepIsRefusedNotAnAbort) {
     auto world = dist::init_from_store(store, r, 4, std::chrono::seconds(3));
     Mesh mesh(world, 2);
     dist::PipelineStage stage(nets[r], options, mesh);
-    const auto d = mesh.data_rank();
     try {
       if (r == 3) {
         auto t = torch::ones({3});
         mesh.data().all_reduce(t);
       } else {
-        stage->train_step(
-            mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, 4)
-                                      : torch::Tensor(),
-            mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, 4)
-                                      : torch::Tensor(),
-            cross_entropy,
-            Schedule::OneFOneB);
+        train_on_shard(stage, mesh, batch);
       }
     } catch (const c10::Error& e) {
       std::lock_guard<std::mutex> lock(mutex);
@@ -1207,22 +1215,16 @@ void expect_every_rank_to_name_the_failing_rank(int64_t failing, bool in_loss) {
     }
     Mesh mesh(world, 2);
     dist::PipelineStage stage(net, options, mesh);
-    const auto d = mesh.data_rank();
     for (int step = 0; step < 3; ++step) {
       if (step == 1 && me == 0) {
         armed = true;
       }
       try {
-        stage->train_step(
-            mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, 4)
-                                      : torch::Tensor(),
-            mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, 4)
-                                      : torch::Tensor(),
-            [&](torch::Tensor out, torch::Tensor target) {
+        train_on_shard(
+            stage, mesh, batch, [&](torch::Tensor out, torch::Tensor target) {
               TORCH_CHECK(!(armed && in_loss && me == failing), what);
               return cross_entropy(out, target);
-            },
-            Schedule::OneFOneB);
+            });
       } catch (const c10::Error& e) {
         std::lock_guard<std::mutex> lock(mutex);
         errors[me] = e.what_without_backtrace();
@@ -1281,7 +1283,6 @@ TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
     auto world = dist::init_from_store(store, r, 4, std::chrono::seconds(2));
     Mesh mesh(world, 2);
     dist::PipelineStage stage(nets[r], options, mesh);
-    const auto d = mesh.data_rank();
     for (int step = 0; step < 2; ++step) {
       if (step == 1 && r == 2) {
         // Stalled: alive (its World open) until the others have given up.
@@ -1293,13 +1294,7 @@ TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
         return;
       }
       try {
-        stage->train_step(
-            mesh.pipeline_rank() == 0 ? batch.x.narrow(0, 4 * d, 4)
-                                      : torch::Tensor(),
-            mesh.pipeline_rank() == 1 ? batch.y.narrow(0, 4 * d, 4)
-                                      : torch::Tensor(),
-            cross_entropy,
-            Schedule::OneFOneB);
+        train_on_shard(stage, mesh, batch);
       } catch (const c10::Error& e) {
         std::lock_guard<std::mutex> lock(mutex);
         errors[r] = e.what_without_backtrace();
