@@ -106,12 +106,18 @@ int64_t Mesh::data_size() const {
 
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential, GPipeOptions options_, World world)
-    : options(std::move(options_)), mesh_(world, 1), world_(world) {
+    : options(std::move(options_)),
+      built_(options),
+      mesh_(world, 1),
+      world_(world) {
   unavailable("PipelineStage");
 }
 PipelineStageImpl::PipelineStageImpl(
     torch::nn::Sequential, GPipeOptions options_, Mesh mesh)
-    : options(std::move(options_)), mesh_(mesh), world_(mesh.world()) {
+    : options(std::move(options_)),
+      built_(options),
+      mesh_(mesh),
+      world_(mesh.world()) {
   unavailable("PipelineStage");
 }
 PipelineStageImpl::~PipelineStageImpl() = default;
