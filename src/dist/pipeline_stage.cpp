@@ -334,6 +334,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
                     options.chunks(),
                     "train_step",
                     *engine_->connection);
+                ends.check_plan(static_cast<int64_t>(ends.inputs.size()));
                 return input.size(0);
               });
           ends.originals = {input};

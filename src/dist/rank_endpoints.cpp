@@ -66,11 +66,26 @@ const Plan& RankEndpoints::plan(const gpipe::detail::PassStart& start) {
   if (user_plan != nullptr) {
     return *user_plan;
   }
-  made_ = arrange(make_plan(
-      static_cast<Schedule>(agreed_.schedule),
-      static_cast<int64_t>(start.rows.size()),
-      pipeline_.placement()));
+  const auto m = static_cast<int64_t>(start.rows.size());
+  if (made_for_ != m) {  // (check_plan made it on the first stage)
+    made_ = arrange(make_plan(
+        static_cast<Schedule>(agreed_.schedule), m, pipeline_.placement()));
+    made_for_ = m;
+  }
   return made_;
+}
+
+void RankEndpoints::check_plan(int64_t micro_batches) {
+  if (user_plan == nullptr) {
+    // Rank 0's schedule is the one every rank agrees on.
+    made_ = arrange(make_plan(
+        static_cast<Schedule>(local_.schedule),
+        micro_batches,
+        pipeline_.placement()));
+    made_for_ = micro_batches;
+  }
+  pipeline_.check_training_plan_once(
+      user_plan != nullptr ? *user_plan : made_, micro_batches);
 }
 
 // Receives are posted a cell early, so that messages arrive while the rank

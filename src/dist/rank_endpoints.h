@@ -68,6 +68,14 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   torch::Tensor loss(gpipe::detail::Pass& pass) override;
   void end(gpipe::detail::Pass& pass) override;
 
+  /// On the first stage, before the pass begins (and, with replicas,
+  /// before they agree to start it): makes the step's plan for
+  /// `micro_batches` and checks that it fits the pipeline, throwing the
+  /// c10::ValueError the pass would refuse it with. A plan that does not
+  /// fit one replica is then refused by every replica alike, not found
+  /// by that replica alone while the others run.
+  void check_plan(int64_t micro_batches);
+
   /// Rows of the pass's mini-batch, as the first rank gave them (known on
   /// every rank once the pass has begun).
   int64_t rows() const;
@@ -87,6 +95,7 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   Begin agreed_;
   const int64_t ranks_;
   Plan made_;
+  int64_t made_for_ = -1;  // made_'s micro-batches; -1: none made
 };
 
 }  // namespace gpipe::dist::detail

@@ -422,6 +422,18 @@ torch::Tensor Endpoints::loss(Pass& pass) {
   return torch::stack(pass.losses).sum();
 }
 
+// Checking a plan costs more than comparing it with the one checked last.
+void Pipeline::check_training_plan_once(const Plan& plan, int64_t m) {
+  if (plan.micro_batches != m || plan.stages != checked_plan_.stages ||
+      plan.micro_batches != checked_plan_.micro_batches ||
+      plan.lanes != checked_plan_.lanes ||
+      !(plan.placement == checked_plan_.placement)) {
+    check_training_plan(plan, m);
+    checked_plan_ = plan;
+    checked_steps_ = plan.steps();
+  }
+}
+
 torch::Tensor Pipeline::train(
     Endpoints& ends,
     const LossFunction& loss_fn,
@@ -437,19 +449,10 @@ torch::Tensor Pipeline::train(
     ends.begin(start);
     const auto m = static_cast<int64_t>(start.rows.size());
     const auto& plan = ends.plan(start);
-    // Checking a plan costs more than comparing it with the one checked
-    // last.
-    if (plan.micro_batches != m || plan.stages != checked_plan_.stages ||
-        plan.micro_batches != checked_plan_.micro_batches ||
-        plan.lanes != checked_plan_.lanes ||
-        !(plan.placement == checked_plan_.placement)) {
-      try {
-        check_training_plan(plan, m);
-      } catch (...) {
-        ends.refuse(std::current_exception());
-      }
-      checked_plan_ = plan;
-      checked_steps_ = plan.steps();
+    try {
+      check_training_plan_once(plan, m);
+    } catch (...) {
+      ends.refuse(std::current_exception());
     }
     auto targets = ends.targets(start);
     pass = start_pass(m, ends.originals, start.options);

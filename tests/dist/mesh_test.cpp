@@ -1480,6 +1480,73 @@ TEST(MeshTest, AReplicasMistakeBeforeAStepIsRefusedByEveryReplica) {
       << errors[2][2];
 }
 
+// A plan that does not fit one replica's pipeline (4 micro-batches where
+// chunks is 2) is found by that replica's ranks only after the replicas
+// agreed to start: the other replica ran its step and waited in the
+// gradients' all-reduce for a replica that had refused, and the next
+// step's agreement met that all-reduce. The plan is checked before the
+// agreement now, so every replica refuses the step alike, and the stages
+// stay usable.
+TEST(MeshTest, APlanThatDoesNotFitOneReplicaIsRefusedByEveryReplica) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(4);
+  const auto fresh = nets_of_ranks(4);
+  const auto fits = training_plan(Schedule::OneFOneB, 2, 2);
+  const auto too_many = training_plan(Schedule::OneFOneB, 4, 2);
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  std::vector<double> seconds(4, 0.0);
+  run_ranks(4, [&](World world) {
+    const auto r = world.rank();
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[r], options, mesh);
+    dist::PipelineStage clean(fresh[r], options, mesh);
+    const auto d = mesh.data_rank();
+    const bool first = mesh.pipeline_rank() == 0;
+    const auto x = first ? batch.x.narrow(0, 4 * d, 4) : torch::Tensor();
+    const auto y = first ? torch::Tensor() : batch.y.narrow(0, 4 * d, 4);
+    const auto began = std::chrono::steady_clock::now();
+    std::string seen = "no error";
+    try {
+      stage->train_step(x, y, cross_entropy, d == 1 ? too_many : fits);
+    } catch (const c10::ValueError& e) {
+      seen = std::string("ValueError: ") + e.what_without_backtrace();
+    } catch (const c10::Error& e) {
+      seen = std::string("Error: ") + e.what_without_backtrace();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors[r] = seen;
+      seconds[r] = std::chrono::duration<double>(
+                       std::chrono::steady_clock::now() - began)
+                       .count();
+    }
+    // Usable after it: the next step is a clean stage's.
+    const auto loss = stage->train_step(x, y, cross_entropy, fits);
+    const auto expected = clean->train_step(x, y, cross_entropy, fits);
+    EXPECT_EQ(loss.item<double>(), expected.item<double>());
+    for (size_t k = 0; k < stage->parameters().size(); ++k) {
+      EXPECT_TRUE(torch::allclose(
+          stage->parameters()[k].grad(),
+          clean->parameters()[k].grad(),
+          1e-12,
+          1e-12));
+    }
+  });
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + errors[r]);
+    EXPECT_EQ(errors[r].rfind("ValueError: ", 0), 0u);
+    EXPECT_NE(errors[r].find("4 micro-batches"), std::string::npos);
+    EXPECT_LT(seconds[r], 10.0);  // the timeout is 30 s
+  }
+  EXPECT_NE(
+      errors[0].find("the first stage of replica 1 (rank 2) refused this "
+                     "training step before it began ("),
+      std::string::npos);
+}
+
 // One rank of one replica builds another model: its replica's ranks find
 // out in their own agreement, and the other replica's ranks, which wait for
 // them in the replicas' agreement, used to wait out the whole timeout

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
@@ -145,6 +146,43 @@ TEST(StageOptionsTest, ALayoutChangedInOptionsIsRefusedOnEveryRank) {
           << m;
     }
   }
+}
+
+// A schedule whose plan does not fit the stage's placement (ZB-V needs a V,
+// the stage has one partition per rank) is refused on every rank before
+// the pass begins, and the stage stays usable; it used to fail the World
+// on every rank, which then refused every later pass.
+TEST(
+    StageOptionsTest, AScheduleThatDoesNotFitThePlacementLeavesTheStageUsable) {
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](World world) {
+    torch::manual_seed(1);
+    torch::nn::Sequential net(
+        torch::nn::Linear(3, 3), torch::nn::Tanh(), torch::nn::Linear(3, 3));
+    dist::PipelineStage stage(net, GPipeOptions({2, 1}).chunks(2), world);
+    const auto x = torch::randn({4, 3});
+    const auto mse = [](torch::Tensor out, torch::Tensor y) {
+      return torch::mse_loss(out, y);
+    };
+    const auto y = world.rank() == 1 ? x : torch::Tensor();
+    try {
+      stage->train_step(x, y, mse, Schedule::ZeroBubbleV);
+      ADD_FAILURE() << "rank " << world.rank() << " ran the pass";
+    } catch (const c10::ValueError& e) {
+      messages[world.rank()] = e.what_without_backtrace();
+    }
+    const auto loss = stage->train_step(x, y, mse, Schedule::OneFOneB);
+    EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  });
+  for (const auto& m : messages) {
+    EXPECT_NE(
+        m.find("zero_bubble_v runs on Placement::v_shape"), std::string::npos)
+        << m;
+  }
+  EXPECT_NE(
+      messages[1].find("rank 0 refused the pass before it began"),
+      std::string::npos)
+      << messages[1];
 }
 
 }  // namespace
