@@ -14,6 +14,8 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -167,6 +169,40 @@ World init_from_env() {
 
 namespace {
 
+// The ports this process's rank-0 stores listen on, while a store lives: a
+// World keeps its store, and a World that failed keeps it until the process
+// exits (its group is kept: Gloo may still write into its receives). A new
+// World on such a port would meet that store; it is told what holds the
+// port instead.
+class OwnStores {
+ public:
+  void add(uint16_t port, const c10::intrusive_ptr<c10d::Store>& store) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stores_.insert_or_assign(port, c10::weak_intrusive_ptr<c10d::Store>(store));
+  }
+  bool holds(uint16_t port) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = stores_.find(port);
+    if (it == stores_.end()) {
+      return false;
+    }
+    if (it->second.expired()) {
+      stores_.erase(it);
+      return false;
+    }
+    return true;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<uint16_t, c10::weak_intrusive_ptr<c10d::Store>> stores_;
+};
+
+OwnStores& own_stores() {
+  static auto* stores = new OwnStores();  // never destroyed
+  return *stores;
+}
+
 // A rank 0 whose port another process holds: tells that process, when it
 // is the rank 0 of a job of `size` ranks waiting for the others, that a
 // second rank 0 came (Note [A second rank 0] in dist/meeting.cpp). True
@@ -250,6 +286,13 @@ World join_from_env(std::chrono::milliseconds timeout) {
     const bool held = options.isServer &&
                       why.find("Address already in use") != std::string::npos;
     TORCH_CHECK(
+        !held || !own_stores().holds(options.port),
+        "gpipe::dist::init_from_env: rank 0 cannot listen on port ",
+        port,
+        ": a World of this process holds it (a World that failed keeps its "
+        "store until the process exits); give a new World in this process "
+        "another MASTER_PORT");
+    TORCH_CHECK(
         !held || !tell_the_holder(addr, options, prefix, size),
         "gpipe::dist::init_from_env: two processes came as RANK 0 of ",
         size,
@@ -280,7 +323,9 @@ World join_from_env(std::chrono::milliseconds timeout) {
         why.substr(0, 300),
         "]");
   }
-  if (!options.isServer) {
+  if (options.isServer) {
+    own_stores().add(options.port, tcp);
+  } else {
     // Note [Letting go of a store whose host ended] in store_client.h.
     tcp = c10::make_intrusive<detail::StoreClient>(
         std::move(tcp), c10::str(addr, ":", port));

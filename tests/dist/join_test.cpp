@@ -15,6 +15,8 @@
 #include <optional>
 #include <string>
 
+#include "dist/connection.h"
+
 namespace gpipe {
 namespace {
 
@@ -213,6 +215,39 @@ TEST(JoinTest, ATimeoutUnderASecondIsRefused) {
           << e.what();
       expect_no_backtrace(e);
     }
+  }
+}
+
+// A World that failed keeps its store, and so rank 0's port, until the
+// process exits (dist.h). A new World on the same port in that process used
+// to be told that "two processes came as RANK 0": it met its own old store.
+// It is told what holds the port.
+TEST(JoinTest, ANewWorldOnThePortOfAFailedWorldOfThisProcessSaysSo) {
+  const auto port = std::to_string(free_port());
+  Environment env(
+      {{"MASTER_ADDR", "127.0.0.1"},
+       {"MASTER_PORT", port},
+       {"RANK", "0"},
+       {"WORLD_SIZE", "1"}});
+  {
+    auto world = dist::init_from_env(std::chrono::seconds(5));
+    world.connection()->fail("a failure for the test");
+  }
+  try {
+    dist::init_from_env(std::chrono::seconds(5));
+    ADD_FAILURE() << "a second World took port " << port;
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(
+        what.find(
+            "rank 0 cannot listen on port " + port +
+            ": a World of this process holds it (a World that failed "
+            "keeps its store until the process exits)"),
+        std::string::npos)
+        << what;
+    EXPECT_EQ(what.find("two processes came as RANK 0"), std::string::npos)
+        << what;
+    expect_no_backtrace(e);
   }
 }
 
