@@ -114,6 +114,44 @@ TEST_F(CheckpointTest, NoGradBuildsNoGraphAndNeverCheckpoints) {
   EXPECT_EQ(counts.checkpointing.load(), 0);
 }
 
+// LibTorch runs a backward called inside c10::InferenceMode (the plain
+// model's gradients are right); the recomputation ran in InferenceMode
+// too, made tensors without a graph, and left the checkpointed
+// micro-batches without gradients: none with Always, only the last
+// micro-batch's with ExceptLast, and no error.
+TEST_F(CheckpointTest, ABackwardInsideInferenceModeRecomputesWithAGraph) {
+  for (const auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    SCOPED_TRACE(gpipe::to_string(mode));
+    auto make = [] {
+      torch::manual_seed(1);
+      torch::nn::Sequential net(
+          torch::nn::Linear(4, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
+      net->to(torch::kDouble);
+      return net;
+    };
+    auto net = make();
+    auto plain = make();
+    gpipe::GPipe model(
+        net, gpipe::GPipeOptions({2, 1}).chunks(3).checkpoint(mode));
+    const auto x = torch::randn({6, 4}, torch::kDouble);
+    auto loss = model->forward(x).pow(2).sum();
+    auto expected = plain->forward(x).pow(2).sum();
+    {
+      c10::InferenceMode inference;
+      expected.backward();
+      loss.backward();
+    }
+    for (size_t k = 0; k < net->parameters().size(); ++k) {
+      const auto& got = net->parameters()[k].grad();
+      ASSERT_TRUE(got.defined()) << "parameter " << k;
+      EXPECT_TRUE(
+          torch::allclose(got, plain->parameters()[k].grad(), 1e-12, 1e-12))
+          << "parameter " << k;
+    }
+  }
+}
+
 TEST_F(CheckpointTest, FlagsAreFalseOutsideCheckpointing) {
   EXPECT_FALSE(gpipe::is_checkpointing());
   EXPECT_FALSE(gpipe::is_recomputing());

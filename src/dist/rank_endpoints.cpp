@@ -10,6 +10,7 @@
 #include "dist/connection.h"
 #include "dist/data_parallel.h"
 #include "engine/pipeline.h"
+#include "random.h"
 
 namespace gpipe::dist::detail {
 
@@ -47,11 +48,28 @@ int64_t RankEndpoints::rows() const {
   return rows;
 }
 
+bool RankEndpoints::seed_first() const {
+  return connection_.rank == 0;
+}
+
+// Note [One draw a pass on every rank]
+// Every cell runs on rank 0's step seed, but every rank's default generator
+// moves by the one draw a pass makes, as a GPipe's does in one process, so
+// that ranks seeded alike stay alike (the same shuffle of the data on every
+// rank, the inputs on the first and the targets on the last). Rank 0 draws
+// before it sends the seed; the others once they have read it, so that a
+// pass rank 0 refused, which drew nothing there, draws nothing anywhere.
+// (Ranks that are threads of one process share a generator, which then
+// moves by one draw per rank, rank 0's first.)
 void RankEndpoints::begin(gpipe::detail::PassStart& start) {
   local_.seed = start.seed;
   local_.training = start.options.training;
   local_.checkpoint_stop = start.options.checkpoint_stop;
   agreed_ = begin_pass(connection_, pass_id_, local_, start.rows, begin_sends_);
+  if (connection_.rank != 0) {
+    gpipe::detail::draw_step_seed();
+  }
+  start.seed_agreed = true;
   start.rows = agreed_.sizes;
   start.seed = agreed_.seed;
   start.options.training = agreed_.training;

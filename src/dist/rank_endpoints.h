@@ -55,9 +55,9 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   /// cells draw as that one's would.
   int64_t replica = 0;
 
-  bool seed_first() const override {
-    return true;  // rank 0's is every rank's
-  }
+  /// Rank 0 draws the seed it sends; the others draw theirs once the
+  /// pass has begun (see begin()).
+  bool seed_first() const override;
   void begin(gpipe::detail::PassStart& start) override;
   const Plan& plan(const gpipe::detail::PassStart& start) override;
   Plan arrange(Plan plan) const override;

@@ -28,6 +28,9 @@ struct PassStart {
   std::vector<int64_t> rows;
   /// The step seed of every cell's random stream.
   uint64_t seed = 0;
+  /// Set by begin() when `seed` came from another process: it is not
+  /// drawn here after begin().
+  bool seed_agreed = false;
   PassOptions options;
 };
 

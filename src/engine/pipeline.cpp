@@ -346,7 +346,7 @@ PassStart start_here(const Endpoints& ends, const PassOptions& options) {
 // begins where the processes agree on it (see first_seed), else once the
 // pass has passed its checks.
 void draw_seed(std::optional<uint64_t>& seed, PassStart& start) {
-  if (!seed) {
+  if (!seed && !start.seed_agreed) {
     seed = draw_step_seed();
     start.seed = *seed;
   }

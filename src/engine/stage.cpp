@@ -1,5 +1,6 @@
 #include "engine/stage.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/irange.h>
 #include <gpipe/batchnorm.h>
 #include <gpipe/checkpoint.h>
@@ -334,6 +335,9 @@ Flow Stage::backward(
           "place (an in-place ReLU, a mul_ of its input), or do not "
           "checkpoint (Checkpoint::Never)");
     }
+    // A backward called inside c10::InferenceMode runs (the plain model's
+    // does); the recomputation must build a graph all the same.
+    c10::InferenceMode not_inference(/*enabled=*/false);
     torch::AutoGradMode grad_mode(true);
     RecomputingGuard recomputing;
     buffers.save(module_->buffers());

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dist/ranks.h"
+#include "random.h"
 
 namespace gpipe {
 namespace {
@@ -183,6 +184,63 @@ TEST(
       messages[1].find("rank 0 refused the pass before it began"),
       std::string::npos)
       << messages[1];
+}
+
+// A pass draws one step seed from every process's default generator, as a
+// GPipe's does, so that ranks seeded alike stay alike (their shuffles of
+// the data agree); a pass rank 0 refused draws none. The ranks other than
+// 0 drew theirs before they heard of the refusal, and left their
+// generators one draw ahead of rank 0's. Here the ranks are threads and
+// share one generator: after two refused passes it is where it was, and
+// after a pass that ran it moved by one draw per rank.
+TEST(StageOptionsTest, ARefusedPassDrawsFromNoRanksGenerator) {
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(1);
+    nets.emplace_back(
+        torch::nn::Linear(3, 3), torch::nn::Tanh(), torch::nn::Linear(3, 3));
+  }
+  const auto x = torch::randn({4, 3});
+  const auto mse = [](torch::Tensor out, torch::Tensor y) {
+    return torch::mse_loss(out, y);
+  };
+  std::vector<int> refused(2, 0);
+  torch::manual_seed(7);
+  run_ranks(2, [&](World world) {
+    const auto r = world.rank();
+    dist::PipelineStage stage(nets[r], GPipeOptions({2, 1}).chunks(2), world);
+    const auto y = r == 1 ? x : torch::Tensor();
+    try {
+      stage->train_step(torch::Tensor(), y, mse, Schedule::OneFOneB);
+    } catch (const c10::Error&) {
+      ++refused[r];
+    }
+    try {
+      stage->forward(r == 0 ? x.narrow(0, 0, 0) : torch::Tensor());
+    } catch (const c10::Error&) {
+      ++refused[r];
+    }
+  });
+  EXPECT_EQ(refused, (std::vector<int>{2, 2}));
+  const auto after_refusals = torch::rand({4});
+  torch::manual_seed(7);
+  EXPECT_TRUE(torch::equal(after_refusals, torch::rand({4})));
+
+  torch::manual_seed(7);
+  run_ranks(2, [&](World world) {
+    const auto r = world.rank();
+    dist::PipelineStage stage(nets[r], GPipeOptions({2, 1}).chunks(2), world);
+    stage->train_step(
+        r == 0 ? x : torch::Tensor(),
+        r == 1 ? x : torch::Tensor(),
+        mse,
+        Schedule::OneFOneB);
+  });
+  const auto after_a_step = torch::rand({4});
+  torch::manual_seed(7);
+  gpipe::detail::draw_step_seed();
+  gpipe::detail::draw_step_seed();
+  EXPECT_TRUE(torch::equal(after_a_step, torch::rand({4})));
 }
 
 }  // namespace
