@@ -157,6 +157,15 @@ void add_file(
 }
 
 nlohmann::json state_to_json(const TrainingState& state) {
+  // Counts of what was done: a negative one is a mistake (an unset -1)
+  // that a resumed run would read back as where to go on from.
+  TORCH_CHECK_VALUE(
+      state.epoch >= 0 && state.position >= 0,
+      "TrainingState expects epoch and position >= 0 (epochs done, and the "
+      "position in the data within the epoch), but got epoch ",
+      state.epoch,
+      " and position ",
+      state.position);
   // The manifest is JSON text: a string that is not UTF-8 cannot go in it
   // (nlohmann's own error would not be a c10::Error, and would come after
   // the checkpoint's directory was made).

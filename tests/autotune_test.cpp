@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -358,6 +359,32 @@ TEST_F(AutotuneTest, BadOptionsAreRefused) {
       error_of(quick(2).cell_overhead_seconds(-1))
           .find("cell_overhead_seconds >= 0"),
       std::string::npos);
+  // Infinity is >= 0: the message asks for a finite value.
+  const auto inf = std::numeric_limits<double>::infinity();
+  EXPECT_NE(
+      error_of(quick(2).cell_overhead_seconds(inf))
+          .find("expected a finite cell_overhead_seconds >= 0, but got inf"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of(quick(2).profile_seconds(inf))
+          .find("expected a finite profile_seconds >= 0"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of(quick(2).param_scale(inf))
+          .find("expected a finite param_scale >= 0, but got inf"),
+      std::string::npos);
+  // An empty sample is named as such (it has as many rows as its target).
+  try {
+    autotune(net, x.narrow(0, 0, 0), y.narrow(0, 0, 0), loss_of, quick(2));
+    ADD_FAILURE() << "an empty sample was taken";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what_without_backtrace())
+            .find("expected a sample input with at least one row in "
+                  "dimension 0, but got shape [0, 32]"),
+        std::string::npos)
+        << e.what_without_backtrace();
+  }
   // Thousands of threads a lane took minutes and gigabytes to refuse; a
   // checkpoint mode that is none was taken, and printing the choice failed.
   EXPECT_NE(

@@ -962,7 +962,7 @@ TEST_F(BalanceTest, BalancersRejectBadArguments) {
       "chunks must be a positive integer, but got 0");
   expect_value_error(
       [&] { gpipe::balance_by_size(1, model, sample, 1, -1.0); },
-      "param_scale must be a non-negative number, but got -1");
+      "param_scale must be a finite non-negative number, but got -1");
   expect_value_error(
       [&] { gpipe::balance_by_size(1, model, torch::tensor(1.0)); },
       "input must have a batch dimension (dim 0), but tensor 0 is a scalar");

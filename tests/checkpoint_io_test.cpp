@@ -530,8 +530,9 @@ TEST(CheckpointIoTest, ALaterCheckpointThatCannotGoIsAnError) {
 
 // What a checkpoint's manifest cannot hold is refused before anything is
 // written: a user string that is not UTF-8 (nlohmann's type_error, not a
-// c10::Error, and a temporary directory left), a step of more digits than
-// a directory name is read with (saved, then never found).
+// c10::Error, and a temporary directory left), a negative epoch or
+// position, a step of more digits than a directory name is read with
+// (saved, then never found).
 TEST(CheckpointIoTest, StatesItCannotKeepAreRefusedBeforeWriting) {
   TempDir dir;
   auto model = make_model(kLayouts[1]);
@@ -549,6 +550,25 @@ TEST(CheckpointIoTest, StatesItCannotKeepAreRefusedBeforeWriting) {
         << e.what();
   }
   // Nothing was made: not the directory, nor a temporary one in it.
+  EXPECT_TRUE(!fs::exists(dir.path) || entries_of(dir.path).empty());
+  // A negative epoch or position (an unset -1) was saved and read back as
+  // where to go on from.
+  state.user.clear();
+  state.epoch = -1;
+  try {
+    save_checkpoint(dir.path, model, *opt, state);
+    ADD_FAILURE() << "epoch -1 was saved";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("TrainingState expects epoch and position "
+                                   ">= 0"),
+        std::string::npos)
+        << e.what();
+  }
+  state.epoch = 0;
+  state.position = -2;
+  EXPECT_THROW(save_checkpoint(dir.path, model, *opt, state), c10::ValueError);
+  state.position = 0;
   EXPECT_TRUE(!fs::exists(dir.path) || entries_of(dir.path).empty());
   state.user = {{"loader", std::string("a\0b\n\"q\" \xc3\xa9", 10)}};
   state.step = 999999999999999999;

@@ -386,11 +386,16 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 /// Collective over the stage's whole World (every rank of every replica
 /// calls it, between steps): a training checkpoint as
 /// gpipe::save_checkpoint writes it (gpipe/checkpoint_io.h), each pipeline
-/// rank of the first replica writing its own partitions' file (replicas
-/// hold the same and write nothing), rank 0 the manifest once every file is
-/// on disk. `dir` must be one directory for every rank (one host, or a
-/// shared file system). Every rank returns once the checkpoint is whole,
-/// or throws the first rank's error.
+/// rank of the first replica writing its own partitions' file (the other
+/// replicas hold the same parameters and write only their layers' buffers,
+/// BatchNorm's statistics being per replica), rank 0 the manifest once
+/// every file is on disk. `dir` must be one directory for every rank (one
+/// host, or a shared file system); `state` is rank 0's (its epoch, position
+/// and user strings). Every rank returns once the checkpoint is whole, or
+/// throws the first rank's error. Ranks that call another checkpoint
+/// function, another step or an optimizer of another kind all throw a
+/// c10::ValueError naming both sides before anything is written; a rank
+/// that does not come is waited for as long as the World's timeout.
 void save_checkpoint(
     const std::string& dir,
     const PipelineStage& stage,

@@ -39,7 +39,7 @@ void verify_autotune(
       "to try");
   TORCH_CHECK_VALUE(
       options.param_scale() >= 0 && std::isfinite(options.param_scale()),
-      "autotune: expected param_scale >= 0, but got ",
+      "autotune: expected a finite param_scale >= 0, but got ",
       options.param_scale());
   TORCH_CHECK_VALUE(
       options.threads_per_lane() >= 0 &&
@@ -66,22 +66,26 @@ void verify_autotune(
   TORCH_CHECK_VALUE(
       std::isfinite(options.profile_seconds()) &&
           options.profile_seconds() >= 0,
-      "autotune: expected profile_seconds >= 0 (0: one timed pass per "
+      "autotune: expected a finite profile_seconds >= 0 (0: one timed pass "
+      "per "
       "micro-batch size), but got ",
       options.profile_seconds());
   TORCH_CHECK_VALUE(
       std::isfinite(options.cell_overhead_seconds()) &&
           options.cell_overhead_seconds() >= 0,
-      "autotune: expected cell_overhead_seconds >= 0, but got ",
+      "autotune: expected a finite cell_overhead_seconds >= 0, but got ",
       options.cell_overhead_seconds());
   TORCH_CHECK_TYPE(
       sample_input.defined() && sample_target.defined(),
       "autotune: expected a sample input and target, but got an undefined "
       "tensor");
   TORCH_CHECK_VALUE(
-      sample_input.dim() >= 1 && sample_target.dim() >= 1 &&
-          sample_input.size(0) == sample_target.size(0) &&
-          sample_input.size(0) > 0,
+      sample_input.dim() >= 1 && sample_input.size(0) > 0,
+      "autotune: expected a sample input with at least one row in dimension "
+      "0, but got shape ",
+      sample_input.sizes());
+  TORCH_CHECK_VALUE(
+      sample_target.dim() >= 1 && sample_input.size(0) == sample_target.size(0),
       "autotune: expected a sample input and target with the same rows in "
       "dimension 0, but got shapes ",
       sample_input.sizes(),

@@ -267,7 +267,7 @@ std::vector<double> profile_sizes_impl(
       chunks >= 1, "chunks must be a positive integer, but got ", chunks);
   TORCH_CHECK_VALUE(
       param_scale >= 0 && std::isfinite(param_scale),
-      "param_scale must be a non-negative number, but got ",
+      "param_scale must be a finite non-negative number, but got ",
       param_scale);
   for (const auto k : c10::irange(input.tensors.size())) {
     TORCH_CHECK_VALUE(

@@ -46,6 +46,88 @@ std::string value_of(const std::string& result) {
   return result.substr(result.find(':') + 1);
 }
 
+// Note [Checkpoint calls within the timeout]
+// Every rank of the World calls save_checkpoint or load_checkpoint at once,
+// and they talk through the World's store. A wait for another rank's word
+// is bounded by the World's timeout (a HashStore waits 300 s by default,
+// whatever the World's is) and names the rank waited for. Before anything
+// else the ranks say which call they make, and with what (a save's step and
+// optimizer kind): a rank that calls load while another saves, or saves
+// with another optimizer (which would write a manifest that names one kind
+// over another's state, loadable by neither), fails every rank at once
+// with a c10::ValueError naming both sides, and nothing is written.
+
+// The value of `key`, which `from` sets, once it is there.
+std::string read(
+    const World& world,
+    const std::string& key,
+    int64_t from,
+    const char* what) {
+  auto& store = *world.store();
+  const auto& connection = *world.connection();
+  try {
+    store.wait({key}, connection.timeout);
+  } catch (const std::exception&) {
+    TORCH_CHECK(
+        false,
+        "gpipe::dist::",
+        what,
+        ": ",
+        connection.rank_name(world.rank()),
+        " waited ",
+        connection.timeout.count() / 1000.0,
+        " s for ",
+        connection.rank_name(from),
+        ", which had not reached it (every rank calls ",
+        what,
+        " together, between steps)");
+  }
+  return string_of(store.get(key));
+}
+
+// The optimizer's kind for agree_on_call; one a checkpoint cannot hold is
+// refused by the writers (or readers) afterwards, on every rank alike.
+std::string kind_of(const torch::optim::Optimizer& optimizer) {
+  try {
+    return gpipe::detail::optimizer_kind(optimizer);
+  } catch (const c10::Error&) {
+    return "of another kind";
+  }
+}
+
+// Every rank says which call it makes (`call`: its name and arguments, as
+// "what step=5 optimizer=Adam"); each returns when all have said, or
+// throws on every rank the first that differs from rank 0's.
+void agree_on_call(
+    const World& world,
+    const std::string& prefix,
+    const char* what,
+    const std::string& call) {
+  world.store()->set(
+      prefix + "call" + std::to_string(world.rank()), bytes_of(call));
+  const auto first = read(world, prefix + "call0", 0, what);
+  for (const auto r : c10::irange(int64_t{1}, world.size())) {
+    const auto theirs =
+        read(world, prefix + "call" + std::to_string(r), r, what);
+    const auto& connection = *world.connection();
+    TORCH_CHECK_VALUE(
+        theirs == first,
+        "gpipe::dist::",
+        what,
+        ": ",
+        connection.rank_name(r),
+        " called ",
+        theirs,
+        " but ",
+        connection.rank_name(0),
+        " called ",
+        first,
+        "; every rank calls the same checkpoint function at once, with the "
+        "same step and the same kind of optimizer. Nothing was written or "
+        "loaded");
+  }
+}
+
 // Every rank says how it fared (`error` empty when it did); each returns
 // when all have said, throwing the first failing rank's error on every
 // rank.
@@ -60,7 +142,7 @@ void agree(
       bytes_of(error.empty() ? ok("") : failed(error)));
   for (const auto r : c10::irange(world.size())) {
     const auto result =
-        string_of(store.get(prefix + "rank" + std::to_string(r)));
+        read(world, prefix + "rank" + std::to_string(r), r, "load_checkpoint");
     TORCH_CHECK_VALUE(
         is_ok(result),
         "gpipe::dist::",
@@ -113,10 +195,11 @@ void forget(
   }
 }
 
-// A prefix of store keys that no other collective of this World uses.
-std::string unique_prefix(const World& world, const char* what) {
-  return std::string("checkpoint/") + what +
-         std::to_string(world.connection()->next_stage_id()) + "/";
+// A prefix of store keys that no other collective of this World uses
+// (the same for a save and a load, so that ranks that call one each meet).
+std::string unique_prefix(const World& world) {
+  return "checkpoint/" + std::to_string(world.connection()->next_stage_id()) +
+         "/";
 }
 
 }  // namespace
@@ -132,7 +215,30 @@ void save_checkpoint(
   const auto& mesh = stage->mesh();
   const auto& world = mesh.world();
   auto& store = *world.store();
-  const auto prefix = unique_prefix(world, "save");
+  const auto prefix = unique_prefix(world);
+  std::exception_ptr disagreed;
+  try {
+    agree_on_call(
+        world,
+        prefix,
+        "save_checkpoint",
+        c10::str(
+            "save_checkpoint(step ",
+            state.step,
+            ", optimizer ",
+            kind_of(optimizer),
+            ")"));
+  } catch (...) {
+    disagreed = std::current_exception();
+  }
+  if (disagreed) {
+    std::vector<std::string> keys;
+    for (const auto r : c10::irange(world.size())) {
+      keys.push_back("call" + std::to_string(r));
+    }
+    forget(world, prefix, keys);
+    std::rethrow_exception(disagreed);
+  }
   const auto pipeline_rank = mesh.pipeline_rank();
   const bool writer = mesh.data_rank() == 0;
   // This rank's own error, rethrown with its type once every rank knows.
@@ -153,7 +259,7 @@ void save_checkpoint(
     }
     store.set(prefix + "tmp", bytes_of(begun));
   }
-  const auto begun = string_of(store.get(prefix + "tmp"));
+  const auto begun = read(world, prefix + "tmp", 0, "save_checkpoint");
   const auto tmp = value_of(begun);
 
   // Each pipeline rank of the first replica writes its partitions' file and
@@ -216,14 +322,18 @@ void save_checkpoint(
         manifest["tensors"] = nlohmann::json::object();
         // What a rank reported under `key`, once it has; its failure,
         // after `failed` ("rank 3 could not write ...").
-        auto reported = [&](const std::string& key, const std::string& failed) {
-          const auto result = string_of(store.get(prefix + key));
+        auto reported = [&](const std::string& key,
+                            int64_t from,
+                            const std::string& failed) {
+          const auto result =
+              read(world, prefix + key, from, "save_checkpoint");
           TORCH_CHECK(is_ok(result), failed, ": ", value_of(result));
           return value_of(result);
         };
         for (const auto r : c10::irange(mesh.pipeline_size())) {
           const auto part = nlohmann::json::parse(reported(
               "part" + std::to_string(r),
+              r,
               c10::str(
                   "pipeline rank ", r, " could not write its partitions")));
           for (const auto& item : part.at("layers").items()) {
@@ -236,6 +346,7 @@ void save_checkpoint(
         for (const auto r : c10::irange(mesh.pipeline_size(), world.size())) {
           const auto written = reported(
               "buffers" + std::to_string(r),
+              r,
               c10::str("rank ", r, " could not write its replica's buffers"));
           if (!written.empty()) {
             const auto part = nlohmann::json::parse(written);
@@ -272,8 +383,11 @@ void save_checkpoint(
     }
     store.set(prefix + "done", bytes_of(done));
   }
-  const auto done = string_of(store.get(prefix + "done"));
+  const auto done = read(world, prefix + "done", 0, "save_checkpoint");
   std::vector<std::string> keys{"tmp", "done"};
+  for (const auto r : c10::irange(world.size())) {
+    keys.push_back("call" + std::to_string(r));
+  }
   for (const auto r : c10::irange(mesh.pipeline_size())) {
     keys.push_back("part" + std::to_string(r));
   }
@@ -297,7 +411,25 @@ TrainingState load_checkpoint(
       "gpipe::dist::load_checkpoint expects a non-null PipelineStage");
   const auto& world = stage->mesh().world();
   auto& store = *world.store();
-  const auto prefix = unique_prefix(world, "load");
+  const auto prefix = unique_prefix(world);
+  std::exception_ptr disagreed;
+  try {
+    agree_on_call(
+        world,
+        prefix,
+        "load_checkpoint",
+        c10::str("load_checkpoint(optimizer ", kind_of(optimizer), ")"));
+  } catch (...) {
+    disagreed = std::current_exception();
+  }
+  if (disagreed) {
+    std::vector<std::string> keys;
+    for (const auto r : c10::irange(world.size())) {
+      keys.push_back("call" + std::to_string(r));
+    }
+    forget(world, prefix, keys);
+    std::rethrow_exception(disagreed);
+  }
   // Rank 0 says which checkpoint: a save may not be seen alike by all.
   if (world.rank() == 0) {
     std::string chosen;
@@ -309,7 +441,7 @@ TrainingState load_checkpoint(
     }
     store.set(prefix + "path", bytes_of(chosen));
   }
-  const auto chosen = string_of(store.get(prefix + "path"));
+  const auto chosen = read(world, prefix + "path", 0, "load_checkpoint");
   const auto path = value_of(chosen);
 
   TrainingState state;
@@ -341,6 +473,7 @@ TrainingState load_checkpoint(
   std::vector<std::string> keys{"path"};
   for (const auto r : c10::irange(world.size())) {
     keys.push_back("rank" + std::to_string(r));
+    keys.push_back("call" + std::to_string(r));
   }
   forget(world, prefix, keys);
   if (error) {

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -15,6 +17,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <tuple>
 #include <vector>
 
 #include "checkpoint_io.h"
@@ -507,6 +511,110 @@ TEST(DistCheckpointTest, EveryReplicaLoadsItsOwnBatchNormStatistics) {
           << r << " " << buffer;
     }
   }
+}
+
+// Each rank's message (or "ok"; "ValueError: " before a ValueError's) from
+// `call(rank, stage, optimizer)` on two ranks of a 2-stage pipeline whose World
+// times out after `timeout`, and the longest a rank took.
+std::pair<std::vector<std::string>, double> on_two_ranks(
+    std::chrono::milliseconds timeout,
+    const std::function<
+        void(int64_t, dist::PipelineStage&, torch::optim::Optimizer&)>& call) {
+  std::vector<torch::nn::Sequential> nets{make_net(), make_net()};
+  std::vector<std::string> errors(2, "ok");
+  std::vector<double> seconds(2, 0.0);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  dist::testing::run_threads(2, [&](int64_t r) {
+    auto world = dist::init_from_store(store, r, 2, timeout);
+    dist::PipelineStage stage(
+        nets[r], GPipeOptions({3, 3}).chunks(2).threads_per_lane(1), world);
+    const auto opt = make_optimizer(Opt::SGDMomentum, stage->parameters());
+    const auto began = std::chrono::steady_clock::now();
+    try {
+      call(r, stage, *opt);
+    } catch (const c10::ValueError& e) {
+      errors[r] = std::string("ValueError: ") + e.what_without_backtrace();
+    } catch (const c10::Error& e) {
+      errors[r] = e.what_without_backtrace();
+    }
+    seconds[r] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - began)
+            .count();
+  });
+  return {errors, std::max(seconds[0], seconds[1])};
+}
+
+// Ranks that do not make the same checkpoint call at once waited on the
+// store for 300 s (its own timeout, not the World's) and said only "Wait
+// timeout"; ranks that saved with optimizers of different kinds wrote a
+// checkpoint no optimizer could load. Every rank now refuses at once,
+// naming both calls, and writes nothing (Note [Checkpoint calls within the
+// timeout]).
+TEST(
+    DistCheckpointTest, RanksThatCallAnotherCheckpointFunctionAllRefuseAtOnce) {
+  TempDir dir;
+  TrainingState state;
+  state.step = 3;
+  auto [errors, seconds] = on_two_ranks(
+      std::chrono::seconds(20),
+      [&](int64_t r, dist::PipelineStage& stage, torch::optim::Optimizer& o) {
+        if (r == 0) {
+          dist::save_checkpoint(dir.path, stage, o, state);
+        } else {
+          dist::load_checkpoint(dir.path, stage, o);
+        }
+      });
+  EXPECT_LT(seconds, 10.0);
+  for (const auto& e : errors) {
+    EXPECT_NE(
+        e.find("rank 1 called load_checkpoint(optimizer SGD) but rank 0 "
+               "called save_checkpoint(step 3, optimizer SGD)"),
+        std::string::npos)
+        << e;
+  }
+  EXPECT_EQ(latest_checkpoint(dir.path), "");
+
+  std::tie(errors, seconds) = on_two_ranks(
+      std::chrono::seconds(20),
+      [&](int64_t r, dist::PipelineStage& stage, torch::optim::Optimizer& o) {
+        if (r == 1) {
+          torch::optim::Adam adam(
+              stage->parameters(), torch::optim::AdamOptions(0.01));
+          dist::save_checkpoint(dir.path, stage, adam, state);
+        } else {
+          dist::save_checkpoint(dir.path, stage, o, state);
+        }
+      });
+  EXPECT_LT(seconds, 10.0);
+  for (const auto& e : errors) {
+    EXPECT_NE(
+        e.find("rank 1 called save_checkpoint(step 3, optimizer Adam) but "
+               "rank 0 called save_checkpoint(step 3, optimizer SGD)"),
+        std::string::npos)
+        << e;
+    EXPECT_EQ(e.rfind("ValueError: ", 0), 0u) << e;
+  }
+  EXPECT_EQ(latest_checkpoint(dir.path), "");
+}
+
+// A rank that never comes is waited for as long as the World's timeout
+// says, and named.
+TEST(DistCheckpointTest, ARankThatNeverSavesIsNamedWithinTheTimeout) {
+  TempDir dir;
+  auto [errors, seconds] = on_two_ranks(
+      std::chrono::seconds(2),
+      [&](int64_t r, dist::PipelineStage& stage, torch::optim::Optimizer& o) {
+        if (r == 0) {
+          dist::save_checkpoint(dir.path, stage, o, TrainingState{});
+        }
+      });
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_NE(
+      errors[0].find("save_checkpoint: rank 0 waited 2 s for rank 1, which "
+                     "had not reached it"),
+      std::string::npos)
+      << errors[0];
+  EXPECT_EQ(errors[1], "ok");
 }
 
 }  // namespace
