@@ -101,7 +101,27 @@ if [[ $mode == bad ]]; then
   bad --chunks "${d[@]}" --chunks 1.5
   bad "--chunks was given 2 times; give it once" "${d[@]}" --chunks 3 --chunks 5
   bad --epochs "${d[@]}" --epochs 1e3
-  bad "--lr expects a number, but got 'abc'" "${d[@]}" --lr abc
+  bad "--lr: expected a number, but got 'abc'" "${d[@]}" --lr abc
+  # CLI11 read an empty value as 0, "0x3" as 3, and took " 0.1" but not
+  # "0.1 "; and it took a switch twice where it refuses a value twice.
+  bad "--lr: expected a number, but got ''" "${d[@]}" --lr ''
+  bad "--lr: expected a number, but got ' 0.1'" "${d[@]}" --lr ' 0.1'
+  bad "--save-every-steps: expected a decimal integer, but got '0x3'" "${d[@]}" \
+    --save "$tmp/s" --save-every-steps 0x3
+  bad "--save-every-steps: expected a decimal integer, but got ''" "${d[@]}" \
+    --save "$tmp/s" --save-every-steps ''
+  bad "--json was given 2 times; give it once" "${d[@]}" --json --json
+  bad "--resume was given 2 times; give it once" "${d[@]}" --save "$tmp/s" --resume --resume
+  # A file the folder cannot take: told before training, not after it.
+  bad --timeline "${d[@]}" --timeline /proc/gpipe-cli-test.svg
+  # A default given explicitly is taken as the default: the run gets as far
+  # as reading the (empty) data.
+  run "${d[@]}" --stages-per-lane 1 --trace-steps 3
+  if [[ $status -ne 1 ]] || ! grep -q "too short for IDX" "$tmp/err"; then
+    fail "--stages-per-lane 1 --trace-steps 3 (the defaults) exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: the defaults given explicitly are taken"
+  fi
   bad "unknown flag '--no-such-flag'" "${d[@]}" --no-such-flag
   bad "unexpected argument 'stray'" "${d[@]}" stray
   bad --json "${d[@]}" --json=maybe
@@ -576,6 +596,18 @@ elif [[ $mode == run ]]; then
   run "${r[@]}" --epochs 2 --save "$tmp/straight"
   ending() { grep -o '"final_loss":[0-9.e-]*\|"test_accuracy":[0-9.]*' "$tmp/out" | tr '\n' ' '; }
   straight=$(ending)
+  # Testing after an epoch does not change training: the test passes draw
+  # their step seeds, and the generator is put back after them (with 400
+  # test images, one pass of 500 rows; with 1000, two).
+  run --data-dir "$data" --limit 512 --test-limit 400 --json --threads-per-lane 1 \
+    --balance 6,7 --schedule 1f1b --epochs 2
+  a=$(grep -o '"final_loss":[0-9.e-]*' "$tmp/out" | cut -d: -f2)
+  b=$(grep -o '"final_loss":[0-9.e-]*' <<<"$straight" | cut -d: -f2)
+  if [[ $status -ne 0 || -z $a || $a != "$b" ]]; then
+    fail "--test-limit 400 ended with loss '$a', --test-limit 1000 with '$b': $(cat "$tmp/err")"
+  else
+    echo "ok: how much is tested leaves training as it was: $a"
+  fi
   run "${r[@]}" --epochs 1 --save "$tmp/r" --resume
   if [[ $status -ne 0 ]] || ! grep -q "nothing saved in $tmp/r yet" "$tmp/err"; then
     fail "--resume with nothing saved exited $status: $(cat "$tmp/err") $(head -2 "$tmp/out")"
@@ -604,9 +636,11 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --resume in the middle of epoch 2, with another balance and schedule: $resumed against $straight"
   fi
-  # Resuming a finished run trains nothing and still prints its JSON line.
+  # Resuming a finished run trains nothing and still prints its JSON line,
+  # with the loss and accuracy the run ended with.
   run "${r[@]}" --epochs 2 --save "$tmp/r" --resume
-  if [[ $status -ne 0 ]] || ! grep -q '"nothing_left_to_train":true' "$tmp/out"; then
+  if [[ $status -ne 0 ]] || ! grep -q '"nothing_left_to_train":true' "$tmp/out" ||
+    [[ $(ending) != "$straight" ]]; then
     fail "--resume of a finished run exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
   else
     echo "ok: --resume of a finished run -> $(tail -1 "$tmp/out")"

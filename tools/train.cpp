@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -205,11 +206,20 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   double last_loss = 0;
   double lr = args.lr;
   double train_seconds = 0;
-  auto save = [&](int64_t epochs_done, int64_t position) {
+  // With the results so far, so that resuming a finished run can report
+  // them (resume_is_done): the last step's loss, and at an epoch's end its
+  // test accuracy.
+  auto save = [&](int64_t epochs_done,
+                  int64_t position,
+                  std::optional<double> accuracy = std::nullopt) {
     gpipe::TrainingState state;
     state.step = step;
     state.epoch = epochs_done;
     state.position = position;
+    state.user[kFinalLossKey] = exact_text(last_loss);
+    if (accuracy) {
+      state.user[kTestAccuracyKey] = exact_text(*accuracy);
+    }
     save_training(args, model, stage, optimizer, state);
     if (lead) {
       std::fprintf(
@@ -358,6 +368,15 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
 
     module->eval();
     torch::NoGradGuard no_grad;
+    // Every pass draws its step seed from the default generator (on every
+    // rank), the test passes too: it is put back after them, so that how
+    // much is tested (--test-limit, a replica's share) does not change the
+    // training that follows.
+    auto generator = at::detail::getDefaultCPUGenerator();
+    const auto before_test = [&] {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      return generator.get_state();
+    }();
     int64_t correct = 0;
     // Each replica tests its own shard of the test set.
     const auto my_test_x = shard(test_x);
@@ -380,9 +399,14 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
       world->all_reduce(count);
       correct = count.item<int64_t>();
     }
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(before_test);
+    }
     const double accuracy = double(correct) / test_x.size(0);
     if (!args.save_path.empty()) {
-      save(epoch + 1, 0);  // every rank: a collective under a launcher
+      // Every rank: a collective under a launcher.
+      save(epoch + 1, 0, accuracy);
     }
     const double total =
         std::chrono::duration<double>(Clock::now() - start).count();
@@ -489,6 +513,7 @@ int gpipe_train::train_main(int argc, char** argv) {
   add_autotune_options(app, args);
   try {
     app.parse(argc, argv);
+    refuse_repeated_switches(app);
     args.world_size = world_size_from_env();
     // --autotune's first: a flag it chooses is refused as such, not by
     // another check of that flag.

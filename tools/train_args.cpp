@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -70,6 +71,35 @@ CLI::Validator decimal() {
       /*validator_desc=*/"");
 }
 
+// CLI11 reads a double with strtod after trimming it, and an empty value
+// as 0: "" was told as "--lr must be positive and finite, but got 0", and
+// " 0.1" taken where "0.1 " was not. Accept a number written alone only.
+CLI::Validator decimal_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const char* begin = text.c_str();
+        char* end = nullptr;
+        errno = 0;
+        (void)std::strtod(begin, &end);
+        if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) ||
+            end != begin + text.size()) {
+          return c10::str("expected a number, but got '", text, "'");
+        }
+        return std::string();
+      },
+      /*validator_desc=*/"");
+}
+
+std::string exact_text(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.17g", value);
+  return text;
+}
+
+CLI::Validator decimal_int64() {
+  return decimal<int64_t>();
+}
+
 // A file that a few steps' trace goes to: its folder must exist now, rather
 // than the write failing after the training it recorded.
 void verify_output_path(const std::string& flag, const std::string& path) {
@@ -101,6 +131,23 @@ void verify_output_path(const std::string& flag, const std::string& path) {
       "': the folder '",
       folder.string(),
       "' is not writable");
+  // A folder may take no new file all the same (/proc, a full or read-only
+  // file system, an existing file without write permission): opened now,
+  // without truncating what is there, and a file made for it removed.
+  const bool existed = fs::exists(path, ignored);
+  {
+    std::ofstream probe(path, std::ios::app);
+    usage_check(
+        probe.good(),
+        flag,
+        " '",
+        path,
+        "' cannot be opened for writing: ",
+        std::strerror(errno));
+  }
+  if (!existed) {
+    fs::remove(path, ignored);
+  }
 }
 
 void verify_data_dir(const std::string& dir) {
@@ -122,6 +169,17 @@ void verify_data_dir(const std::string& dir) {
         "' has no ",
         file,
         kWayOut);
+  }
+}
+
+void refuse_repeated_switches(const CLI::App& app) {
+  for (const auto* option : app.get_options()) {
+    usage_check(
+        option->get_expected_max() != 0 || option->count() <= 1,
+        option->get_name(),
+        " was given ",
+        option->count(),
+        " times; give it once");
   }
 }
 
@@ -170,7 +228,10 @@ void add_options(CLI::App& app, Args& args) {
          "--batch-size", args.batch_size, "Mini-batch size (at least 1)")
       ->check(int64);
   app.add_option(
-      "--lr", args.lr, "SGD learning rate, positive and finite (momentum 0.9)");
+         "--lr",
+         args.lr,
+         "SGD learning rate, positive and finite (momentum 0.9)")
+      ->check(decimal_number());
   app.add_option(
          "--lr-schedule",
          args.lr_schedule,
@@ -314,7 +375,8 @@ void verify_args(const CLI::App& app, Args& args) {
   const bool trace = app.count("--trace") > 0;
   const bool timeline = app.count("--timeline") > 0;
   usage_check(
-      trace || timeline || app.count("--trace-steps") == 0,
+      trace || timeline || app.count("--trace-steps") == 0 ||
+          args.trace_steps == Args{}.trace_steps,
       "--trace-steps has no effect without --trace or --timeline");
   if (trace) {
     verify_output_path("--trace", args.trace_path);
@@ -361,7 +423,8 @@ void verify_args(const CLI::App& app, Args& args) {
       " partitions, but got ",
       args.stages_per_lane);
   usage_check(
-      !per_lane || args.schedule != "autograd" || app.count("--plan") > 0,
+      !per_lane || args.stages_per_lane == 1 || args.schedule != "autograd" ||
+          app.count("--plan") > 0,
       "--stages-per-lane needs a train_step schedule (",
       train_step_schedules(),
       "), but --schedule is autograd");

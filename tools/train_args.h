@@ -279,6 +279,18 @@ void autotune_args(
 /// Throws UsageError unless `path` names a file that can be written
 /// (`flag` starts the message).
 void verify_output_path(const std::string& flag, const std::string& path);
+/// TrainingState::user's keys of a run's results so far: the last step's
+/// loss and the last epoch's test accuracy, as exact_text writes them.
+inline constexpr const char* kFinalLossKey = "final_loss";
+inline constexpr const char* kTestAccuracyKey = "test_accuracy";
+/// `value` as text that reads back (std::strtod) as the same double.
+std::string exact_text(double value);
+/// A CLI11 check that takes plain decimal integers that fit in int64_t
+/// only (CLI11 itself reads "0x10" as 16 and "" as 0).
+CLI::Validator decimal_int64();
+/// Refuses a switch (a flag without a value) given more than once, as a
+/// flag with a value is refused.
+void refuse_repeated_switches(const CLI::App& app);
 /// Every --model entry.
 const std::vector<ModelSpec>& model_specs();
 /// The --model entry called `name` (verify_args checked it exists).

@@ -35,7 +35,8 @@ void add_save_options(CLI::App& app, Args& args) {
          args.save_every_steps,
          "With --save: also write a checkpoint every this many steps "
          "(0: after each epoch only)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(decimal_int64());
   app.add_option(
       "--load",
       args.load_path,
@@ -272,7 +273,9 @@ void save_training(
     const gpipe::dist::PipelineStage& stage,
     const torch::optim::Optimizer& optimizer,
     gpipe::TrainingState state) {
+  auto results = std::move(state.user);
   state.user = settings_of(args);
+  state.user.insert(results.begin(), results.end());
   save_autotune_choice(args, state.user);
   if (!stage.is_empty()) {
     gpipe::dist::save_checkpoint(args.save_path, stage, optimizer, state);
@@ -376,6 +379,13 @@ bool resume_is_done(
             {"steps", resumed.step},
             {"resumed_at_step", resumed.step},
             {"nothing_left_to_train", true}};
+        // The results the run ended with, as its own summary gave them.
+        for (const auto* key : {kFinalLossKey, kTestAccuracyKey}) {
+          const auto found = resumed.user.find(key);
+          if (found != resumed.user.end()) {
+            summary[key] = std::strtod(found->second.c_str(), nullptr);
+          }
+        }
         std::cout << summary.dump() << std::endl;
       }
     }
