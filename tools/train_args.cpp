@@ -79,10 +79,12 @@ CLI::Validator decimal_number() {
       [](std::string& text) -> std::string {
         const char* begin = text.c_str();
         char* end = nullptr;
-        errno = 0;
         (void)std::strtod(begin, &end);
+        // (strtod also reads hexadecimal, "0x1p-4", which the integer
+        // flags refuse.)
         if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) ||
-            end != begin + text.size()) {
+            end != begin + text.size() ||
+            text.find_first_of("xX") != std::string::npos) {
           return c10::str("expected a number, but got '", text, "'");
         }
         return std::string();

@@ -53,10 +53,10 @@ class GPipe;
 struct TrainingState {
   /// Optimizer steps done.
   int64_t step = 0;
-  /// Epochs done.
+  /// Epochs done (0 or more).
   int64_t epoch = 0;
-  /// Position in the data within the epoch (say, batches read), so that a
-  /// resumed run reads the same next batch.
+  /// Position in the data within the epoch (say, batches read; 0 or
+  /// more), so that a resumed run reads the same next batch.
   int64_t position = 0;
   /// The default CPU generator's state (`torch::make_generator`-compatible
   /// byte tensor). save_checkpoint takes the generator's state now when
@@ -72,8 +72,9 @@ struct TrainingState {
 /// parameters must be the model's) and `state` as a new checkpoint in
 /// `dir` (made when missing), named by `state.step` (0 to
 /// 999999999999999999). A c10::Error says why it could not (a
-/// c10::ValueError when `dir` is a checkpoint itself, or `state.user`
-/// holds text that is not UTF-8); the previous checkpoints stay as they
+/// c10::ValueError when `dir` is a checkpoint itself, `state.user` holds
+/// text that is not UTF-8, or `state.epoch` or `state.position` is
+/// negative); the previous checkpoints stay as they
 /// were. Checkpoints of later steps go (a run resumed from an earlier one
 /// gave them up): one that cannot go is an error naming it, after this
 /// checkpoint was written. One writer per directory at a time.

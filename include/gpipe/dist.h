@@ -395,7 +395,9 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 /// throws the first rank's error. Ranks that call another checkpoint
 /// function, another step or an optimizer of another kind all throw a
 /// c10::ValueError naming both sides before anything is written; a rank
-/// that does not come is waited for as long as the World's timeout.
+/// that does not come is waited for as long as the World's timeout, which
+/// also bounds the whole save, its writing included (raise
+/// GPIPE_DIST_TIMEOUT for a large model on slow storage).
 void save_checkpoint(
     const std::string& dir,
     const PipelineStage& stage,

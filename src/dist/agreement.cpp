@@ -442,7 +442,8 @@ Begin begin_pass(
       local.training ? "train()" : "eval()",
       theirs.training ? "train()" : "eval()");
   differ(
-      "with checkpointed micro-batches below",
+      "with its checkpoint mode and chunks checkpointing the micro-batches "
+      "below",
       std::to_string(local.checkpoint_stop),
       std::to_string(theirs.checkpoint_stop));
   TORCH_CHECK(

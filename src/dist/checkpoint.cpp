@@ -8,8 +8,11 @@
 #include <gpipe/dist.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
+#include <chrono>
 #include <exception>
 #include <string>
+#include <thread>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
@@ -32,62 +35,135 @@ std::string string_of(const std::vector<uint8_t>& b) {
   return std::string(b.begin(), b.end());
 }
 
-// Results travel through the store as "ok:<value>" or "error:<message>".
+// Results travel through the store as "ok:<value>" or
+// "error:<kind>:<message>", the kind of c10::Error as refusal_kind_of
+// numbers it, so that another rank's ValueError is one here too.
 std::string ok(const std::string& value) {
   return "ok:" + value;
 }
-std::string failed(const std::string& message) {
-  return "error:" + message;
+std::string failed(const std::string& message, int64_t kind = 0) {
+  return "error:" + std::to_string(kind) + ":" + message;
+}
+std::string failed(const std::exception_ptr& error) {
+  return failed(detail::message_of(error), detail::refusal_kind_of(error));
 }
 bool is_ok(const std::string& result) {
   return result.rfind("ok:", 0) == 0;
 }
 std::string value_of(const std::string& result) {
-  return result.substr(result.find(':') + 1);
+  if (is_ok(result)) {
+    return result.substr(3);
+  }
+  return result.substr(result.find(':', 6) + 1);
+}
+int64_t kind_of(const std::string& result) {
+  return is_ok(result) ? 0 : std::atoll(result.c_str() + 6);
+}
+// Throws a failed result's error with its kind, `context` before it.
+void check_result(const std::string& result, const std::string& context) {
+  if (!is_ok(result)) {
+    std::rethrow_exception(detail::refusal_error(
+        kind_of(result), context + ": " + value_of(result)));
+  }
 }
 
 // Note [Checkpoint calls within the timeout]
 // Every rank of the World calls save_checkpoint or load_checkpoint at once,
 // and they talk through the World's store. A wait for another rank's word
 // is bounded by the World's timeout (a HashStore waits 300 s by default,
-// whatever the World's is) and names the rank waited for. Before anything
+// whatever the World's is: so is a whole save, its writing included) and
+// names the rank waited for; a rank that gives up says so in the store, and
+// the others, which look for it while they wait, give up at once rather
+// than wait out a timeout of their own. A World that failed meanwhile ends
+// the wait with its failure. Every rank removes the call's keys, on every
+// path, once all are past them (Forget). Before anything
 // else the ranks say which call they make, and with what (a save's step and
 // optimizer kind): a rank that calls load while another saves, or saves
 // with another optimizer (which would write a manifest that names one kind
 // over another's state, loadable by neither), fails every rank at once
 // with a c10::ValueError naming both sides, and nothing is written.
 
-// The value of `key`, which `from` sets, once it is there.
+// The value of `key`, which `from` sets, once it is there; `prefix` is the
+// call's (see the Note).
 std::string read(
     const World& world,
+    const std::string& prefix,
     const std::string& key,
     int64_t from,
     const char* what) {
+  using Clock = std::chrono::steady_clock;
   auto& store = *world.store();
   const auto& connection = *world.connection();
-  try {
-    store.wait({key}, connection.timeout);
-  } catch (const std::exception&) {
-    TORCH_CHECK(
-        false,
-        "gpipe::dist::",
-        what,
-        ": ",
-        connection.rank_name(world.rank()),
-        " waited ",
-        connection.timeout.count() / 1000.0,
-        " s for ",
-        connection.rank_name(from),
-        ", which had not reached it (every rank calls ",
-        what,
-        " together, between steps)");
+  const auto gave_up = prefix + "gave_up";
+  // Rank 0 waits for the others and then says what it found: the others
+  // wait for rank 0 a little longer, so that a rank that never came is
+  // named by rank 0 (through gave_up), not rank 0 by them.
+  const auto grace = from == 0 && world.rank() != 0
+                         ? std::min<std::chrono::milliseconds>(
+                               connection.timeout, std::chrono::seconds(5))
+                         : std::chrono::milliseconds(0);
+  const auto deadline = Clock::now() + connection.timeout + grace;
+  // Polled with check, which answers at once: a TCPStore's wait that times
+  // out leaves its answer on the socket, for the next request to read.
+  constexpr auto kPoll = std::chrono::milliseconds(20);
+  while (true) {
+    bool there = false;
+    try {
+      there = store.check({key});
+    } catch (const std::exception&) {
+      connection.check();  // the World's failure, when it failed meanwhile
+      TORCH_CHECK(
+          false,
+          "gpipe::dist::",
+          what,
+          ": ",
+          connection.rank_name(world.rank()),
+          " lost the job's store while it waited for ",
+          connection.rank_name(from),
+          " (rank 0, which hosts it, ended or stopped answering) [c10d: ",
+          detail::message_of(std::current_exception()).substr(0, 200),
+          "]");
+    }
+    if (there) {
+      return string_of(store.get(key));
+    }
+    connection.check();
+    if (store.check({gave_up})) {
+      TORCH_CHECK(
+          false,
+          "gpipe::dist::",
+          what,
+          ": ",
+          string_of(store.get(gave_up)),
+          "; ",
+          connection.rank_name(world.rank()),
+          " gave up too");
+    }
+    if (Clock::now() >= deadline) {
+      break;
+    }
+    std::this_thread::sleep_for(kPoll);
   }
-  return string_of(store.get(key));
+  const auto message = c10::str(
+      connection.rank_name(world.rank()),
+      " waited ",
+      (connection.timeout + grace).count() / 1000.0,
+      " s for ",
+      connection.rank_name(from),
+      ", which had not reached it (every rank calls ",
+      what,
+      " together, between steps)");
+  try {
+    store.compareSet(gave_up, {}, bytes_of(message));
+  } catch (const std::exception&) {
+    // (No store to tell: the others find that out themselves.)
+  }
+  TORCH_CHECK(false, "gpipe::dist::", what, ": ", message);
 }
 
 // The optimizer's kind for agree_on_call; one a checkpoint cannot hold is
 // refused by the writers (or readers) afterwards, on every rank alike.
-std::string kind_of(const torch::optim::Optimizer& optimizer) {
+std::string optimizer_kind_of(const torch::optim::Optimizer& optimizer) {
   try {
     return gpipe::detail::optimizer_kind(optimizer);
   } catch (const c10::Error&) {
@@ -105,10 +181,10 @@ void agree_on_call(
     const std::string& call) {
   world.store()->set(
       prefix + "call" + std::to_string(world.rank()), bytes_of(call));
-  const auto first = read(world, prefix + "call0", 0, what);
+  const auto first = read(world, prefix, prefix + "call0", 0, what);
   for (const auto r : c10::irange(int64_t{1}, world.size())) {
     const auto theirs =
-        read(world, prefix + "call" + std::to_string(r), r, what);
+        read(world, prefix, prefix + "call" + std::to_string(r), r, what);
     const auto& connection = *world.connection();
     TORCH_CHECK_VALUE(
         theirs == first,
@@ -141,8 +217,12 @@ void agree(
       prefix + "rank" + std::to_string(world.rank()),
       bytes_of(error.empty() ? ok("") : failed(error)));
   for (const auto r : c10::irange(world.size())) {
-    const auto result =
-        read(world, prefix + "rank" + std::to_string(r), r, "load_checkpoint");
+    const auto result = read(
+        world,
+        prefix,
+        prefix + "rank" + std::to_string(r),
+        r,
+        "load_checkpoint");
     TORCH_CHECK_VALUE(
         is_ok(result),
         "gpipe::dist::",
@@ -179,21 +259,40 @@ int64_t total_layers(const PipelineStage& stage) {
   return total;
 }
 
-// Once every rank is past a collective's keys (`keys` under `prefix`), the
-// last one to get here removes them from the store, so that a long run's
-// checkpoints do not pile up there.
-void forget(
-    const World& world,
-    const std::string& prefix,
-    std::vector<std::string> keys) {
-  auto& store = *world.store();
-  if (store.add(prefix + "past", 1) == world.size()) {
-    keys.push_back("past");
-    for (const auto& key : keys) {
-      store.deleteKey(prefix + key);
+// Once every rank is past a call's keys (under `prefix`), the last one to
+// get here removes them from the store, so that a long run's checkpoints do
+// not pile up there. Made when a call begins: its destructor runs on every
+// path out of it, a failure's too.
+class Forget {
+ public:
+  Forget(World world, std::string prefix)
+      : world_(std::move(world)), prefix_(std::move(prefix)) {}
+  Forget(const Forget&) = delete;
+  Forget& operator=(const Forget&) = delete;
+  ~Forget() {
+    try {
+      auto& store = *world_.store();
+      if (store.add(prefix_ + "past", 1) != world_.size()) {
+        return;
+      }
+      std::vector<std::string> keys{"tmp", "done", "path", "gave_up", "past"};
+      for (const auto r : c10::irange(world_.size())) {
+        for (const char* each : {"call", "part", "buffers", "rank"}) {
+          keys.push_back(each + std::to_string(r));
+        }
+      }
+      for (const auto& key : keys) {
+        store.deleteKey(prefix_ + key);  // (false when it was never set)
+      }
+    } catch (const std::exception&) {
+      // A store that is gone keeps nothing.
     }
   }
-}
+
+ private:
+  World world_;
+  std::string prefix_;
+};
 
 // A prefix of store keys that no other collective of this World uses
 // (the same for a save and a load, so that ranks that call one each meet).
@@ -204,7 +303,34 @@ std::string unique_prefix(const World& world) {
 
 }  // namespace
 
-void save_checkpoint(
+namespace {
+
+// Runs a checkpoint call of `world`: an error of the store's that is not a
+// c10::Error (a std::system_error, "Broken pipe", when rank 0 ended in the
+// middle of it) becomes one, naming what failed, or the World's own failure
+// when it failed meanwhile.
+template <typename Call>
+auto with_c10_errors(const World& world, const char* what, const Call& call) {
+  try {
+    return call();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    world.connection()->check();
+    TORCH_CHECK(
+        false,
+        "gpipe::dist::",
+        what,
+        ": ",
+        world.connection()->rank_name(world.rank()),
+        " lost the job's store (rank 0, which hosts it, ended or stopped "
+        "answering) [c10d: ",
+        std::string(e.what()).substr(0, 200),
+        "]");
+  }
+}
+
+void save_on_ranks(
     const std::string& dir,
     const PipelineStage& stage,
     const torch::optim::Optimizer& optimizer,
@@ -216,36 +342,24 @@ void save_checkpoint(
   const auto& world = mesh.world();
   auto& store = *world.store();
   const auto prefix = unique_prefix(world);
-  std::exception_ptr disagreed;
-  try {
-    agree_on_call(
-        world,
-        prefix,
-        "save_checkpoint",
-        c10::str(
-            "save_checkpoint(step ",
-            state.step,
-            ", optimizer ",
-            kind_of(optimizer),
-            ")"));
-  } catch (...) {
-    disagreed = std::current_exception();
-  }
-  if (disagreed) {
-    std::vector<std::string> keys;
-    for (const auto r : c10::irange(world.size())) {
-      keys.push_back("call" + std::to_string(r));
-    }
-    forget(world, prefix, keys);
-    std::rethrow_exception(disagreed);
-  }
+  const Forget forget(world, prefix);
+  agree_on_call(
+      world,
+      prefix,
+      "save_checkpoint",
+      c10::str(
+          "save_checkpoint(step ",
+          state.step,
+          ", optimizer ",
+          optimizer_kind_of(optimizer),
+          ")"));
   const auto pipeline_rank = mesh.pipeline_rank();
   const bool writer = mesh.data_rank() == 0;
   // This rank's own error, rethrown with its type once every rank knows.
   std::exception_ptr own;
   auto fail_here = [&own]() {
     own = std::current_exception();
-    return failed(detail::message_of(own));
+    return failed(own);
   };
 
   // Rank 0 makes the temporary directory every writer writes into.
@@ -259,7 +373,7 @@ void save_checkpoint(
     }
     store.set(prefix + "tmp", bytes_of(begun));
   }
-  const auto begun = read(world, prefix + "tmp", 0, "save_checkpoint");
+  const auto begun = read(world, prefix, prefix + "tmp", 0, "save_checkpoint");
   const auto tmp = value_of(begun);
 
   // Each pipeline rank of the first replica writes its partitions' file and
@@ -313,7 +427,7 @@ void save_checkpoint(
   if (world.rank() == 0) {
     std::string done = ok("");
     if (!is_ok(begun)) {
-      done = failed("rank 0 could not begin it: " + tmp);
+      done = failed("rank 0 could not begin it: " + tmp, kind_of(begun));
     } else {
       try {
         nlohmann::json manifest;
@@ -326,8 +440,8 @@ void save_checkpoint(
                             int64_t from,
                             const std::string& failed) {
           const auto result =
-              read(world, prefix + key, from, "save_checkpoint");
-          TORCH_CHECK(is_ok(result), failed, ": ", value_of(result));
+              read(world, prefix, prefix + key, from, "save_checkpoint");
+          check_result(result, failed);
           return value_of(result);
         };
         for (const auto r : c10::irange(mesh.pipeline_size())) {
@@ -371,8 +485,7 @@ void save_checkpoint(
         gpipe::detail::commit_checkpoint(
             dir, tmp, state.step, std::move(manifest));
       } catch (...) {
-        done = own ? failed(detail::message_of(std::current_exception()))
-                   : fail_here();
+        done = own ? failed(std::current_exception()) : fail_here();
       }
     }
     if (!is_ok(done) && is_ok(begun)) {
@@ -383,26 +496,14 @@ void save_checkpoint(
     }
     store.set(prefix + "done", bytes_of(done));
   }
-  const auto done = read(world, prefix + "done", 0, "save_checkpoint");
-  std::vector<std::string> keys{"tmp", "done"};
-  for (const auto r : c10::irange(world.size())) {
-    keys.push_back("call" + std::to_string(r));
-  }
-  for (const auto r : c10::irange(mesh.pipeline_size())) {
-    keys.push_back("part" + std::to_string(r));
-  }
-  for (const auto r : c10::irange(mesh.pipeline_size(), world.size())) {
-    keys.push_back("buffers" + std::to_string(r));
-  }
-  forget(world, prefix, keys);
+  const auto done = read(world, prefix, prefix + "done", 0, "save_checkpoint");
   if (!is_ok(done) && own) {
     std::rethrow_exception(own);
   }
-  TORCH_CHECK(
-      is_ok(done), "gpipe::dist::save_checkpoint failed: ", value_of(done));
+  check_result(done, "gpipe::dist::save_checkpoint failed");
 }
 
-TrainingState load_checkpoint(
+TrainingState load_on_ranks(
     const std::string& dir,
     PipelineStage& stage,
     torch::optim::Optimizer& optimizer) {
@@ -412,24 +513,13 @@ TrainingState load_checkpoint(
   const auto& world = stage->mesh().world();
   auto& store = *world.store();
   const auto prefix = unique_prefix(world);
-  std::exception_ptr disagreed;
-  try {
-    agree_on_call(
-        world,
-        prefix,
-        "load_checkpoint",
-        c10::str("load_checkpoint(optimizer ", kind_of(optimizer), ")"));
-  } catch (...) {
-    disagreed = std::current_exception();
-  }
-  if (disagreed) {
-    std::vector<std::string> keys;
-    for (const auto r : c10::irange(world.size())) {
-      keys.push_back("call" + std::to_string(r));
-    }
-    forget(world, prefix, keys);
-    std::rethrow_exception(disagreed);
-  }
+  const Forget forget(world, prefix);
+  agree_on_call(
+      world,
+      prefix,
+      "load_checkpoint",
+      c10::str(
+          "load_checkpoint(optimizer ", optimizer_kind_of(optimizer), ")"));
   // Rank 0 says which checkpoint: a save may not be seen alike by all.
   if (world.rank() == 0) {
     std::string chosen;
@@ -437,11 +527,12 @@ TrainingState load_checkpoint(
       const auto newest = latest_checkpoint(dir);
       chosen = ok(newest.empty() ? dir : newest);
     } catch (...) {
-      chosen = failed(detail::message_of(std::current_exception()));
+      chosen = failed(std::current_exception());
     }
     store.set(prefix + "path", bytes_of(chosen));
   }
-  const auto chosen = read(world, prefix + "path", 0, "load_checkpoint");
+  const auto chosen =
+      read(world, prefix, prefix + "path", 0, "load_checkpoint");
   const auto path = value_of(chosen);
 
   TrainingState state;
@@ -470,12 +561,6 @@ TrainingState load_checkpoint(
   } catch (...) {
     agreed = std::current_exception();
   }
-  std::vector<std::string> keys{"path"};
-  for (const auto r : c10::irange(world.size())) {
-    keys.push_back("rank" + std::to_string(r));
-    keys.push_back("call" + std::to_string(r));
-  }
-  forget(world, prefix, keys);
   if (error) {
     std::rethrow_exception(error);  // this rank's own, with its type
   }
@@ -485,6 +570,34 @@ TrainingState load_checkpoint(
   apply();
   gpipe::detail::set_cpu_generator_state(state.cpu_generator);
   return state;
+}
+
+}  // namespace
+
+void save_checkpoint(
+    const std::string& dir,
+    const PipelineStage& stage,
+    const torch::optim::Optimizer& optimizer,
+    const TrainingState& state) {
+  TORCH_CHECK_VALUE(
+      !stage.is_empty(),
+      "gpipe::dist::save_checkpoint expects a non-null PipelineStage");
+  with_c10_errors(stage->mesh().world(), "save_checkpoint", [&] {
+    save_on_ranks(dir, stage, optimizer, state);
+    return 0;
+  });
+}
+
+TrainingState load_checkpoint(
+    const std::string& dir,
+    PipelineStage& stage,
+    torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK_VALUE(
+      !stage.is_empty(),
+      "gpipe::dist::load_checkpoint expects a non-null PipelineStage");
+  return with_c10_errors(stage->mesh().world(), "load_checkpoint", [&] {
+    return load_on_ranks(dir, stage, optimizer);
+  });
 }
 
 }  // namespace gpipe::dist

@@ -111,7 +111,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   void check_training_plan(const Plan& plan, int64_t micro_batches) const;
   /// check_training_plan, unless `plan` equals the one checked last for
   /// as many micro-batches; kept as the plan whose steps train() runs.
-  /// Call with the pass begun (begin_pass()'s lock held).
+  /// Call with begin_pass()'s lock held (a distributed first stage checks
+  /// its plan so before its pass begins).
   void check_training_plan_once(const Plan& plan, int64_t micro_batches);
   /// make_plan(schedule, micro_batches, placement()), made once and kept
   /// while the steps ask for the same schedule and micro-batches (a

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <tuple>
 #include <vector>
@@ -598,7 +599,8 @@ TEST(
 }
 
 // A rank that never comes is waited for as long as the World's timeout
-// says, and named.
+// says, and named; one that comes after the others gave up hears so at
+// once, rather than waiting out a timeout of its own.
 TEST(DistCheckpointTest, ARankThatNeverSavesIsNamedWithinTheTimeout) {
   TempDir dir;
   auto [errors, seconds] = on_two_ranks(
@@ -615,6 +617,51 @@ TEST(DistCheckpointTest, ARankThatNeverSavesIsNamedWithinTheTimeout) {
       std::string::npos)
       << errors[0];
   EXPECT_EQ(errors[1], "ok");
+
+  std::vector<double> took(2, 0.0);
+  std::tie(errors, seconds) = on_two_ranks(
+      std::chrono::seconds(2),
+      [&](int64_t r, dist::PipelineStage& stage, torch::optim::Optimizer& o) {
+        if (r == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+        }
+        const auto began = std::chrono::steady_clock::now();
+        try {
+          dist::save_checkpoint(dir.path, stage, o, TrainingState{});
+        } catch (...) {
+          took[r] = std::chrono::duration<double>(
+                        std::chrono::steady_clock::now() - began)
+                        .count();
+          throw;
+        }
+      });
+  EXPECT_LT(took[1], 1.5) << errors[1];  // the timeout is 2 s
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank 0 waited 2 s for rank 1"), std::string::npos) << e;
+  }
+  EXPECT_NE(errors[1].find("rank 1 gave up too"), std::string::npos)
+      << errors[1];
+  EXPECT_EQ(latest_checkpoint(dir.path), "");
+}
+
+// Rank 0's refusal of the state it saves reaches the other ranks as the
+// same kind of error (it was a plain c10::Error there).
+TEST(DistCheckpointTest, RankZerosRefusalIsTheSameKindOfErrorOnEveryRank) {
+  TempDir dir;
+  TrainingState state;
+  state.epoch = -1;
+  auto [errors, seconds] = on_two_ranks(
+      std::chrono::seconds(20),
+      [&](int64_t, dist::PipelineStage& stage, torch::optim::Optimizer& o) {
+        dist::save_checkpoint(dir.path, stage, o, state);
+      });
+  for (const auto& e : errors) {
+    EXPECT_EQ(e.rfind("ValueError: ", 0), 0u) << e;
+    EXPECT_NE(
+        e.find("TrainingState expects epoch and position >= 0"),
+        std::string::npos)
+        << e;
+  }
 }
 
 }  // namespace
