@@ -55,7 +55,9 @@ int Launcher::run() {
   // could not start them (a program that cannot be executed would fail
   // every start alike). Each start has its own port (unless --master-port
   // fixed one), so that no rank meets a leftover of the last start's
-  // rendezvous.
+  // rendezvous. A rank that failed first with exit status 2, the status of
+  // a command-line error (gpipe's tools, CLI11, argparse, the shells), is not
+  // started again either: every start would read the same command line.
   for (restart_ = 0;; ++restart_) {
     const int port =
         args_.master_port > 0 ? args_.master_port : find_free_port();
@@ -63,7 +65,17 @@ int Launcher::run() {
     loop();
     report_verdict();
     const bool failed_start = exit_status() != 0;
-    if (!failed_start || signal_ != 0 || launch_status_ != 0 ||
+    const bool usage_error = failed_start && launch_status_ == 0 &&
+                             signal_ == 0 && failed_rank_ >= 0 &&
+                             WIFEXITED(failed_status_) &&
+                             WEXITSTATUS(failed_status_) == 2;
+    if (usage_error && restart_ < args_.max_restarts) {
+      output_.report(
+          "not restarting: rank " + std::to_string(failed_rank_) +
+          " exited with status 2, a command-line error that every start "
+          "would repeat");
+    }
+    if (!failed_start || signal_ != 0 || launch_status_ != 0 || usage_error ||
         restart_ >= args_.max_restarts) {
       if (args_.max_restarts > 0 && launch_status_ == 0) {
         output_.report(
