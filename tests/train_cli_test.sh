@@ -630,7 +630,9 @@ elif [[ $mode == run ]]; then
   resumed=$(ending)
   a=$(grep -o '"final_loss":[0-9.e-]*' <<<"$straight" | cut -d: -f2)
   b=$(grep -o '"final_loss":[0-9.e-]*' <<<"$resumed" | cut -d: -f2)
+  # The epoch's samples count the batches before the resume too.
   if [[ $status -ne 0 ]] || ! grep -q "resumed from $tmp/mid/step-00000011 at step 11 (epoch 2, batch 3)" "$tmp/err" ||
+    ! grep -q '"train_samples":512,' "$tmp/out" ||
     ! awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && b != "" && d <= 1e-6 * a) }'; then
     fail "--resume in the middle of an epoch exited $status, ended with '$resumed', straight '$straight': $(cat "$tmp/err")"
   else

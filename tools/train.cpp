@@ -241,8 +241,11 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
         torch::kLong);
     auto window_start = Clock::now();
     int64_t window_samples = 0;
-    epoch_rows = 0;
     const int64_t first_batch = epoch == resumed.epoch ? resumed.position : 0;
+    // A run resumed in the middle of an epoch trained the epoch's batches
+    // before its place in an earlier run: full batches, each trained (a
+    // batch that cannot be is refused before training).
+    epoch_rows = std::min(n, first_batch * batch_size);
     for (int64_t begin = first_batch * batch_size; begin < n;
          begin += batch_size) {
       auto idx = order.narrow(0, begin, std::min(batch_size, n - begin));
