@@ -301,9 +301,11 @@ void commit_checkpoint(
   // and was given up (this one resumed from before them): they go, or a
   // resume would take them. Of the earlier ones the newest stays.
   // A later one that cannot go is an error: the save itself is done, but a
-  // load would take the given-up run. An older one that cannot go is left.
+  // load would take the given-up run. An older one that cannot go is left,
+  // with a warning (a load takes the newest, but the disk fills).
   bool kept_one = false;
   std::string later_left;
+  std::string older_left;
   auto all = checkpoints_in(root);
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     if (it->first == step) {
@@ -317,6 +319,21 @@ void commit_checkpoint(
     if (it->first > step && !why.empty() && later_left.empty()) {
       later_left = why;
     }
+    if (it->first < step && !why.empty() && older_left.empty()) {
+      older_left = why;
+    }
+  }
+  if (!older_left.empty()) {
+    TORCH_WARN(
+        "gpipe: the checkpoint of step ",
+        step,
+        " was written to '",
+        final_path.string(),
+        "', but an older checkpoint, which it replaces, could not be removed (",
+        older_left,
+        "); it stays in '",
+        root,
+        "' until a later save removes it");
   }
   TORCH_CHECK(
       later_left.empty(),

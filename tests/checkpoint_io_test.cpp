@@ -528,6 +528,39 @@ TEST(CheckpointIoTest, ALaterCheckpointThatCannotGoIsAnError) {
       (std::vector<std::string>{"step-00000003", "step-00000004"}));
 }
 
+// An older checkpoint the save could not remove was left without a word:
+// the save succeeds (a load takes the newest) and warns, naming it.
+TEST(CheckpointIoTest, AnOlderCheckpointThatCannotGoIsAWarning) {
+  TempDir dir;
+  auto model = make_model(kLayouts[1]);
+  auto opt = make_optimizer(Opt::SGDMomentum, model->parameters());
+  TrainingState state;
+  for (const int64_t step : {2, 4}) {
+    state.step = step;
+    save_checkpoint(dir.path, model, *opt, state);
+  }
+  state.step = 6;
+  detail::fail_checkpoint_removals(true);
+  ::testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(save_checkpoint(dir.path, model, *opt, state));
+  const auto said = ::testing::internal::GetCapturedStderr();
+  detail::fail_checkpoint_removals(false);
+  EXPECT_NE(
+      said.find(
+          "the checkpoint of step 6 was written to '" + dir.path +
+          "/step-00000006', but an older checkpoint"),
+      std::string::npos)
+      << said;
+  EXPECT_NE(said.find("step-00000002"), std::string::npos) << said;
+  EXPECT_EQ(read_training_state(dir.path).step, 6);
+  // The next save removes it.
+  state.step = 7;
+  save_checkpoint(dir.path, model, *opt, state);
+  EXPECT_EQ(
+      entries_of(dir.path),
+      (std::vector<std::string>{"step-00000006", "step-00000007"}));
+}
+
 // What a checkpoint's manifest cannot hold is refused before anything is
 // written: a user string that is not UTF-8 (nlohmann's type_error, not a
 // c10::Error, and a temporary directory left), a negative epoch or
