@@ -298,6 +298,72 @@ TEST_F(CheckpointTest, AnInputChangedInPlaceIsRefusedBeforeTheRecomputation) {
   }
 }
 
+// A parameter changed in place between the forward and the backward (an
+// optimizer's step under NoGradGuard): the plain model's backward refuses
+// it (a tensor it saved changed), and so did GPipe's uncheckpointed cells,
+// but a checkpointed cell recomputed with the new weights and gave wrong
+// gradients without a word. A frozen parameter counts: it shapes the
+// gradient of the input.
+TEST_F(
+    CheckpointTest, AParameterChangedInPlaceIsRefusedBeforeTheRecomputation) {
+  for (const bool frozen : {false, true}) {
+    torch::manual_seed(0);
+    auto net = torch::nn::Sequential(
+        torch::nn::Linear(6, 5),
+        torch::nn::Tanh(),
+        torch::nn::Linear(5, 4),
+        torch::nn::Tanh(),
+        torch::nn::Linear(4, 2));
+    net->to(torch::kFloat64);
+    auto changed = net->named_parameters()["2.weight"];
+    changed.set_requires_grad(!frozen);
+    gpipe::GPipe model(
+        net,
+        gpipe::GPipeOptions({2, 2, 1}).chunks(4).checkpoint(
+            Checkpoint::Always));
+    const auto x = torch::randn({8, 6}, torch::kFloat64);
+    auto loss = model->forward(x).pow(2).sum();
+    {
+      torch::NoGradGuard no_grad;
+      changed.add_(0.5);
+    }
+    try {
+      loss.backward();
+      ADD_FAILURE() << "no error, frozen " << frozen;
+    } catch (const c10::ValueError& e) {
+      const std::string what = e.what_without_backtrace();
+      EXPECT_NE(
+          what.find("a parameter of a checkpointed partition ('2.weight', of "
+                    "shape [4, 5]) was changed in place after the partition's "
+                    "forward"),
+          std::string::npos)
+          << what;
+      EXPECT_NE(what.find("gpipe partition 1"), std::string::npos) << what;
+    }
+    // Usable afterwards: the next pass has the plain model's gradients.
+    model->zero_grad();
+    auto plain = torch::nn::Sequential();
+    for (const auto& layer : *net) {
+      plain->push_back(layer);
+    }
+    plain->forward(x).pow(2).sum().backward();
+    std::vector<torch::Tensor> expected;
+    for (const auto& p : model->parameters()) {
+      expected.push_back(p.grad().defined() ? p.grad().clone() : p.grad());
+    }
+    model->zero_grad();
+    model->forward(x).pow(2).sum().backward();
+    const auto params = model->parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      ASSERT_EQ(params[k].grad().defined(), expected[k].defined()) << k;
+      if (expected[k].defined()) {
+        EXPECT_TRUE(torch::allclose(params[k].grad(), expected[k], 0, 1e-12))
+            << k;
+      }
+    }
+  }
+}
+
 TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   auto stats = [](Checkpoint mode) {
     torch::manual_seed(1);

@@ -293,5 +293,60 @@ TEST_F(LossTest, ALossThatIsNotAScalarIsRefusedSayingWhatItWas) {
   EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
 }
 
+// A loss function that runs the backward itself: with a checkpointed last
+// cell it met the junction to the output not yet recomputed, and failed
+// with autograd's "Function gpipe::OutputJunction returned an invalid
+// number of gradients"; it is told what it did. The model stays usable.
+TEST_F(LossTest, ALossThatRunsTheBackwardItselfIsToldSo) {
+  const auto x = torch::randn({4, 5}, torch::kFloat64);
+  const auto t = torch::randint(0, 4, {4});
+  for (const auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+    GPipe model(small_net(), GPipeOptions({3, 2}).chunks(2).checkpoint(mode));
+    std::string what = "no ValueError";
+    try {
+      model->train_step(x, t, [](torch::Tensor y, torch::Tensor target) {
+        auto loss = cross_entropy(y, target);
+        loss.backward();
+        return loss;
+      });
+    } catch (const c10::ValueError& e) {
+      what = e.what_without_backtrace();
+    }
+    EXPECT_NE(
+        what.find("train_step's loss_fn ran a backward through the model's "
+                  "output"),
+        std::string::npos)
+        << what;
+    model->zero_grad();
+    EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
+  }
+}
+
+// The guide's advice for a model whose output the loss flattens (a
+// [B, T, V] output against a [B, T] target): train_step cuts both by the
+// batch, and the loss flattens them; the plain model's gradients.
+TEST_F(LossTest, ALossThatFlattensTheOutputAndTargetGivesThePlainGradients) {
+  const auto make = [] {
+    torch::manual_seed(3);
+    torch::nn::Sequential net(
+        torch::nn::Linear(5, 6), torch::nn::Tanh(), torch::nn::Linear(6, 4));
+    net->to(torch::kFloat64);
+    return net;
+  };
+  const auto x = torch::randn({6, 3, 5}, torch::kFloat64);
+  const auto t = torch::randint(0, 4, {6, 3});
+  const auto flat = [](torch::Tensor y, torch::Tensor target) {
+    return cross_entropy(y.reshape({-1, y.size(-1)}), target.reshape({-1}));
+  };
+  auto plain = make();
+  const auto expected = flat(plain->forward(x), t);
+  expected.backward();
+  auto net = make();
+  GPipe model(net, GPipeOptions({2, 1}).chunks(4));
+  const auto loss = model->train_step(x, t, flat);
+  EXPECT_TRUE(torch::allclose(loss, expected, 1e-12, 0));
+  expect_same_gradients(*plain, *net);
+}
+
 }  // namespace
 }  // namespace gpipe

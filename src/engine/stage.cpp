@@ -54,6 +54,7 @@ Stage::Stage(
 
 void Stage::refresh() {
   trainable_parameters_.clear();
+  auto parameters = std::make_shared<std::vector<torch::Tensor>>();
   accumulators_unheld_.clear();
   auto modes = std::make_shared<ModeSnapshot>();
   modes->modules = module_->modules();
@@ -62,6 +63,9 @@ void Stage::refresh() {
   for (const auto& m : modes->modules) {
     for (const auto& item : OwnParameters::of(*m)) {
       const auto& p = item.value();
+      if (p.defined()) {
+        parameters->push_back(p);
+      }
       if (p.defined() && p.requires_grad()) {
         trainable_parameters_.push_back(p);
         accumulators_unheld_.push_back(
@@ -74,6 +78,7 @@ void Stage::refresh() {
         deferred != nullptr ? deferred->in_training() : m->is_training());
   }
   modes_ = std::move(modes);
+  parameters_ = std::move(parameters);
 }
 
 namespace {
@@ -164,7 +169,22 @@ void Stage::run(
 // taken before the forward and compared before the recomputation, which
 // refuses a changed input. Views share their base's counter, so a change
 // to another micro-batch of the same batch counts too: the recomputation
-// would read storage that was written to.
+// would read storage that was written to. The same holds for the
+// partition's parameters (frozen ones too: they shape the gradient of the
+// input): one changed in place between the forward and the backward (an
+// optimizer's step, a load, under NoGradGuard) would be read by the
+// recomputation as it is now, where the plain model's backward refuses the
+// change of a tensor it saved. Their counters are taken and compared with
+// the input's.
+std::string Stage::name_of_parameter(const torch::Tensor& p) const {
+  for (const auto& item : module_->named_parameters()) {
+    if (item.value().is_same(p)) {
+      return c10::str("'", item.key(), "', of shape ", p.sizes());
+    }
+  }
+  return c10::str("of shape ", p.sizes());
+}
+
 std::vector<int64_t> Stage::versions_of(
     const std::vector<torch::Tensor>& skips,
     const std::vector<torch::Tensor>& inputs) {
@@ -219,8 +239,14 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   c.has_graph = graph;
   c.checkpointed = graph && ctx.checkpoint;
   c.input_versions.clear();
+  c.parameters.reset();
+  c.parameter_versions.clear();
   if (c.checkpointed) {
     c.input_versions = versions_of(skip_inputs, x.tensors);
+    if (parameters_) {
+      c.parameters = parameters_;
+      c.parameter_versions = versions_of({}, *parameters_);
+    }
   }
   c.seed = ctx.seed;
   c.modes = c.checkpointed ? modes_ : nullptr;
@@ -333,6 +359,23 @@ Flow Stage::backward(
           "): the backward recomputes the forward from that input, so the "
           "gradients would be wrong. Make the layer that changes it out of "
           "place (an in-place ReLU, a mul_ of its input), or do not "
+          "checkpoint (Checkpoint::Never)");
+    }
+    const auto parameters_now =
+        c.parameters ? versions_of({}, *c.parameters) : std::vector<int64_t>();
+    for (const auto k : c10::irange(parameters_now.size())) {
+      TORCH_CHECK_VALUE(
+          parameters_now[k] == c.parameter_versions[k],
+          "a parameter of a checkpointed partition (",
+          name_of_parameter((*c.parameters)[k]),
+          ") was changed in place after the partition's forward (its version "
+          "went from ",
+          c.parameter_versions[k],
+          " to ",
+          parameters_now[k],
+          "): the backward recomputes the forward with the parameters as they "
+          "are now, so the gradients would be wrong. Change parameters after "
+          "the backward (optimizer.step() after loss.backward()), or do not "
           "checkpoint (Checkpoint::Never)");
     }
     // A backward called inside c10::InferenceMode runs (the plain model's

@@ -77,6 +77,10 @@ struct CellState {
   /// leaves before its forward (Note [In-place changes to a checkpointed
   /// input]).
   std::vector<int64_t> input_versions;
+  /// A checkpointed cell's: the partition's parameters and their version
+  /// counters before its forward (the same Note).
+  std::shared_ptr<const std::vector<torch::Tensor>> parameters;
+  std::vector<int64_t> parameter_versions;
   uint64_t seed = 0;
   RandomOutcome random;
   /// A checkpointed cell's: the modes its forward ran in.
@@ -186,6 +190,8 @@ class Stage {
   Packet call(const Packet& input);
 
  private:
+  // A parameter's name in the partition, and its shape, for messages.
+  std::string name_of_parameter(const torch::Tensor& p) const;
   /// The version counters of `skips` then `inputs` (-1: undefined, or an
   /// inference tensor, which has none).
   static std::vector<int64_t> versions_of(
@@ -214,8 +220,10 @@ class Stage {
   std::set<SkipKey> skips_out_set_;
   std::vector<DeferredBatchNormImpl*> deferred_batch_norms_;
   std::vector<torch::Tensor> trainable_parameters_;  // by refresh()
-  std::vector<bool> accumulators_unheld_;            // by refresh()
-  std::shared_ptr<const ModeSnapshot> modes_;        // by refresh()
+  // Every parameter, by refresh().
+  std::shared_ptr<const std::vector<torch::Tensor>> parameters_;
+  std::vector<bool> accumulators_unheld_;      // by refresh()
+  std::shared_ptr<const ModeSnapshot> modes_;  // by refresh()
 };
 
 /// True on a thread inside a cell (a layer's forward or backward, or the

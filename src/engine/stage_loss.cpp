@@ -67,6 +67,14 @@ struct OutputJunction final : torch::autograd::Node {
   }
   torch::autograd::variable_list apply(
       torch::autograd::variable_list&& grads) override {
+    // Not yet connected: a backward started inside the loss function,
+    // before the cell's backward recomputed the output.
+    TORCH_CHECK_VALUE(
+        !next_edges().empty(),
+        "train_step's loss_fn ran a backward through the model's output "
+        "(loss.backward() or torch::autograd::grad inside loss_fn); "
+        "train_step runs the backward itself: return the loss without "
+        "back-propagating it");
     return std::move(grads);
   }
   std::string name() const override {
