@@ -529,7 +529,7 @@ elif [[ $mode == run ]]; then
   fi
   # A run whose loss stops being finite ends with exit 1, naming the step.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --balance 6,7 --lr 1e30
-  if [[ $status -ne 1 ]] || ! grep -qE 'gpipe-train: the loss is -?(nan|inf) at step [0-9]+ \(epoch 1\)' "$tmp/err"; then
+  if [[ $status -ne 1 ]] || ! grep -qE 'gpipe-train: the loss is (nan|-?inf) at step [0-9]+ \(epoch 1\)' "$tmp/err"; then
     fail "--lr 1e30 exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
   else
     echo "ok: --lr 1e30 -> $(cat "$tmp/err")"

@@ -340,7 +340,8 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
       TORCH_CHECK(
           std::isfinite(last_loss),
           "the loss is ",
-          last_loss,
+          // printf's "-nan" for a NaN whose sign bit is set is still NaN.
+          std::isnan(last_loss) ? std::string("nan") : c10::str(last_loss),
           " at step ",
           step,
           " (epoch ",
