@@ -14,6 +14,7 @@
 
 #include "dist/agreement.h"
 #include "dist/connection.h"
+#include "text.h"
 
 namespace gpipe::dist::detail {
 
@@ -103,8 +104,7 @@ std::string read_within_timeout(
       there = store.check({key});
     } catch (const std::exception&) {
       connection.check();  // the World's failure, when it failed meanwhile
-      TORCH_CHECK(
-          false,
+      gpipe::detail::fail_without_backtrace(c10::str(
           "gpipe::dist::",
           what,
           ": ",
@@ -113,43 +113,62 @@ std::string read_within_timeout(
           connection.rank_name(from),
           " (rank 0, which hosts it, ended or stopped answering) [c10d: ",
           detail::message_of(std::current_exception()).substr(0, 200),
-          "]");
+          "]"));
     }
     if (there) {
       return store_text(store.get(key));
     }
     connection.check();
     if (store.check({gave_up})) {
-      TORCH_CHECK(
-          false,
+      gpipe::detail::fail_without_backtrace(c10::str(
           "gpipe::dist::",
           what,
           ": ",
           store_text(store.get(gave_up)),
           "; ",
           connection.rank_name(world.rank()),
-          " gave up too");
+          " gave up too"));
     }
     if (Clock::now() >= deadline) {
       break;
     }
     std::this_thread::sleep_for(kPoll);
   }
-  const auto message = c10::str(
-      connection.rank_name(world.rank()),
-      " waited ",
-      (connection.timeout + grace).count() / 1000.0,
-      " s for ",
-      connection.rank_name(from),
-      ", which had not reached it (every rank calls ",
-      what,
-      " together, between steps)");
+  // A rank that said which call it makes had reached it, and then ended
+  // (killed) or stalled in it; one that did not say had not reached it.
+  bool reached = false;
+  try {
+    reached = store.check({prefix + "call" + std::to_string(from)});
+  } catch (const std::exception&) {
+  }
+  const auto message =
+      reached
+          ? c10::str(
+                connection.rank_name(world.rank()),
+                " waited ",
+                (connection.timeout + grace).count() / 1000.0,
+                " s for ",
+                connection.rank_name(from),
+                ", which had begun ",
+                what,
+                " but did not finish its part: its process ended (killed?) or "
+                "stalled")
+          : c10::str(
+                connection.rank_name(world.rank()),
+                " waited ",
+                (connection.timeout + grace).count() / 1000.0,
+                " s for ",
+                connection.rank_name(from),
+                ", which had not reached it (every rank calls ",
+                what,
+                " together, between steps)");
   try {
     store.compareSet(gave_up, {}, store_bytes(message));
   } catch (const std::exception&) {
     // (No store to tell: the others find that out themselves.)
   }
-  TORCH_CHECK(false, "gpipe::dist::", what, ": ", message);
+  gpipe::detail::fail_without_backtrace(
+      c10::str("gpipe::dist::", what, ": ", message));
 }
 
 // Every rank says which call it makes (`call`: its name and arguments, as
@@ -245,8 +264,7 @@ void with_c10_errors(
     throw;
   } catch (const std::exception& e) {
     world.connection()->check();
-    TORCH_CHECK(
-        false,
+    gpipe::detail::fail_without_backtrace(c10::str(
         "gpipe::dist::",
         what,
         ": ",
@@ -254,7 +272,7 @@ void with_c10_errors(
         " lost the job's store (rank 0, which hosts it, ended or stopped "
         "answering) [c10d: ",
         std::string(e.what()).substr(0, 200),
-        "]");
+        "]"));
   }
 }
 

@@ -238,6 +238,34 @@ survivors_of_a_replica() {
   echo "ok: survivors of a killed replica's rank name it: $(grep error "$tmp/rank1" | head -c 200)"
 }
 
+# died_in_save RANK TIMEOUT LIMIT TEXT: 4 ranks save a checkpoint, and
+# RANK dies (SIGKILL) at its first fsync, in the middle of the save (Note
+# [A rank killed while it saves] in dist_worker.cpp); every other rank fails
+# within LIMIT seconds of its own, with the World's timeout TIMEOUT, with an
+# error that matches TEXT.
+died_in_save() {
+  local killed=$1 timeout=$2 limit=$3 text=$4 r elapsed worst=0
+  rm -rf "$tmp/ck"
+  GPIPE_DIST_TIMEOUT=$timeout by_hand 4 --scenario die-in-save --kill-rank "$killed" \
+    --steps 1 --save "$tmp/ck"
+  if [[ ${codes[$killed]} -ne 137 ]]; then
+    fail "rank $killed should have died in the save, but exited ${codes[$killed]}: $(tail -2 "$tmp/rank$killed")"
+    return
+  fi
+  for r in 0 1 2 3; do
+    [[ $r -eq $killed ]] && continue
+    elapsed=$(failed_after "$tmp/rank$r")
+    ((elapsed > worst)) && worst=$elapsed
+    if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*$text" "$tmp/rank$r"; then
+      fail "rank $r after rank $killed died in a save: exit ${codes[$r]}: $(grep -m 1 error "$tmp/rank$r" | head -c 400)"
+    elif ((elapsed > limit)); then
+      fail "rank $r took ${elapsed} s to fail after rank $killed died in a save"
+    fi
+  done
+  no_backtrace "the survivors of a rank killed in a save" "$tmp"/rank[0-3]
+  echo "ok: rank $killed killed in a save; the others failed within ${worst} s: $(grep -h -m 1 error "$tmp"/rank[0-3] | head -1 | head -c 300)"
+}
+
 # stalled: a rank that stops answering (asleep for twice the timeout and
 # 2 s) is given up on after GPIPE_DIST_TIMEOUT (6 s here: the ranks must
 # also meet within it, and an ASan process can take seconds more than
@@ -353,6 +381,11 @@ case $mode in
     survivors
     survivors_of_a_replica
     stalled
+    # Rank 0 hosts the store: its death ends the others' waits at once,
+    # long before the timeout (20 s). Rank 2's is noticed at the timeout
+    # (8 s), and every survivor names it as a rank that began the save.
+    died_in_save 0 20 10 "lost the job's store"
+    died_in_save 2 8 16 "rank 2, which had begun save_checkpoint but did not finish"
     ;;
   rendezvous)
     # A MASTER_ADDR that does not resolve (here, where gpipe-run would

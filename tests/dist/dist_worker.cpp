@@ -10,8 +10,11 @@
 #include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -27,6 +30,21 @@
 #include <vector>
 
 #include "../sanitized.h"
+
+// Note [A rank killed while it saves]
+// The die-in-save scenario kills one rank (--kill-rank) in the middle of
+// gpipe::dist::save_checkpoint, at its first fsync: the checkpoint's files
+// are written through fsync, and this program's definition is the one the
+// (static) library calls. Any other fsync, or one before the save, goes to
+// the system's.
+std::atomic<bool> die_at_fsync{false};
+
+extern "C" int fsync(int fd) {
+  if (die_at_fsync.load()) {
+    std::raise(SIGKILL);
+  }
+  return static_cast<int>(::syscall(SYS_fsync, fd));
+}
 
 namespace {
 
@@ -405,6 +423,16 @@ int main(int argc, char** argv) {
       }
       std::cout << "rank " << r << ": step " << step << " loss "
                 << loss.item<double>() << std::endl;
+    }
+    if (scenario == "die-in-save") {
+      // Note [A rank killed while it saves]: the others must fail at once
+      // when the killed rank hosted the store (rank 0), and name it within
+      // the World's timeout otherwise.
+      die_at_fsync = r == kill_rank;
+      gpipe::TrainingState state;
+      state.step = steps;
+      gpipe::dist::save_checkpoint(
+          arg(argc, argv, "--save", ""), stage, opt, state);
     }
     if (scenario != "parity" && scenario != "bad-plan") {
       std::cout << "rank " << r << ": no error in scenario " << scenario
