@@ -27,8 +27,11 @@
 // Loading takes the newest (or
 // `dir` itself when it holds a manifest), checks every file it reads
 // against its checksum, and checks the model and optimizer against the
-// manifest before anything changes: a mismatch is a c10::ValueError naming
-// the first difference.
+// manifest before anything changes (layer count, names and shapes, the
+// optimizer's kind and the state it needs): a mismatch is a c10::ValueError
+// naming the first difference. Values of another dtype are converted, as
+// LibTorch's copy_ and PyTorch's load_state_dict do (a float64 checkpoint
+// loads into a float32 model, rounded).
 //
 // The optimizer's state of SGD, Adam, AdamW, RMSprop and Adagrad is saved
 // per parameter; its options (learning rate and so on) are the program's
