@@ -17,6 +17,11 @@ namespace {
 // narrow calls around each (a cost per micro-batch of every step).
 std::vector<torch::Tensor> pieces_of(const torch::Tensor& t, int64_t chunks) {
   const int64_t rows = t.dim() > 0 ? t.size(0) : 0;
+  // More chunks than rows cut one row a piece (and rows + chunks - 1 below
+  // would overflow for chunks near INT64_MAX).
+  if (rows > 0) {
+    chunks = std::min(chunks, rows);
+  }
   if (t.requires_grad() || rows == 0) {
     return t.chunk(chunks, /*dim=*/0);
   }

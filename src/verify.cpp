@@ -4,6 +4,8 @@
 #include <gpipe/verify.h>
 #include <torch/cuda.h>
 
+#include <limits>
+#include <string>
 #include <unordered_map>
 
 #include "text.h"
@@ -19,20 +21,23 @@ constexpr const char* kRecommendBalance =
 
 void verify_balance(const std::vector<int64_t>& balance, int64_t num_layers) {
   int64_t sum = 0;
+  bool too_large = false;  // a sum beyond int64's range
   for (auto b : balance) {
     TORCH_CHECK_VALUE(
         b >= 1,
         "every balance entry must be a positive integer, but got balance=",
         c10::IntArrayRef(balance),
         kRecommendBalance);
-    sum += b;
+    too_large = too_large || b > std::numeric_limits<int64_t>::max() - sum;
+    sum = too_large ? sum : sum + b;
   }
   TORCH_CHECK_VALUE(
-      sum == num_layers,
+      !too_large && sum == num_layers,
       "balance must sum to the number of layers (",
       num_layers,
       "), but got ",
-      sum,
+      too_large ? std::string("a sum beyond int64's range")
+                : std::to_string(sum),
       " (balance=",
       c10::IntArrayRef(balance),
       ")",

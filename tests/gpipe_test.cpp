@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include <atomic>
+#include <limits>
 #include <sstream>
 
 #include "common.h"
@@ -200,6 +201,62 @@ TEST_F(GPipeTest, ChunksBelowOneAreRefused) {
       GPipe(two_linears(), GPipeOptions({2}).chunks(0)), c10::ValueError);
   EXPECT_THROW(
       GPipe(two_linears(), GPipeOptions({2}).chunks(-1)), c10::ValueError);
+}
+
+// A balance whose sum overflows int64 wrapped round to the layer count,
+// passed the check, and ended in an internal assertion.
+TEST_F(GPipeTest, ABalanceWhoseSumOverflowsIsRefused) {
+  const auto huge = std::numeric_limits<int64_t>::max();
+  auto msg = message_of([&] {
+    GPipe(two_linears(), GPipeOptions({huge, huge, 4}));
+  });
+  EXPECT_TRUE(contains(msg, "a sum beyond int64's range")) << msg;
+  EXPECT_THROW(
+      GPipe(two_linears(), GPipeOptions({huge, huge, 4})), c10::ValueError);
+  EXPECT_THROW(gpipe::verify_balance({huge, huge, 4}, 2), c10::ValueError);
+}
+
+// Chunks near INT64_MAX: the first forward divided by zero (SIGFPE) on an
+// input without grad, and failed in Tensor::chunk on one with grad; any
+// chunks above the batch's rows cut one row a micro-batch.
+TEST_F(GPipeTest, ChunksFarAboveTheBatchCutOneRowEach) {
+  const auto huge = std::numeric_limits<int64_t>::max();
+  for (const int64_t chunks : {huge, huge - 4, int64_t{1} << 62}) {
+    EXPECT_EQ(gpipe::scatter({torch::zeros({6, 4})}, chunks).size(), 6u);
+    EXPECT_EQ(
+        gpipe::scatter({torch::zeros({6, 4}).requires_grad_()}, chunks).size(),
+        6u);
+  }
+  auto net = two_linears();
+  net->to(torch::kFloat64);
+  auto plain = gpipe::testing::copy_of(net);
+  GPipe model(net, GPipeOptions({1, 1}).chunks(huge));
+  const auto x = torch::randn({6, 3}, torch::kFloat64);
+  model->forward(x).sum().backward();
+  plain->forward(x).sum().backward();
+  gpipe::testing::expect_same_gradients(*plain, *net);
+}
+
+// A Checkpoint cast from an integer outside the enum ran as if it were
+// Never, and printing the model then failed an internal assertion.
+TEST_F(GPipeTest, ACheckpointModeOutsideTheEnumIsRefused) {
+  const auto bad = static_cast<gpipe::Checkpoint>(42);
+  auto msg = message_of([&] {
+    GPipe(two_linears(), GPipeOptions({1, 1}).checkpoint(bad));
+  });
+  EXPECT_TRUE(contains(msg, "but got Checkpoint(42)")) << msg;
+  EXPECT_THROW(
+      GPipe(two_linears(), GPipeOptions({1, 1}).checkpoint(bad)),
+      c10::ValueError);
+  // Set between passes: refused at the next pass, usable once put back.
+  GPipe model(two_linears(), GPipeOptions({1, 1}).chunks(2));
+  model->options.checkpoint(bad);
+  EXPECT_THROW(model->forward(torch::randn({4, 3})), c10::ValueError);
+  std::ostringstream printed;
+  printed << *model;
+  EXPECT_TRUE(contains(printed.str(), "checkpoint=unknown")) << printed.str();
+  model->options.checkpoint(gpipe::Checkpoint::Always);
+  EXPECT_NO_THROW(model->forward(torch::randn({4, 3})).sum().backward());
 }
 
 TEST_F(GPipeTest, TooFewDevicesAreRefused) {

@@ -16,6 +16,16 @@
 
 namespace gpipe::detail {
 
+void verify_checkpoint_mode(Checkpoint mode) {
+  TORCH_CHECK_VALUE(
+      mode == Checkpoint::Always || mode == Checkpoint::ExceptLast ||
+          mode == Checkpoint::Never,
+      "checkpoint must be Checkpoint::Always, Checkpoint::ExceptLast or "
+      "Checkpoint::Never, but got Checkpoint(",
+      static_cast<int>(mode),
+      ")");
+}
+
 void verify_options(
     const torch::nn::Sequential& module,
     const GPipeOptions& options,
@@ -35,6 +45,7 @@ void verify_options(
   }
   verify_skippables(module);
   verify_chunks(options.chunks());
+  verify_checkpoint_mode(options.checkpoint());
   verify_balance(options.balance(), static_cast<int64_t>(module->size()));
   const auto n = static_cast<int64_t>(options.balance().size());
   const auto v = options.stages_per_lane();

@@ -21,12 +21,15 @@ namespace gpipe::detail {
 /// their model and options before anything is built: a module without
 /// repeats or a nested GPipe, skips that pair up, chunks, a balance that
 /// covers the layers, stages_per_lane dividing the partitions, a placement
-/// of every partition that agrees with stages_per_lane, and
-/// threads_per_lane. A c10::Error names what is wrong.
+/// of every partition that agrees with stages_per_lane, a checkpoint mode,
+/// and threads_per_lane. A c10::Error names what is wrong.
 void verify_options(
     const torch::nn::Sequential& module,
     const GPipeOptions& options,
     const char* who);
+
+/// Refuses a Checkpoint that is none of the enum's values (a cast integer).
+void verify_checkpoint_mode(Checkpoint mode);
 
 /// Refuses a pass of a model built with `built` whose public `options` now
 /// has another layout: balance, devices, stages_per_lane, placement,

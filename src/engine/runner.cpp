@@ -11,6 +11,7 @@
 
 #include "engine/cell.h"
 #include "engine/lane_threads.h"
+#include "engine/partitions.h"
 #include "engine/pipeline.h"
 #include "engine/wide_cells.h"
 #include "schedule/actions.h"
@@ -19,6 +20,8 @@
 namespace gpipe::detail {
 
 PassOptions pass_options(bool training, const GPipeOptions& options) {
+  // Chunks and the checkpoint mode may change between passes.
+  verify_checkpoint_mode(options.checkpoint());
   PassOptions pass;
   pass.training = training;
   if (training) {
