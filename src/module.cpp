@@ -52,6 +52,29 @@ struct GPipeImpl::Engine : detail::Pipeline {
   using Pipeline::Pipeline;
 };
 
+std::shared_ptr<torch::nn::Module> GPipeImpl::clone(
+    const c10::optional<torch::Device>& device) const {
+  TORCH_CHECK_VALUE(
+      !device.has_value(),
+      "gpipe::GPipe::clone places the copy on the devices of its options; "
+      "call it without a device, but got ",
+      device.value_or(torch::kCPU));
+  // The layers the partitions run (with deferred_batch_norm, the converted
+  // ones, whose statistics these are), each under its name.
+  torch::nn::Sequential copy;
+  for (const auto& part : *partitions_) {
+    const auto& sequential = *part->as<torch::nn::SequentialImpl>();
+    const auto names = sequential.named_children();
+    size_t k = 0;
+    for (const auto& layer : sequential) {
+      copy->push_back(names[k++].key(), layer.clone());
+    }
+  }
+  auto copy_options = built_;
+  copy_options.chunks(options.chunks()).checkpoint(options.checkpoint());
+  return std::make_shared<GPipeImpl>(copy, copy_options);
+}
+
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
     : options(std::move(options_)), built_(options), sequential_(module) {
   detail::verify_options(module, options, "gpipe::GPipe");

@@ -618,6 +618,57 @@ TEST_F(GPipeTest, AZeroDimOutputIsRefusedInItsOwnWords) {
   }
 }
 
+// clone() was LibTorch's "clone() has not been implemented for
+// gpipe::GPipeImpl": it now copies the partitions' layers into a new
+// GPipe of the same layout, chunks and checkpoint, which trains on its own.
+TEST_F(GPipeTest, CloneCopiesTheLayersIntoANewPipeline) {
+  for (const bool deferred : {false, true}) {
+    torch::manual_seed(1);
+    torch::nn::Sequential net(
+        torch::nn::Linear(3, 4),
+        torch::nn::BatchNorm1d(4),
+        torch::nn::Tanh(),
+        torch::nn::Linear(4, 2));
+    net->to(torch::kFloat64);
+    GPipe model(
+        net, GPipeOptions({2, 2}).chunks(2).deferred_batch_norm(deferred));
+    const auto x = torch::randn({6, 3}, torch::kFloat64);
+    model->forward(x).sum().backward();  // running statistics move
+    model->options.chunks(3).checkpoint(gpipe::Checkpoint::Never);
+    auto copy = std::dynamic_pointer_cast<gpipe::GPipeImpl>(model->clone());
+    ASSERT_TRUE(copy != nullptr);
+    EXPECT_EQ(copy->balance(), model->balance());
+    EXPECT_EQ(copy->chunks(), 3);
+    EXPECT_EQ(copy->checkpoint(), gpipe::Checkpoint::Never);
+    const auto mine = model->named_parameters();
+    const auto theirs = copy->named_parameters();
+    ASSERT_EQ(mine.size(), theirs.size());
+    for (const auto& p : mine) {
+      const auto& q = theirs[p.key()];
+      EXPECT_TRUE(torch::equal(p.value(), q)) << p.key();
+      EXPECT_FALSE(p.value().is_alias_of(q)) << p.key();
+    }
+    const auto buffers = model->named_buffers();
+    const auto copied = copy->named_buffers();
+    ASSERT_EQ(buffers.size(), copied.size());
+    for (const auto& b : buffers) {
+      EXPECT_TRUE(torch::equal(b.value(), copied[b.key()])) << b.key();
+    }
+    model->eval();
+    copy->eval();
+    EXPECT_TRUE(torch::equal(model->forward(x), copy->forward(x)));
+    // The copy trains without touching the original.
+    copy->train();
+    const auto before = net->parameters()[0].clone();
+    torch::optim::SGD opt(copy->parameters(), 0.5);
+    copy->forward(x).sum().backward();
+    opt.step();
+    EXPECT_TRUE(torch::equal(net->parameters()[0], before));
+    EXPECT_FALSE(torch::equal(copy->parameters()[0], before));
+    EXPECT_THROW(model->clone(torch::Device(torch::kCPU)), c10::ValueError);
+  }
+}
+
 TEST_F(GPipeTest, MovingDevicesIsRefusedButDtypeCastsWork) {
   GPipe model(two_linears(), GPipeOptions({1, 1}));
   EXPECT_THROW(model->to(torch::kCPU), c10::TypeError);

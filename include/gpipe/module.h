@@ -100,6 +100,14 @@ class GPipeImpl : public torch::nn::Module {
       const LossFunction& loss_fn,
       const Plan& plan);
 
+  /// A new GPipe of copies of the partitions' layers (parameters and
+  /// buffers copied, on the same devices; every layer must be cloneable, as
+  /// for Sequential::clone), with the layout as built and this one's chunks
+  /// and checkpoint. `device` must be unset: the partitions' devices are
+  /// the options'.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override;
+
   /// Refused: GPipe owns device placement.
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
       override;
