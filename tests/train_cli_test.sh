@@ -315,7 +315,14 @@ if [[ $mode == bad ]]; then
   real bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0
   bad WORLD_SIZE "${d[@]}"
-  unset WORLD_SIZE
+  # One process told it is rank 1: it trained alone, as rank 0 would.
+  export WORLD_SIZE=1 RANK=1
+  real bad "RANK must be 0 when WORLD_SIZE is 1, but got '1'" "${d[@]}"
+  # A malformed variable of the job's environment is a command-line error
+  # (exit 2, which gpipe-run does not restart), not a failed run (1).
+  export WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 GPIPE_DIST_TIMEOUT=abc
+  real bad GPIPE_DIST_TIMEOUT "${d[@]}" --schedule 1f1b
+  unset WORLD_SIZE RANK MASTER_ADDR MASTER_PORT GPIPE_DIST_TIMEOUT
 
   # --help still prints the flags and exits 0, each option with its
   # default.
@@ -527,6 +534,16 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --plan of 2 micro-batches: $(grep -o '"chunks":2' "$tmp/out")"
   fi
+  # A JSON summary that cannot be written (a full disk) fails the run; it
+  # exited 0 with the results lost.
+  timeout 120 "$bin" --data-dir "$data" --epochs 1 --limit 128 --test-limit 100 \
+    --balance 6,7 --json >/dev/full 2>"$tmp/err"
+  status=$?
+  if [[ $status -ne 1 ]] || ! grep -q "cannot write the JSON summary to standard output" "$tmp/err"; then
+    fail "--json into /dev/full exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: --json into /dev/full -> $(tail -1 "$tmp/err")"
+  fi
   # A run whose loss stops being finite ends with exit 1, naming the step.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --balance 6,7 --lr 1e30
   if [[ $status -ne 1 ]] || ! grep -qE 'gpipe-train: the loss is (nan|-?inf) at step [0-9]+ \(epoch 1\)' "$tmp/err"; then
@@ -640,8 +657,10 @@ elif [[ $mode == run ]]; then
   fi
   # Resuming a finished run trains nothing and still prints its JSON line,
   # with the loss and accuracy the run ended with.
-  run "${r[@]}" --epochs 2 --save "$tmp/r" --resume
+  # (Its balance is the one the run trained with, 6,7, not this one's.)
+  run "${common[@]}" --balance 3,10 --epochs 2 --save "$tmp/r" --resume
   if [[ $status -ne 0 ]] || ! grep -q '"nothing_left_to_train":true' "$tmp/out" ||
+    ! grep -q '"balance":\[6,7\]' "$tmp/out" ||
     [[ $(ending) != "$straight" ]]; then
     fail "--resume of a finished run exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
   else

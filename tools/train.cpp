@@ -76,6 +76,10 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     return t.narrow(0, begin, rows * (replica + 1) / replicas - begin);
   };
   std::FILE* out = text_out(args);
+  // Each line as it is written (standard output is fully buffered into a
+  // pipe or file: a launcher would show the epoch's results at the end,
+  // and a rank killed would lose the lines of the checkpoints it saved).
+  std::setvbuf(out, nullptr, _IOLBF, BUFSIZ);
   if (args.chunks_from_plan && lead) {
     std::fprintf(
         out,
@@ -217,6 +221,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     state.epoch = epochs_done;
     state.position = position;
     state.user[kFinalLossKey] = exact_text(last_loss);
+    state.user[kBalanceKey] = c10::Join(",", balance);
     if (accuracy) {
       state.user[kTestAccuracyKey] = exact_text(*accuracy);
     }
@@ -479,7 +484,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
             {"resumed_at_step", resumed.step},
             {"train_samples_per_second", double(trained_rows) / train_seconds},
             {"total_seconds", total}};
-        std::cout << summary.dump() << std::endl;
+        write_json_line(summary);
       }
     }
   }
@@ -490,7 +495,15 @@ int train(const Args& args) {
   // Under a launcher: one partition per rank; rank 0 prints.
   std::optional<gpipe::dist::World> world;
   if (args.world_size > 1) {
-    world = gpipe::dist::init_from_env();
+    try {
+      world = gpipe::dist::init_from_env();
+    } catch (const c10::ValueError& e) {
+      // A malformed variable of the environment (GPIPE_DIST_TIMEOUT=abc, a
+      // MASTER_ADDR that does not resolve) is part of the command line:
+      // every start would repeat it, so it exits 2, which gpipe-run does
+      // not restart.
+      throw UsageError(e.what_without_backtrace());
+    }
   }
   try {
     return train_with(args, world);

@@ -306,7 +306,8 @@ void add_options(CLI::App& app, Args& args) {
   app.add_option(
       "--timeline",
       args.timeline_path,
-      "Write an SVG timeline of a few steps here");
+      "Write an SVG timeline of a few steps here (one row per lane; under a "
+      "launcher, per rank of the first replica's pipeline)");
   app.add_option(
          "--trace-steps",
          args.trace_steps,
@@ -450,7 +451,23 @@ int64_t world_size_from_env() {
       "it), but got '",
       text,
       "'");
+  // One process: init_from_env, which checks RANK, is not called.
+  const char* rank = std::getenv("RANK");
+  usage_check(
+      value > 1 || rank == nullptr || *rank == '\0' || std::string(rank) == "0",
+      "RANK must be 0 when WORLD_SIZE is 1, but got '",
+      rank == nullptr ? "" : rank,
+      "'");
   return value;
+}
+
+void write_json_line(const nlohmann::json& summary) {
+  std::cout << summary.dump() << std::endl;
+  TORCH_CHECK(
+      std::cout.good(),
+      "cannot write the JSON summary to standard output (",
+      std::strerror(errno),
+      "): the run's results are lost");
 }
 
 // c10::Error messages may carry context on further lines; print one.

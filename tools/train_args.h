@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -144,9 +145,14 @@ inline std::FILE* text_out(const Args& args) {
   return args.json ? stderr : stdout;
 }
 
-/// WORLD_SIZE from the environment (1 when unset); a malformed value is a
-/// UsageError.
+/// WORLD_SIZE from the environment (1 when unset); a malformed value, or a
+/// RANK other than 0 beside a WORLD_SIZE of 1, is a UsageError.
 int64_t world_size_from_env();
+
+/// Writes `summary` as one line to standard output; a line that cannot be
+/// written (a full disk, a closed pipe) is an error (exit 1), not a run
+/// that looks done.
+void write_json_line(const nlohmann::json& summary);
 
 /// The flags of `args`, with their defaults, on `app`.
 void add_options(CLI::App& app, Args& args);
@@ -283,6 +289,8 @@ void verify_output_path(const std::string& flag, const std::string& path);
 /// loss and the last epoch's test accuracy, as exact_text writes them.
 inline constexpr const char* kFinalLossKey = "final_loss";
 inline constexpr const char* kTestAccuracyKey = "test_accuracy";
+// The balance the run trained with, as "6,7".
+inline constexpr const char* kBalanceKey = "balance";
 /// `value` as text that reads back (std::strtod) as the same double.
 std::string exact_text(double value);
 /// A CLI11 check that takes plain decimal integers that fit in int64_t

@@ -367,18 +367,29 @@ bool resume_is_done(
     if (lead) {
       std::fprintf(
           out,
-          "--resume: the saved run has done %lld epochs of --epochs %lld; "
+          "--resume: the saved run has done %lld epoch%s of --epochs %lld; "
           "nothing left to train\n",
           static_cast<long long>(resumed.epoch),
+          resumed.epoch == 1 ? "" : "s",
           static_cast<long long>(epochs));
       if (args.json) {
         nlohmann::json summary = {
             {"model", args.model},
-            {"balance", balance},
             {"epochs", epochs},
             {"steps", resumed.step},
             {"resumed_at_step", resumed.step},
             {"nothing_left_to_train", true}};
+        // The balance the run trained with (this one's, measured afresh,
+        // says nothing of it), when its checkpoint says.
+        const auto saved_balance = resumed.user.find(kBalanceKey);
+        if (saved_balance != resumed.user.end()) {
+          std::vector<int64_t> parts;
+          std::stringstream text(saved_balance->second);
+          for (std::string part; std::getline(text, part, ',');) {
+            parts.push_back(std::strtoll(part.c_str(), nullptr, 10));
+          }
+          summary["balance"] = parts;
+        }
         // The results the run ended with, as its own summary gave them.
         for (const auto* key : {kFinalLossKey, kTestAccuracyKey}) {
           const auto found = resumed.user.find(key);
@@ -386,7 +397,7 @@ bool resume_is_done(
             summary[key] = std::strtod(found->second.c_str(), nullptr);
           }
         }
-        std::cout << summary.dump() << std::endl;
+        write_json_line(summary);
       }
     }
     return true;
