@@ -253,6 +253,37 @@ std::string json_escaped(const std::string& text) {
 
 }  // namespace
 
+namespace {
+
+// An event's name in a Chrome trace: its kind's letter (receive and
+// recompute both begin with r: transfers are named in words), then the
+// micro-batch.
+const char* short_name(TraceKind kind) {
+  switch (kind) {
+    case TraceKind::Forward:
+      return "F";
+    case TraceKind::Backward:
+      return "B";
+    case TraceKind::Recompute:
+      return "R";
+    case TraceKind::Weight:
+      return "W";
+    case TraceKind::Loss:
+      return "L";
+    case TraceKind::Copy:
+      return "C";
+    case TraceKind::Receive:
+      return "recv ";
+    case TraceKind::Send:
+      return "send ";
+    case TraceKind::AllReduce:
+      return "all-reduce ";
+  }
+  return "?";
+}
+
+}  // namespace
+
 std::string Trace::chrome_json() const {
   const auto events = this->events();
   const auto label = json_escaped(row_label());
@@ -272,13 +303,19 @@ std::string Trace::chrome_json() const {
     out << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << lane
         << ",\"args\":{\"name\":\"" << label << " " << lane << "\"}}";
   }
+  // Chrome's timestamps start at 0: a gathered trace's other ranks may
+  // have begun before rank 0's origin (negative times), so everything
+  // moves by the earliest of those.
+  double shift = 0;
+  for (const auto& e : events) {
+    shift = std::min(shift, e.start_us);
+  }
   for (const auto& e : events) {
     comma();
-    const char kind_letter = to_string(e.kind)[0] - ('a' - 'A');
-    out << "{\"name\":\"" << kind_letter << e.micro_batch
+    out << "{\"name\":\"" << short_name(e.kind) << e.micro_batch
         << (e.failed ? " failed" : "") << "\",\"cat\":\"" << to_string(e.kind)
         << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.lane
-        << ",\"ts\":" << fixed(e.start_us)
+        << ",\"ts\":" << fixed(e.start_us - shift)
         << ",\"dur\":" << fixed(e.end_us - e.start_us)
         << ",\"args\":{\"micro_batch\":" << e.micro_batch
         << (e.failed ? ",\"failed\":true" : "") << "}}";

@@ -250,6 +250,26 @@ TEST_F(TraceTest, ChromeJsonHasOneCompleteEventPerInterval) {
   EXPECT_EQ(names, 2);  // one per lane
 }
 
+// A trace gathered from ranks holds times before rank 0's origin: the
+// Chrome trace had negative timestamps. And receive and recompute were
+// both "R<micro-batch>".
+TEST_F(TraceTest, ChromeJsonStartsAtZeroAndNamesEveryKindApart) {
+  Trace trace;
+  trace.add(TraceEvent{0, 0, TraceKind::Receive, -150.0, -100.0});
+  trace.add(TraceEvent{0, 0, TraceKind::Recompute, -90.0, -50.0});
+  trace.add(TraceEvent{1, 1, TraceKind::Forward, 10.0, 20.0});
+  const auto json = nlohmann::json::parse(trace.chrome_json());
+  std::vector<std::pair<std::string, double>> got;
+  for (const auto& e : json["traceEvents"]) {
+    if (e["ph"] == "X") {
+      got.emplace_back(e["name"].get<std::string>(), e["ts"].get<double>());
+    }
+  }
+  const std::vector<std::pair<std::string, double>> expected{
+      {"recv 0", 0.0}, {"R0", 60.0}, {"F1", 160.0}};
+  EXPECT_EQ(got, expected);
+}
+
 TEST_F(TraceTest, AShortTraceIsLabelledInMicroseconds) {
   // A 7 us trace read "0.00 ms, 0.00 ms, 0.00 ms, 0.01 ms, 0.01 ms".
   Trace trace;

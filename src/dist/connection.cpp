@@ -295,6 +295,8 @@ void Connection::send(
   auto post = [&](torch::Tensor buffer) {
     try {
       pending.push_back(groups.channel->send(std::move(buffer), peer, tag));
+      std::lock_guard<std::mutex> lock(mutex_);
+      send_peers_[pending.back().get()] = peer;
     } catch (const std::exception&) {
       fail(
           rank_name(rank) + " could not send " + id.describe() + " to " +
@@ -460,10 +462,18 @@ void Connection::wait_sends(
     } catch (const std::exception&) {
       error = message_of(std::current_exception());
     }
+    int64_t peer = -1;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       waiting_.erase(work);
+      const auto it = send_peers_.find(work.get());
+      if (it != send_peers_.end()) {
+        peer = it->second;
+        send_peers_.erase(it);
+      }
     }
+    const auto other =
+        peer >= 0 ? rank_name(peer) : std::string("another rank");
     if (!sent) {
       // A send completes when its receiver takes it. (Not sent and no
       // error: aborted by a failure, which fail() leaves as it is.)
@@ -475,11 +485,11 @@ void Connection::wait_sends(
           rank_name(rank) +
           (timed_out
                ? " gave up after " + std::to_string(timeout.count() / 1000) +
-                     " s (GPIPE_DIST_TIMEOUT) waiting for another rank to take "
-                     "its messages: that rank stopped answering, or runs other "
-                     "passes"
-               : " could not finish sending to another rank (it died or "
-                 "closed its connection)") +
+                     " s (GPIPE_DIST_TIMEOUT) waiting for " + other +
+                     " to take its messages: that rank stopped answering, or "
+                     "runs other passes"
+               : " could not finish sending to " + other +
+                     " (it died or closed its connection)") +
           " [c10d: " + error.substr(0, 300) + "]");
     }
   }

@@ -247,6 +247,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   // Receives posted and sends waited on: a failure aborts them, so that no
   // rank waits out the timeout for a peer that already failed.
   std::set<c10::intrusive_ptr<c10d::Work>> waiting_;  // guarded by mutex_
+  // The peer of each send posted and not yet waited for (wait_sends names
+  // the rank that did not take it).
+  std::map<const c10d::Work*, int64_t> send_peers_;
   // Agreed layouts, by (peer, tag): what was last sent and last received.
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> sent_layouts_;
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> received_layouts_;

@@ -280,7 +280,26 @@ World join_from_env(std::chrono::milliseconds timeout) {
   try {
     // Note [c10d's lines on a failed connect] in dist/meeting.cpp.
     const detail::QuietLibTorchLog quiet;
-    tcp = c10::make_intrusive<c10d::TCPStore>(std::string(addr), options);
+    // c10d's client gives up on connecting early, when its next retry (a
+    // second apart) would pass its timeout: a rank with a 3 s timeout gave
+    // up after 2.5 s, and with 1 s a healthy job failed when rank 0's
+    // store came a moment late. It tries again with what is left of the
+    // deadline, then keeps the whole timeout for the store's later waits.
+    while (true) {
+      try {
+        tcp = c10::make_intrusive<c10d::TCPStore>(std::string(addr), options);
+        break;
+      } catch (const std::exception&) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (options.isServer || left < std::chrono::milliseconds(50)) {
+          throw;
+        }
+        options.timeout = left;
+      }
+    }
+    options.timeout = timeout;
+    tcp->setTimeout(timeout);
   } catch (const std::exception&) {
     const auto why = detail::message_of(std::current_exception());
     const bool held = options.isServer &&
