@@ -295,6 +295,8 @@ World join_from_env(std::chrono::milliseconds timeout) {
         if (options.isServer || left < std::chrono::milliseconds(50)) {
           throw;
         }
+        // (With under a second left c10d gives up at once: not a spin.)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
         options.timeout = left;
       }
     }

@@ -412,6 +412,20 @@ case $mode in
     port=$(free_port)
     refused "rank 0 alone with a 4 s timeout" 6 "only 1 of the 2 ranks" \
       GPIPE_DIST_TIMEOUT=4
+    # Rank 1 alone waits for rank 0's store as long as its timeout says:
+    # c10d's client gave up on connecting early (2.5 s of 3, 0.8 s of 1,
+    # failing healthy jobs whose rank 0 came a moment late).
+    port=$(free_port)
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=1 WORLD_SIZE=2 \
+      GPIPE_DIST_TIMEOUT=3 timeout 60 "$prog" >"$tmp/out" 2>&1
+    status=$?
+    took=$(awk '/ failed after [0-9.e+-]+ s$/ { print $(NF - 1); exit }' "$tmp/out")
+    if [[ $status -ne 3 ]] || ! grep -q "could not reach rank 0's store" "$tmp/out" ||
+      ! awk -v t="$took" 'BEGIN { exit !(t != "" && t >= 2.85 && t <= 6) }'; then
+      fail "rank 1 alone with a 3 s timeout: exit $status after ${took} s: $(head -c 600 "$tmp/out")"
+    else
+      echo "ok: rank 1 alone waits its 3 s timeout (${took} s): $(grep error "$tmp/out" | head -c 300)"
+    fi
     # A backend this build lacks (every build lacks mpi; a CPU LibTorch,
     # nccl): refused before the rank waits for the others, naming what the
     # build has.
