@@ -175,7 +175,10 @@ if [[ $mode == bad ]]; then
   bad --data-dir --data-dir "$tmp/no-such-folder"
   bad --data-dir --data-dir "$tmp"
   bad --data-dir --data-dir "$fake/train-images-idx3-ubyte.gz"
-  bad --trace "${d[@]}" --trace "$tmp/no-such-folder/t.json"
+  bad "its folder, does not exist" "${d[@]}" --trace "$tmp/no-such-folder/t.json"
+  # Under a file, not a folder: it said the folder did not exist.
+  touch "$tmp/a-file"
+  bad "'$tmp/a-file' is not a folder" "${d[@]}" --trace "$tmp/a-file/t.json"
   bad --trace "${d[@]}" --trace "$tmp"
   bad --trace "${d[@]}" --trace ''
   bad --timeline "${d[@]}" --timeline "$tmp/no-such-folder/t.svg"

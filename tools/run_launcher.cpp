@@ -337,7 +337,9 @@ void Launcher::read_signals() {
           "got " + signal_name(signo) + "; sending SIGTERM to every rank");
       stop();
     } else if (!killed_ && signo == SIGINT) {
-      kill_survivors("got SIGINT again");
+      kill_survivors(
+          signal_ == SIGINT ? "got SIGINT again"
+                            : "got SIGINT after " + signal_name(signal_));
     }
   }
 }

@@ -122,9 +122,10 @@ void verify_output_path(const std::string& flag, const std::string& path) {
       flag,
       " '",
       path,
-      "': the folder '",
+      "': '",
       folder.string(),
-      "' does not exist");
+      fs::exists(folder, ignored) ? "' is not a folder"
+                                  : "', its folder, does not exist");
   usage_check(
       ::access(folder.c_str(), W_OK) == 0,
       flag,
