@@ -76,10 +76,6 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     return t.narrow(0, begin, rows * (replica + 1) / replicas - begin);
   };
   std::FILE* out = text_out(args);
-  // Each line as it is written (standard output is fully buffered into a
-  // pipe or file: a launcher would show the epoch's results at the end,
-  // and a rank killed would lose the lines of the checkpoints it saved).
-  std::setvbuf(out, nullptr, _IOLBF, BUFSIZ);
   if (args.chunks_from_plan && lead) {
     std::fprintf(
         out,
@@ -518,6 +514,11 @@ int train(const Args& args) {
 }  // namespace
 
 int gpipe_train::train_main(int argc, char** argv) {
+  // Standard output line by line, set before anything is written to it: it
+  // is fully buffered into a pipe or a file, so a launcher showed the
+  // epochs' results at the end, and a rank killed lost the lines of the
+  // checkpoints it had saved. (Standard error is unbuffered.)
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   CLI::App app{
       "Train a CNN, ResNet or U-Net on Fashion-MNIST with GPipe pipeline "
       "parallelism"};
