@@ -59,20 +59,23 @@ std::shared_ptr<torch::nn::Module> GPipeImpl::clone(
       "gpipe::GPipe::clone places the copy on the devices of its options; "
       "call it without a device, but got ",
       device.value_or(torch::kCPU));
-  // The layers the partitions run (with deferred_batch_norm, the converted
-  // ones, whose statistics these are), each under its name.
-  torch::nn::Sequential copy;
-  for (const auto& part : *partitions_) {
-    const auto& sequential = *part->as<torch::nn::SequentialImpl>();
-    const auto names = sequential.named_children();
-    size_t k = 0;
-    for (const auto& layer : sequential) {
-      copy->push_back(names[k++].key(), layer.clone());
-    }
-  }
+  // The Sequential given, whose layers the partitions run (with
+  // deferred_batch_norm its BatchNorms, whose parameters, statistics and
+  // mode the converted layers share or follow): the copy converts its own
+  // again, as this one did.
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(
+      sequential_->clone());
+  TORCH_INTERNAL_ASSERT(copy != nullptr);
   auto copy_options = built_;
   copy_options.chunks(options.chunks()).checkpoint(options.checkpoint());
-  return std::make_shared<GPipeImpl>(copy, copy_options);
+  auto made = std::make_shared<GPipeImpl>(
+      torch::nn::Sequential(std::move(copy)), copy_options);
+  // The layers' modes came with them; a GPipe put in eval() as a whole is
+  // copied as one.
+  if (!is_training()) {
+    made->train(false);
+  }
+  return made;
 }
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)

@@ -364,6 +364,42 @@ TEST_F(
   }
 }
 
+// A layer that changes its own weights as it runs (an Embedding with
+// max_norm renormalises them in place in every forward) is not refused: its
+// changes are the layers' own, and recomputation reads what it left; with
+// Always, an eval pass between the forward and the backward counts as the
+// layers' own too (with ExceptLast, the last micro-batch's saved weight
+// would be refused by LibTorch's own check, as the plain model's). The
+// gradients are the plain model's.
+TEST_F(CheckpointTest, ALayerThatRenormalisesItsWeightsIsNotRefused) {
+  const auto make = [] {
+    torch::manual_seed(5);
+    torch::nn::Sequential net(
+        torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).max_norm(0.5)),
+        torch::nn::Flatten(),
+        torch::nn::Linear(12, 3));
+    net->to(torch::kFloat64);
+    return net;
+  };
+  const auto x = torch::randint(0, 10, {8, 3});
+  for (const auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+    auto plain = make();
+    auto net = make();
+    gpipe::GPipe model(
+        net, gpipe::GPipeOptions({1, 2}).chunks(4).checkpoint(mode));
+    auto loss = model->forward(x).pow(2).sum();
+    if (mode == Checkpoint::Always) {
+      torch::NoGradGuard no_grad;
+      model->eval();
+      model->forward(x);
+      model->train();
+    }
+    EXPECT_NO_THROW(loss.backward());
+    plain->forward(x).pow(2).sum().backward();
+    gpipe::testing::expect_same_gradients(*plain, *net);
+  }
+}
+
 TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   auto stats = [](Checkpoint mode) {
     torch::manual_seed(1);

@@ -666,6 +666,20 @@ TEST_F(GPipeTest, CloneCopiesTheLayersIntoANewPipeline) {
     EXPECT_TRUE(torch::equal(net->parameters()[0], before));
     EXPECT_FALSE(torch::equal(copy->parameters()[0], before));
     EXPECT_THROW(model->clone(torch::Device(torch::kCPU)), c10::ValueError);
+    // The Sequential put in eval() (as the guide says one may): the copy's
+    // BatchNorm runs in eval too, so both give the same outputs.
+    model->train();
+    net->eval();
+    auto evaluated =
+        std::dynamic_pointer_cast<gpipe::GPipeImpl>(model->clone());
+    EXPECT_TRUE(torch::equal(model->forward(x), evaluated->forward(x)));
+    const auto stats = evaluated->named_buffers();
+    for (const auto& b : model->named_buffers()) {
+      EXPECT_TRUE(torch::equal(b.value(), stats[b.key()])) << b.key();
+    }
+    // A GPipe in eval() as a whole is copied in eval().
+    model->eval();
+    EXPECT_FALSE(model->clone()->is_training());
   }
 }
 

@@ -731,7 +731,7 @@ fi
 # A rank that exits 2 (a command-line error) is not started again: every
 # start would read the same command line.
 limit=20 run -n 2 --max-restarts 2 -- sh -c 'echo start; [ "$RANK" = 0 ] || exit 2'
-starts=$(grep -c '^\[0\] start' "$tmp/out")
+starts=$(grep -c '^\[1\] start' "$tmp/out")
 if [[ $status -ne 2 || $starts -ne 1 ]] ||
   ! grep -q 'not restarting: rank 1 exited with status 2' "$tmp/err" ||
   [[ $(tail -1 "$tmp/err") != "gpipe-run: gave up after 0 of at most 2 restarts" ]]; then

@@ -339,7 +339,8 @@ void Launcher::read_signals() {
     } else if (!killed_ && signo == SIGINT) {
       kill_survivors(
           signal_ == SIGINT ? "got SIGINT again"
-                            : "got SIGINT after " + signal_name(signal_));
+          : signal_ != 0    ? "got SIGINT after " + signal_name(signal_)
+                            : "got SIGINT while stopping the ranks");
     }
   }
 }

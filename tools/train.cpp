@@ -494,11 +494,15 @@ int train(const Args& args) {
     try {
       world = gpipe::dist::init_from_env();
     } catch (const c10::ValueError& e) {
-      // A malformed variable of the environment (GPIPE_DIST_TIMEOUT=abc, a
-      // MASTER_ADDR that does not resolve) is part of the command line:
-      // every start would repeat it, so it exits 2, which gpipe-run does
-      // not restart.
-      throw UsageError(e.what_without_backtrace());
+      // A malformed variable of the environment (GPIPE_DIST_TIMEOUT=abc) is
+      // part of the command line: every start would repeat it, so it exits
+      // 2, which gpipe-run does not restart. A MASTER_ADDR that does not
+      // resolve may yet (a name service that starts with the cluster).
+      const std::string message = e.what_without_backtrace();
+      if (message.find("MASTER_ADDR to be a host name") != std::string::npos) {
+        throw;
+      }
+      throw UsageError(message);
     }
   }
   try {

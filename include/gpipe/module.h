@@ -100,11 +100,11 @@ class GPipeImpl : public torch::nn::Module {
       const LossFunction& loss_fn,
       const Plan& plan);
 
-  /// A new GPipe of copies of the partitions' layers (parameters and
-  /// buffers copied, on the same devices; every layer must be cloneable, as
-  /// for Sequential::clone), with the layout as built and this one's chunks
-  /// and checkpoint. `device` must be unset: the partitions' devices are
-  /// the options'.
+  /// A new GPipe of a copy of the Sequential given (`Sequential::clone`:
+  /// every layer must be cloneable; parameters, buffers and training modes
+  /// copied, on the same devices), with the layout as built and this one's
+  /// chunks, checkpoint and training mode. `device` must be unset: the
+  /// partitions' devices are the options'.
   std::shared_ptr<torch::nn::Module> clone(
       const c10::optional<torch::Device>& device = c10::nullopt) const override;
 

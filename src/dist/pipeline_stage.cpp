@@ -286,6 +286,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         auto check_arguments = [&] {
           gpipe::detail::verify_layout_unchanged(
               options, built_, "gpipe::dist::PipelineStage");
+          gpipe::detail::verify_checkpoint_mode(options.checkpoint());
           TORCH_CHECK_VALUE(
               static_cast<bool>(loss_fn),
               "train_step expects a loss_fn, but got none");

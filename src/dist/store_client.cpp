@@ -6,6 +6,8 @@
 
 #include <utility>
 
+#include "text.h"
+
 namespace gpipe::dist::detail {
 
 StoreClient::StoreClient(
@@ -16,11 +18,14 @@ StoreClient::StoreClient(
 
 c10::intrusive_ptr<c10d::Store> StoreClient::target() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(
-      inner_,
-      "gpipe::dist: the job's store at ",
-      host_,
-      " is gone (rank 0, which hosted it, ended or stopped answering)");
+  if (!inner_) {
+    // A failure of the job, not of gpipe's code: no LibTorch backtrace
+    // (Note [Errors without LibTorch's backtrace] in text.h).
+    gpipe::detail::fail_without_backtrace(c10::str(
+        "gpipe::dist: lost the job's store at ",
+        host_,
+        ": it is gone (rank 0, which hosted it, ended or stopped answering)"));
+  }
   return inner_;
 }
 

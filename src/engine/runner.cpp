@@ -322,6 +322,7 @@ CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
   ctx.training = options_.training;
   ctx.grad = grad;
   ctx.checkpoint = i < options_.checkpoint_stop;
+  ctx.checkpoint_in_pass = grad && options_.checkpoint_stop > 0;
   ctx.seed = cell_seed(step_seed, seed_offset + i, j);
   if (loss_fn != nullptr && j == n_ - 1) {
     ctx.loss_fn = loss_fn;

@@ -174,8 +174,55 @@ void Stage::run(
 // input): one changed in place between the forward and the backward (an
 // optimizer's step, a load, under NoGradGuard) would be read by the
 // recomputation as it is now, where the plain model's backward refuses the
-// change of a tensor it saved. Their counters are taken and compared with
-// the input's.
+// change of a tensor it saved. Their counters are taken as the layers
+// leave them, after each forward and recomputation of a pass that
+// checkpoints (a layer may change its own weights as it runs: an
+// Embedding with max_norm renormalises them in place in every forward),
+// and compared before each recomputation: a change since the layers last
+// ran came from outside.
+void Stage::note_parameters_left() {
+  if (!parameters_) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(left_mutex_);
+  left_parameters_ = parameters_;
+  left_versions_.resize(parameters_->size());  // kept: no allocation a cell
+  for (const auto k : c10::irange(parameters_->size())) {
+    const auto& p = (*parameters_)[k];
+    left_versions_[k] = p.is_inference() ? -1 : int64_t(p._version());
+  }
+  noted_.store(true, std::memory_order_relaxed);
+}
+
+void Stage::check_parameters_unchanged() {
+  std::shared_ptr<const std::vector<torch::Tensor>> parameters;
+  std::vector<int64_t> before;
+  {
+    std::lock_guard<std::mutex> lock(left_mutex_);
+    parameters = left_parameters_;
+    before = left_versions_;
+  }
+  if (!parameters) {
+    return;
+  }
+  const auto now = versions_of({}, *parameters);
+  for (const auto k : c10::irange(now.size())) {
+    TORCH_CHECK_VALUE(
+        now[k] == before[k],
+        "a parameter of a checkpointed partition (",
+        name_of_parameter((*parameters)[k]),
+        ") was changed in place after the partition's forward (its version "
+        "went from ",
+        before[k],
+        " to ",
+        now[k],
+        "): the backward recomputes the forward with the parameters as they "
+        "are now, so the gradients would be wrong. Change parameters after "
+        "the backward (optimizer.step() after loss.backward()), or do not "
+        "checkpoint (Checkpoint::Never)");
+  }
+}
+
 std::string Stage::name_of_parameter(const torch::Tensor& p) const {
   for (const auto& item : module_->named_parameters()) {
     if (item.value().is_same(p)) {
@@ -239,14 +286,8 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   c.has_graph = graph;
   c.checkpointed = graph && ctx.checkpoint;
   c.input_versions.clear();
-  c.parameters.reset();
-  c.parameter_versions.clear();
   if (c.checkpointed) {
     c.input_versions = versions_of(skip_inputs, x.tensors);
-    if (parameters_) {
-      c.parameters = parameters_;
-      c.parameter_versions = versions_of({}, *parameters_);
-    }
   }
   c.seed = ctx.seed;
   c.modes = c.checkpointed ? modes_ : nullptr;
@@ -269,6 +310,12 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
       checkpointing.emplace();
     }
     c.random = run_seeded(random_, device_, ctx.training, c.seed, body, rerun);
+  }
+  // Also in a pass without checkpoints once one ran: its forwards (an eval
+  // pass between a checkpointed forward and its backward) change what the
+  // layers leave too.
+  if (ctx.checkpoint_in_pass || noted_.load(std::memory_order_relaxed)) {
+    note_parameters_left();
   }
 
   // Outputs require grad where the plain model's would: as computed, or,
@@ -361,23 +408,7 @@ Flow Stage::backward(
           "place (an in-place ReLU, a mul_ of its input), or do not "
           "checkpoint (Checkpoint::Never)");
     }
-    const auto parameters_now =
-        c.parameters ? versions_of({}, *c.parameters) : std::vector<int64_t>();
-    for (const auto k : c10::irange(parameters_now.size())) {
-      TORCH_CHECK_VALUE(
-          parameters_now[k] == c.parameter_versions[k],
-          "a parameter of a checkpointed partition (",
-          name_of_parameter((*c.parameters)[k]),
-          ") was changed in place after the partition's forward (its version "
-          "went from ",
-          c.parameter_versions[k],
-          " to ",
-          parameters_now[k],
-          "): the backward recomputes the forward with the parameters as they "
-          "are now, so the gradients would be wrong. Change parameters after "
-          "the backward (optimizer.step() after loss.backward()), or do not "
-          "checkpoint (Checkpoint::Never)");
-    }
+    check_parameters_unchanged();
     // A backward called inside c10::InferenceMode runs (the plain model's
     // does); the recomputation must build a graph all the same.
     c10::InferenceMode not_inference(/*enabled=*/false);
@@ -394,6 +425,7 @@ Flow Stage::backward(
         run(c.input, incoming, y, skip_outputs);
       });
     }
+    note_parameters_left();
     connect_loss(c, y);
     if (ctx.trace) {
       backward_started = CellClock::now();

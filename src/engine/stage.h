@@ -10,9 +10,11 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <vector>
 
@@ -77,10 +79,6 @@ struct CellState {
   /// leaves before its forward (Note [In-place changes to a checkpointed
   /// input]).
   std::vector<int64_t> input_versions;
-  /// A checkpointed cell's: the partition's parameters and their version
-  /// counters before its forward (the same Note).
-  std::shared_ptr<const std::vector<torch::Tensor>> parameters;
-  std::vector<int64_t> parameter_versions;
   uint64_t seed = 0;
   RandomOutcome random;
   /// A checkpointed cell's: the modes its forward ran in.
@@ -97,6 +95,9 @@ struct CellContext {
   bool grad = false;
   /// Keep only the inputs and recompute in backward.
   bool checkpoint = false;
+  /// Some cell of the pass is checkpointed (its forwards note the
+  /// parameters' versions as they leave them).
+  bool checkpoint_in_pass = false;
   uint64_t seed = 0;
   /// Training step on the last stage: its forward keeps the output for the
   /// loss, which is scaled by the micro-batch's share of the batch. The
@@ -222,6 +223,18 @@ class Stage {
   std::vector<torch::Tensor> trainable_parameters_;  // by refresh()
   // Every parameter, by refresh().
   std::shared_ptr<const std::vector<torch::Tensor>> parameters_;
+  // The version counters of the parameters as this stage's layers last left
+  // them (after a forward or a recomputation), and the list they are of
+  // (Note [In-place changes to a checkpointed input]). Cells of two passes
+  // may run at once on callers' threads: guarded.
+  std::mutex left_mutex_;
+  std::shared_ptr<const std::vector<torch::Tensor>> left_parameters_;
+  std::vector<int64_t> left_versions_;
+  std::atomic<bool> noted_{false};  // a note was taken
+  // Records the versions now, as the layers leave them.
+  void note_parameters_left();
+  // Refuses a parameter changed in place since the layers last ran.
+  void check_parameters_unchanged();
   std::vector<bool> accumulators_unheld_;      // by refresh()
   std::shared_ptr<const ModeSnapshot> modes_;  // by refresh()
 };
