@@ -180,21 +180,23 @@ void Stage::run(
 // Embedding with max_norm renormalises them in place in every forward),
 // and compared before each recomputation: a change since the layers last
 // ran came from outside.
-void Stage::note_parameters_left() {
-  if (!parameters_) {
+void Stage::note_parameters_left(
+    const std::shared_ptr<const std::vector<torch::Tensor>>& parameters) {
+  if (!parameters) {
     return;
   }
   std::lock_guard<std::mutex> lock(left_mutex_);
-  left_parameters_ = parameters_;
-  left_versions_.resize(parameters_->size());  // kept: no allocation a cell
-  for (const auto k : c10::irange(parameters_->size())) {
-    const auto& p = (*parameters_)[k];
+  left_parameters_ = parameters;
+  left_versions_.resize(parameters->size());  // kept: no allocation a cell
+  for (const auto k : c10::irange(parameters->size())) {
+    const auto& p = (*parameters)[k];
     left_versions_[k] = p.is_inference() ? -1 : int64_t(p._version());
   }
   noted_.store(true, std::memory_order_relaxed);
 }
 
-void Stage::check_parameters_unchanged() {
+std::shared_ptr<const std::vector<torch::Tensor>>
+Stage::check_parameters_unchanged() {
   std::shared_ptr<const std::vector<torch::Tensor>> parameters;
   std::vector<int64_t> before;
   {
@@ -203,7 +205,7 @@ void Stage::check_parameters_unchanged() {
     before = left_versions_;
   }
   if (!parameters) {
-    return;
+    return parameters;
   }
   const auto now = versions_of({}, *parameters);
   for (const auto k : c10::irange(now.size())) {
@@ -221,6 +223,7 @@ void Stage::check_parameters_unchanged() {
         "the backward (optimizer.step() after loss.backward()), or do not "
         "checkpoint (Checkpoint::Never)");
   }
+  return parameters;
 }
 
 std::string Stage::name_of_parameter(const torch::Tensor& p) const {
@@ -315,7 +318,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   // pass between a checkpointed forward and its backward) change what the
   // layers leave too.
   if (ctx.checkpoint_in_pass || noted_.load(std::memory_order_relaxed)) {
-    note_parameters_left();
+    note_parameters_left(parameters_);
   }
 
   // Outputs require grad where the plain model's would: as computed, or,
@@ -408,7 +411,9 @@ Flow Stage::backward(
           "place (an in-place ReLU, a mul_ of its input), or do not "
           "checkpoint (Checkpoint::Never)");
     }
-    check_parameters_unchanged();
+    // (The list checked, not parameters_: a backward runs outside its
+    // pass, while another pass may refresh.)
+    const auto checked = check_parameters_unchanged();
     // A backward called inside c10::InferenceMode runs (the plain model's
     // does); the recomputation must build a graph all the same.
     c10::InferenceMode not_inference(/*enabled=*/false);
@@ -425,7 +430,7 @@ Flow Stage::backward(
         run(c.input, incoming, y, skip_outputs);
       });
     }
-    note_parameters_left();
+    note_parameters_left(checked);
     connect_loss(c, y);
     if (ctx.trace) {
       backward_started = CellClock::now();

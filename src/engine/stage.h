@@ -231,10 +231,13 @@ class Stage {
   std::shared_ptr<const std::vector<torch::Tensor>> left_parameters_;
   std::vector<int64_t> left_versions_;
   std::atomic<bool> noted_{false};  // a note was taken
-  // Records the versions now, as the layers leave them.
-  void note_parameters_left();
-  // Refuses a parameter changed in place since the layers last ran.
-  void check_parameters_unchanged();
+  // Records the versions of `parameters` now, as the layers leave them.
+  void note_parameters_left(
+      const std::shared_ptr<const std::vector<torch::Tensor>>& parameters);
+  // Refuses a parameter changed in place since the layers last ran; returns
+  // the list it checked (nullptr when none was noted).
+  std::shared_ptr<const std::vector<torch::Tensor>>
+  check_parameters_unchanged();
   std::vector<bool> accumulators_unheld_;      // by refresh()
   std::shared_ptr<const ModeSnapshot> modes_;  // by refresh()
 };
