@@ -30,33 +30,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "cli_message.h"
 #include "fashion_mnist.h"
 #include "train_args.h"
-#include "train_main.h"
 
 namespace {
 
 using namespace gpipe_train;
-
-// The exit status of the run's error `error` (a UsageError: 2, else 1),
-// printed on one line.
-int report(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const UsageError& e) {
-    std::cerr << "gpipe-train: " << one_line(e.what()) << std::endl;
-    return kUsageExit;
-  } catch (const c10::Error& e) {
-    std::cerr << "gpipe-train: " << one_line(e.what_without_backtrace())
-              << std::endl;
-  } catch (const std::exception& e) {
-    std::cerr << "gpipe-train: " << one_line(e.what()) << std::endl;
-  } catch (...) {
-    std::cerr << "gpipe-train: an exception of an unknown type" << std::endl;
-  }
-  return 1;
-}
 
 int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   Args args = given;  // --autotune fills in its choice
@@ -487,7 +466,9 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   return 0;
 }
 
-int train(const Args& args) {
+}  // namespace
+
+int gpipe_train::train(const Args& args) {
   // Under a launcher: one partition per rank; rank 0 prints.
   std::optional<gpipe::dist::World> world;
   if (args.world_size > 1) {
@@ -511,54 +492,6 @@ int train(const Args& args) {
     // Said before the stage and the process group are torn down: the other
     // ranks learn of the failure and exit, and the launcher may stop this
     // rank before a teardown that waits on them ends.
-    return report(std::current_exception());
-  }
-}
-
-}  // namespace
-
-int gpipe_train::train_main(int argc, char** argv) {
-  // Standard output line by line, set before anything is written to it: it
-  // is fully buffered into a pipe or a file, so a launcher showed the
-  // epochs' results at the end, and a rank killed lost the lines of the
-  // checkpoints it had saved. (Standard error is unbuffered.)
-  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
-  CLI::App app{
-      "Train a CNN, ResNet or U-Net on Fashion-MNIST with GPipe pipeline "
-      "parallelism"};
-  // --help shows every option's default beside it.
-  app.option_defaults()->always_capture_default();
-  Args args;
-  add_options(app, args);
-  add_save_options(app, args);
-  add_devices_option(app, args);
-  add_autotune_options(app, args);
-  try {
-    app.parse(argc, argv);
-    refuse_repeated_switches(app);
-    args.world_size = world_size_from_env();
-    // --autotune's first: a flag it chooses is refused as such, not by
-    // another check of that flag.
-    verify_autotune_options(app, args);
-    verify_args(app, args);
-    verify_save_options(app, args);
-    verify_devices_option(app, args);
-    args.balance_given = app.count("--balance") > 0;
-  } catch (const CLI::ParseError& e) {
-    // --help is a ParseError too, with exit code 0: let CLI11 print it. The
-    // others get exit status 2 rather than CLI11's codes (above 100), and
-    // one line rather than CLI11's two.
-    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
-      return app.exit(e);
-    }
-    return report(std::make_exception_ptr(UsageError(c10::str(
-        gpipe::tools::cli_message(e, &app), " (see gpipe-train --help)"))));
-  } catch (const UsageError&) {
-    return report(std::current_exception());
-  }
-  try {
-    return train(args);
-  } catch (...) {
-    return report(std::current_exception());
+    return report_error(std::current_exception());
   }
 }

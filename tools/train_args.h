@@ -10,6 +10,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json_fwd.hpp>
@@ -144,6 +145,14 @@ struct Args {
 inline std::FILE* text_out(const Args& args) {
   return args.json ? stderr : stdout;
 }
+
+/// The run of a checked command line (tools/train.cpp): joins the job
+/// under a launcher, trains, and returns the exit status.
+int train(const Args& args);
+
+/// Prints the run's error `error` on one line and returns its exit status
+/// (a UsageError: 2, else 1).
+int report_error(std::exception_ptr error);
 
 /// WORLD_SIZE from the environment (1 when unset); a malformed value, or a
 /// RANK other than 0 beside a WORLD_SIZE of 1, is a UsageError.
