@@ -67,6 +67,14 @@ void verify_devices(
   // way out. Devices past the partitions' are dropped unused.
   for (const auto k : c10::irange(num_partitions)) {
     const auto& device = devices[k];
+    // As balance_by_time: a meta device (or another backend) failed only
+    // when the first parameter moved, with autograd's set_data message.
+    TORCH_CHECK_VALUE(
+        device.is_cpu() || device.is_cuda(),
+        "devices[",
+        k,
+        "] must be the CPU or a CUDA device, but got ",
+        device);
     if (!device.is_cuda()) {
       continue;
     }

@@ -296,6 +296,23 @@ TEST_F(GPipeTest, AnUnreachableCudaDeviceIsRefusedFirst) {
   EXPECT_EQ(net->parameters()[0].device(), torch::Device(torch::kCPU));
 }
 
+TEST_F(GPipeTest, ADeviceOtherThanCpuOrCudaIsRefusedFirst) {
+  // A meta device used to fail when the first parameter moved, with
+  // autograd's "incompatible tensor type" and no word of the option.
+  auto net = two_linears();
+  auto make = [&] {
+    GPipe(
+        net,
+        GPipeOptions({1, 1}).devices({torch::kCPU, torch::Device("meta")}));
+  };
+  EXPECT_THROW(make(), c10::ValueError);
+  const auto msg = message_of(make);
+  EXPECT_TRUE(contains(
+      msg, "devices[1] must be the CPU or a CUDA device, but got meta"))
+      << msg;
+  EXPECT_EQ(net->parameters()[0].device(), torch::Device(torch::kCPU));
+}
+
 TEST_F(GPipeTest, ExtraDevicesAreDropped) {
   torch::nn::Sequential net{
       torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};

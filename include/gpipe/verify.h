@@ -21,8 +21,9 @@ void verify_chunks(int64_t chunks);
 
 /// There is a device for each of the `num_partitions` lanes that hold the
 /// partitions (one per partition unless stages_per_lane or a placement
-/// puts several on a lane), and every CUDA device among them exists (a
-/// LibTorch built without CUDA has none).
+/// puts several on a lane), each used one is the CPU or a CUDA device, and
+/// every CUDA device among them exists (a LibTorch built without CUDA has
+/// none).
 void verify_devices(
     const std::vector<torch::Device>& devices, int64_t num_partitions);
 
