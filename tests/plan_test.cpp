@@ -286,6 +286,17 @@ TEST(PlanTest, MakePlanRefusesBadSizes) {
   EXPECT_THROW(make_plan(Schedule::OneFOneB, -1, 2), c10::ValueError);
   EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 0), c10::ValueError);
   EXPECT_THROW(make_plan(Schedule::OneFOneB, 4, 2, -1), c10::ValueError);
+  // Sizes no memory holds: a ValueError naming them, not std::bad_alloc.
+  const int64_t huge = int64_t{1} << 40;
+  for (const auto schedule : schedules()) {
+    const auto msg = error_of([&] { (void)make_plan(schedule, huge, 4); });
+    EXPECT_NE(
+        msg.find("but got 1099511627776 micro-batches on"), std::string::npos)
+        << to_string(schedule) << ": " << msg;
+    EXPECT_THROW(training_plan(schedule, huge, 2), c10::ValueError);
+  }
+  EXPECT_THROW(forward_plan(huge, 2), c10::ValueError);
+  EXPECT_THROW(backward_plan(2, huge), c10::ValueError);
 }
 
 // make_plan on lanes takes the placement the schedule chooses, as

@@ -63,6 +63,23 @@ TEST(ScheduleTest, CellsOfPartitionFollowTheSteps) {
   EXPECT_EQ(backward[2].micro_batch, 0);
 }
 
+TEST(ScheduleTest, FillDrainLanesAreTheClockCyclesOfTheirStage) {
+  // Each lane's row is written directly; it must be what the cycles give.
+  for (int64_t m : {0, 1, 3, 5}) {
+    for (int64_t n : {1, 2, 4}) {
+      for (int64_t j = 0; j < n; ++j) {
+        auto expected = gpipe::cells_of_partition(gpipe::clock_cycles(m, n), j);
+        const auto backward =
+            gpipe::cells_of_partition(gpipe::reverse_clock_cycles(m, n), j);
+        expected.insert(expected.end(), backward.begin(), backward.end());
+        EXPECT_EQ(
+            gpipe::lane_order(gpipe::Schedule::FillDrain, m, n, j), expected)
+            << m << " micro-batches, " << n << " stages, stage " << j;
+      }
+    }
+  }
+}
+
 TEST(ScheduleTest, EmptySizesGiveNoSteps) {
   EXPECT_TRUE(gpipe::clock_cycles(0, 3).empty());
   EXPECT_TRUE(gpipe::clock_cycles(3, 0).empty());

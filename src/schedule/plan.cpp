@@ -26,6 +26,18 @@ void check_sizes(int64_t m, int64_t n) {
       m,
       " and ",
       n);
+  // A plan holds a few cells per (micro-batch, stage) pair: past this it
+  // would need gigabytes, and asking for them ended in std::bad_alloc (or
+  // the OOM killer) rather than an error that says why.
+  TORCH_CHECK_VALUE(
+      n == 0 || m <= kMaxPlanPairs / n,
+      "schedule: expected at most ",
+      kMaxPlanPairs,
+      " (micro-batch, stage) pairs in a plan, but got ",
+      m,
+      " micro-batches on ",
+      n,
+      " stages");
 }
 
 Plan plan_of_steps(const Steps& steps, int64_t m, int64_t n) {

@@ -14,8 +14,13 @@
 
 namespace gpipe::detail {
 
-/// Throws c10::ValueError for negative sizes (callers validate user
-/// input first; this guards the pure functions themselves).
+/// The most (micro-batch, stage) pairs a plan may have: 2^26, a plan of
+/// about 5 GB.
+constexpr int64_t kMaxPlanPairs = int64_t{1} << 26;
+
+/// Throws c10::ValueError for negative sizes or more pairs than
+/// kMaxPlanPairs (callers validate user input first; this guards the pure
+/// functions themselves).
 void check_sizes(int64_t micro_batches, int64_t stages);
 
 /// One lane per stage, each running its cells in the order `steps` gives.
