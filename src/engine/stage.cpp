@@ -439,6 +439,7 @@ Flow Stage::backward(
   } else {
     y = c.output;
     skip_outputs = c.skip_outputs;
+    connect_loss(c, y);
   }
 
   std::vector<torch::Tensor> roots;

@@ -37,14 +37,15 @@ torch::Tensor Stage::loss_of(
 // backward does the same: the loss is computed on the output and kept with
 // its graph, and the cell's backward starts from it (with the skips'
 // gradients, if any), so the loss function sees the output as the plain
-// model's sees it. A cell that kept its graph gives the loss its output
-// itself. A checkpointed cell has no graph to join until its backward
-// recomputes the output, and its loss must not run twice (it may draw
-// random numbers or have side effects): the loss gets a stand-in for the
-// output whose graph ends at a junction node, and the backward, once it has
-// recomputed the output, connects the junction to the output's graph before
-// it starts from the loss. The loss's own parameters, if any, get their
-// gradients in that backward.
+// model's sees it. The loss gets a stand-in for the output whose graph ends
+// at a junction node, and the cell's backward connects the junction to the
+// output's graph before it starts from the loss: a checkpointed cell has no
+// graph to join until its backward recomputes the output (and its loss must
+// not run twice: it may draw random numbers or have side effects), and a
+// cell that kept its graph joins the same way, so that a loss function that
+// runs a backward itself meets the unconnected junction and is told, in
+// every mode, before any gradient reaches the model. The loss's own
+// parameters, if any, get their gradients in that backward.
 namespace {
 
 // Passes the loss's gradient of the stand-in on to the recomputed output.
@@ -68,7 +69,7 @@ struct OutputJunction final : torch::autograd::Node {
   torch::autograd::variable_list apply(
       torch::autograd::variable_list&& grads) override {
     // Not yet connected: a backward started inside the loss function,
-    // before the cell's backward recomputed the output.
+    // before the cell's backward (which connects it) began.
     TORCH_CHECK_VALUE(
         !next_edges().empty(),
         "train_step's loss_fn ran a backward through the model's output "
@@ -96,9 +97,9 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
   const bool grad = c.has_graph && ctx.grad &&
                     (c.checkpointed || y.requires_grad()) &&
                     is_differentiable(y);
-  auto input = grad && !c.checkpointed ? y : y.detach();
+  auto input = y.detach();
   std::shared_ptr<torch::autograd::Node> junction;
-  if (grad && c.checkpointed) {
+  if (grad) {
     junction = std::make_shared<OutputJunction>();
     const auto k = junction->add_input_metadata(input);
     torch::autograd::impl::set_gradient_edge(input, {junction, k});
