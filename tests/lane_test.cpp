@@ -4,11 +4,14 @@
 #include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -252,5 +255,135 @@ TEST(WorkerTest, LaneStepsReuseMemoryBeyondOneHeap) {
   // (2,048 pages) now and then while the steps settle.
   EXPECT_LT(per_step, 6500) << "minor page faults per step";
 }
+
+// TSan ends a child that starts threads after a multi-threaded fork
+// (die_after_fork); the other builds run these parts.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadsAfterFork = false;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadsAfterFork = false;
+#else
+constexpr bool kThreadsAfterFork = true;
+#endif
+#else
+constexpr bool kThreadsAfterFork = true;
+#endif
+
+// Runs `child` in a forked child with 60 s to finish (a hang ends in
+// SIGALRM); returns its exit status, or 128 + the signal that ended it.
+int in_forked_child(const std::function<int()>& child) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(60);
+    int code = 99;
+    try {
+      code = child();
+    } catch (...) {
+      code = 98;
+    }
+    _exit(code);  // no atexit handlers, no leak check of the child's copy
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+torch::nn::Sequential four_linears() {
+  torch::nn::Sequential net;
+  for (int k = 0; k < 4; ++k) {
+    net->push_back(torch::nn::Linear(8, 8));
+  }
+  return net;
+}
+
+float one_step(gpipe::GPipe& model) {
+  const auto x = torch::randn({8, 8});
+  const auto t = torch::randn({8, 8});
+  return model
+      ->train_step(
+          x,
+          t,
+          [](torch::Tensor y, torch::Tensor target) {
+            return torch::mse_loss(y, target);
+          })
+      .item<float>();
+}
+
+// Note [Lanes across fork()]: a GPipe whose lanes ran in the parent used to
+// hang a forked child that trained with it (forever) or only destroyed it
+// (in the lane's condition variable). Now the child is told, lets it go,
+// and trains with a GPipe of its own.
+TEST(ForkTest, APipelineOfTheParentIsRefusedInTheChildAndLetGo) {
+  auto model = std::make_optional<gpipe::GPipe>(
+      four_linears(), gpipe::GPipeOptions({2, 2}).chunks(4));
+  ASSERT_TRUE(std::isfinite(one_step(*model)));
+  const auto status = in_forked_child([&] {
+    try {
+      one_step(*model);
+      return 3;  // ran
+    } catch (const c10::ValueError& e) {
+      const std::string what = e.what_without_backtrace();
+      if (what.find("a child made by fork()") == std::string::npos ||
+          what.find("Build a new GPipe in the child") == std::string::npos) {
+        return 4;
+      }
+    }
+    try {
+      (void)(*model)->forward(torch::randn({8, 8}));
+      return 5;
+    } catch (const c10::ValueError&) {
+    }
+    model.reset();  // hung here
+    if (kThreadsAfterFork) {
+      gpipe::GPipe own(four_linears(), gpipe::GPipeOptions({2, 2}).chunks(4));
+      if (!std::isfinite(one_step(own))) {
+        return 6;
+      }
+    }
+    return 0;
+  });
+  EXPECT_EQ(status, 0) << "3: trained, 4: another message, 5: forward ran, "
+                          "6: no loss, 128+14: hung";
+  // The parent's model is untouched.
+  EXPECT_TRUE(std::isfinite(one_step(*model)));
+}
+
+#if !defined(__SANITIZE_THREAD__)
+// A lane's thread that cannot start (a limit on threads) was a bare
+// std::system_error ("Resource temporarily unavailable"), which callers
+// catching c10::Error missed; it is a c10::Error that says what gpipe was
+// starting.
+TEST(WorkerTest, ALaneThreadThatCannotStartIsAC10Error) {
+  if (!kThreadsAfterFork) {
+    return;  // the child would be ended for the thread it tries to start
+  }
+  const auto status = in_forked_child([] {
+    // One process of this user at most: as root, the limit holds only
+    // for another user.
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) {
+      return 7;
+    }
+    const rlimit one{1, 1};
+    if (setrlimit(RLIMIT_NPROC, &one) != 0) {
+      return 8;
+    }
+    try {
+      gpipe::GPipe model(four_linears(), gpipe::GPipeOptions({2, 2}));
+      return 3;  // started
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      return what.find("gpipe could not start a lane's thread") !=
+                     std::string::npos
+                 ? 0
+                 : 4;
+    } catch (...) {
+      return 5;
+    }
+  });
+  EXPECT_EQ(status, 0) << "3: the lanes started, 4: another message, 5: not "
+                          "a c10::Error, 7/8: could not set the limit";
+}
+#endif
 
 }  // namespace

@@ -1,10 +1,12 @@
 #include "engine/lane.h"
 
 #include <c10/util/Exception.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <system_error>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -80,47 +82,91 @@ void keep_freed_memory_once() {
 #endif
 }
 
+// Note [Lanes across fork()]
+// fork() copies the process but only the thread that called it: a child
+// holds the parent's Lane objects, whose threads do not run there. Posting
+// to one would wait forever for a cell that never runs, and destroying one
+// (a child leaving main with a GPipe alive) hung in the condition
+// variable's destructor, which waits for the parent's thread to leave it,
+// or would in join(). So a pipeline refuses passes in a child
+// (Pipeline::begin_pass), and a lane destroyed there lets its state go
+// unfreed: the memory is the child's copy of the parent's, and goes with
+// the process. A GPipe built in the child has lanes of its own and works.
+
+namespace {
+
+std::thread start_thread(std::function<void()> body) {
+  try {
+    return std::thread(std::move(body));
+  } catch (const std::system_error& e) {
+    TORCH_CHECK(
+        false,
+        "gpipe could not start a lane's thread (each lane of a GPipe runs "
+        "on a thread of its own, and the calling thread is one more): ",
+        e.what(),
+        "; a limit on threads or processes (ulimit -u, a container's pids "
+        "limit) may have been reached");
+  }
+}
+
+}  // namespace
+
+int64_t current_process() {
+  return static_cast<int64_t>(::getpid());
+}
+
 Lane::Lane(std::function<void()> init)
-    // Note [Lanes and glibc's malloc].
-    : thread_(
-          (keep_freed_memory_once(),
-           std::thread([this, init = std::move(init)]() mutable {
-             loop(std::move(init));
-           }))) {}
+    : state_(std::make_unique<State>()), process_(current_process()) {
+  // Note [Lanes and glibc's malloc].
+  keep_freed_memory_once();
+  auto* state = state_.get();
+  state->thread = start_thread([state, init = std::move(init)]() mutable {
+    loop(*state, std::move(init));
+  });
+}
 
 Lane::~Lane() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+  if (forked()) {
+    (void)state_.release();  // Note [Lanes across fork()]
+    return;
   }
-  cv_.notify_one();
-  thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stop = true;
+  }
+  state_->cv.notify_one();
+  state_->thread.join();
+}
+
+bool Lane::forked() const {
+  return current_process() != process_;
 }
 
 void Lane::post(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(task));
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->queue.push_back(std::move(task));
   }
-  cv_.notify_one();
+  state_->cv.notify_one();
 }
 
-void Lane::loop(std::function<void()> init) {
+void Lane::loop(State& state, std::function<void()> init) {
   if (init) {
     init();
   }
   while (true) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      std::unique_lock<std::mutex> lock(state.mutex);
+      state.cv.wait(
+          lock, [&state] { return state.stop || !state.queue.empty(); });
       // Leave only once the queue is empty: a waiting caller counts on every
       // posted task running.
-      if (queue_.empty()) {
+      if (state.queue.empty()) {
         return;
       }
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      task = std::move(state.queue.front());
+      state.queue.pop_front();
     }
     task();
   }

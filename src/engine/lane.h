@@ -5,9 +5,11 @@
 // were posted; the pipeline posts a partition's cells in schedule order.
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -25,10 +27,14 @@ void keep_freed_memory_once();
 class Lane {
  public:
   /// Starts the thread; `init` runs on it first (thread count, device).
+  /// A thread that cannot start (a limit on processes or threads) is a
+  /// c10::Error saying so, not std::system_error.
   explicit Lane(std::function<void()> init = {});
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
-  /// Runs every task still queued, then joins the thread.
+  /// Runs every task still queued, then joins the thread. In a child made
+  /// by fork() after the lane started, lets it go without a word: see
+  /// Note [Lanes across fork()].
   ~Lane();
 
   /// Queues `task` behind the ones already posted.
@@ -36,18 +42,32 @@ class Lane {
 
   /// The lane's thread id (tests check that lanes are distinct threads).
   std::thread::id thread_id() const {
-    return thread_.get_id();
+    return state_->thread.get_id();
   }
 
- private:
-  void loop(std::function<void()> init);
+  /// True in a child made by fork() after the lane started: its thread
+  /// was the parent's and does not run here.
+  bool forked() const;
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;  // guarded by mutex_
-  bool stop_ = false;                        // guarded by mutex_
-  std::thread thread_;
+ private:
+  // What the thread shares with its owner: on the heap, so that a forked
+  // child can leave it untouched (its condition variable may list the
+  // parent's thread as a waiter, and destroying it would wait forever).
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> queue;  // guarded by mutex
+    bool stop = false;                        // guarded by mutex
+    std::thread thread;
+  };
+  static void loop(State& state, std::function<void()> init);
+
+  std::unique_ptr<State> state_;
+  int64_t process_;  // getpid() where the thread started
 };
+
+/// getpid(): a Pipeline built in a parent is refused in a forked child.
+int64_t current_process();
 
 /// Keeps the first exception of many threads; later ones are dropped.
 class FirstError {

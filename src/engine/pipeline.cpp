@@ -265,6 +265,15 @@ std::unique_lock<std::mutex> Pipeline::begin_pass() {
       "gpipe::GPipe was called from inside a cell of a pipeline (a layer's "
       "forward or a train_step loss running on a lane): nested pipelines are "
       "not supported; run the inner model as plain layers of the outer one");
+  // Note [Lanes across fork()].
+  TORCH_CHECK_VALUE(
+      current_process() == process_,
+      "this gpipe pipeline was built in process ",
+      process_,
+      ", and this is process ",
+      current_process(),
+      ", a child made by fork(): its lanes' threads run in the parent only. "
+      "Build a new GPipe in the child (its lanes are the child's own)");
   return std::unique_lock<std::mutex>(pass_mutex_);
 }
 

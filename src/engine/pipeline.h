@@ -121,7 +121,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
       Schedule schedule, int64_t micro_batches);
 
   /// Holds this pipeline for one pass: passes from several threads run one
-  /// after the other. Refused from inside a cell (a nested pipeline).
+  /// after the other. Refused from inside a cell (a nested pipeline), and
+  /// in a child made by fork() after the pipeline was built.
   std::unique_lock<std::mutex> begin_pass();
 
   /// Runs a backward pass of `pass`'s cells, on the lanes (or inline: see
@@ -226,6 +227,8 @@ class Pipeline : public std::enable_shared_from_this<Pipeline> {
   // Null for a lane whose partitions run in another process.
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool backward_inline_ = false;
+  // getpid() at construction: Note [Lanes across fork()] in lane.cpp.
+  int64_t process_ = current_process();
   TransportFactory transport_factory_;  // empty: in-process
   std::mutex pass_mutex_;
   // The last plan train() checked (check_training_plan), for as many
