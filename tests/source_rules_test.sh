@@ -19,4 +19,16 @@ if [[ -n $found ]]; then
   echo "$found"
   exit 1
 fi
+# - every installed header is in tests/public_headers.cpp, which compiles
+#   them under a strict consumer's warnings.
+missing=$(cd "$root" && for h in include/gpipe/*.h models/include/gpipe/models/*.h; do
+  name=${h#include/}
+  name=${name#models/include/}
+  grep -qF "#include <$name>" tests/public_headers.cpp || echo "$name"
+done)
+if [[ -n $missing ]]; then
+  echo "source_rules: installed headers missing from tests/public_headers.cpp:"
+  echo "$missing"
+  exit 1
+fi
 echo "source_rules: OK"

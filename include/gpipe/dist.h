@@ -187,7 +187,6 @@ class Mesh {
 };
 
 class PipelineStage;
-std::shared_ptr<Trace> gather_trace(const PipelineStage& stage);
 
 /// One rank's part of a pipeline: the partitions of `module` split by
 /// `options.balance()` that fall on `world.rank()`. With `stages_per_lane`
