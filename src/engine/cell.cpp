@@ -98,8 +98,11 @@ void BufferRestore::restore() {
 // each module before its children: each ends in its own. A
 // DeferredBatchNorm's mode is the one it computes with (in_training(): the
 // layer it replaced, which the user's Sequential holds), and its train()
-// sets both. The partition's modules are its lane's alone while the cell
-// runs, and the caller waits in backward().
+// sets both. Likewise a parameter frozen when the pass began and unfrozen
+// before its backward: the plain model's graph has no edge to it and it gets
+// no gradient, so the recomputation runs with it frozen (it got one from
+// each checkpointed micro-batch). The partition's modules are its lane's
+// alone while the cell runs, and the caller waits in backward().
 namespace {
 
 bool mode_of(const ModeSnapshot& modes, size_t k) {
@@ -119,6 +122,14 @@ void set_modes(const ModeSnapshot& modes, const std::vector<bool>& training) {
 ModeRestore::ModeRestore(const ModeSnapshot* forward) {
   if (forward == nullptr) {
     return;
+  }
+  // A parameter unfrozen since the forward: the plain model's graph has no
+  // path to it, so it gets no gradient from this cell.
+  for (const auto& p : forward->frozen) {
+    if (p.requires_grad()) {
+      unfrozen_.push_back(p);
+      p.requires_grad_(false);
+    }
   }
   bool same = true;
   found_.reserve(forward->modules.size());
@@ -146,6 +157,10 @@ ModeRestore::ModeRestore(const ModeSnapshot* forward) {
 }
 
 void ModeRestore::put_back() {
+  for (auto& p : unfrozen_) {
+    p.requires_grad_(true);
+  }
+  unfrozen_.clear();
   if (forward_ == nullptr) {
     return;
   }

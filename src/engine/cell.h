@@ -64,9 +64,10 @@ class BufferRestore {
 
 /// While alive: a partition's modules in the modes `forward` recorded, when
 /// they are in others now (a model put in eval() between a checkpointed
-/// forward and its backward); then back in the modes found, also when the
-/// recomputation fails. Nothing when they are as recorded, or `forward` is
-/// null. Note [The modes of a recomputation] in engine/cell.cpp.
+/// forward and its backward), and its parameters frozen that were then;
+/// then back as found, also when the recomputation fails. Nothing when
+/// they are as recorded, or `forward` is null. Note [The modes of a
+/// recomputation] in engine/cell.cpp.
 class ModeRestore {
  public:
   explicit ModeRestore(const ModeSnapshot* forward);
@@ -77,7 +78,8 @@ class ModeRestore {
  private:
   void put_back();
 
-  const ModeSnapshot* forward_ = nullptr;  // null: nothing to put back
+  const ModeSnapshot* forward_ = nullptr;  // null: no modes to put back
+  std::vector<torch::Tensor> unfrozen_;    // frozen again for a while
   std::vector<bool> found_;      // the modes found (in_training() for a
                                  // DeferredBatchNorm)
   std::vector<bool> own_found_;  // each module's own flag found

@@ -63,6 +63,7 @@ Pass::Pass(Pipeline& pipeline, int64_t m, PassOptions options)
       n_(pipeline.size()),
       options_(options),
       trace_(pipeline.trace()),
+      autocast_(AutocastState::current()),
       cells_(m_, std::vector<CellState>(n_)) {
   reset_transport();
 }
@@ -334,6 +335,7 @@ CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
   ctx.retain = retain;
   ctx.trace = trace_.get();
   ctx.lane = lane;
+  ctx.autocast = autocast_;
   return ctx;
 }
 

@@ -148,6 +148,8 @@ class Pass {
   const int64_t n_;
   const PassOptions options_;
   std::shared_ptr<Trace> trace_;  // null when not tracing
+  // The caller's when the pass began (Note [Autocast in cells]).
+  const AutocastState autocast_;
   std::unique_ptr<Transport> transport_;
   // Cell (i, j) is touched by its stage's lane only while a run is on, by
   // the caller between runs.

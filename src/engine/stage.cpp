@@ -66,6 +66,9 @@ void Stage::refresh() {
       if (p.defined()) {
         parameters->push_back(p);
       }
+      if (p.defined() && !p.requires_grad()) {
+        modes->frozen.push_back(p);
+      }
       if (p.defined() && p.requires_grad()) {
         trainable_parameters_.push_back(p);
         accumulators_unheld_.push_back(
@@ -251,6 +254,7 @@ std::vector<int64_t> Stage::versions_of(
 
 Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   CellScope scope(device_);
+  const AutocastScope autocast(ctx.autocast);
   const auto started = stamp(ctx);
   bool copied = false;
   bool any_input_grad = false;
@@ -418,6 +422,7 @@ Flow Stage::backward(
     // does); the recomputation must build a graph all the same.
     c10::InferenceMode not_inference(/*enabled=*/false);
     torch::AutoGradMode grad_mode(true);
+    const AutocastScope autocast(ctx.autocast);  // the forward's
     RecomputingGuard recomputing;
     buffers.save(module_->buffers());
     std::map<SkipKey, torch::Tensor> incoming;

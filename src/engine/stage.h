@@ -18,6 +18,7 @@
 #include <set>
 #include <vector>
 
+#include "engine/autocast.h"
 #include "packet.h"
 #include "random.h"
 #include "skip.h"
@@ -53,6 +54,9 @@ struct ModeSnapshot {
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
   std::vector<DeferredBatchNormImpl*> deferred;  // per module, or nullptr
   std::vector<bool> training;
+  /// The parameters that required no grad (frozen), which a recomputation
+  /// keeps frozen where they have been unfrozen since.
+  std::vector<torch::Tensor> frozen;
 };
 
 /// What a cell keeps between its forward and its backward.
@@ -111,6 +115,9 @@ struct CellContext {
   /// Where to record intervals (null: not tracing), and as which lane.
   Trace* trace = nullptr;
   int64_t lane = 0;
+  /// The caller's autocast settings when the pass began: its forwards,
+  /// losses and recomputations run under them (Note [Autocast in cells]).
+  AutocastState autocast;
 };
 
 class Stage {

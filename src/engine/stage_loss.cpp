@@ -88,6 +88,7 @@ struct OutputJunction final : torch::autograd::Node {
 void Stage::loss(CellState& c, const CellContext& ctx) {
   TORCH_INTERNAL_ASSERT(ctx.loss_fn != nullptr && c.output.tensors.size() == 1);
   CellScope scope(device_);
+  const AutocastScope autocast(ctx.autocast);
   const auto started = stamp(ctx);
   const auto y = c.output.tensors[0];
   // A checkpointed output was kept for the loss only (backward recomputes).
