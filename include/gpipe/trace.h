@@ -100,7 +100,9 @@ class Trace {
   /// The span, each lane's busy time and the bubble of the events so far
   /// (e.g. of one step: `clear()` before it).
   TraceSummary summary() const;
-  /// Forgets every event and restarts the clock.
+  /// Forgets every event and restarts the clock. A trace keeps every event
+  /// until then (48 bytes each, one per cell and per copy and wait): a
+  /// trace left on for a whole run grows with it.
   void clear();
 
   /// What the rows of the pictures are called: "lane" (the default), or
