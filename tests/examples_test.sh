@@ -37,6 +37,36 @@ cmake --build "$tmp/examples" -j "${JOBS:-2}" >"$tmp/build.log" 2>&1 || {
   exit 1
 }
 echo "ok: examples/ builds against the installed gpipe::gpipe and gpipe::models"
+# A consumer whose find_package(Torch) finds another LibTorch than the one
+# gpipe was built with is told so at configure time, not at run time.
+mkdir -p "$tmp/other_torch" "$tmp/mismatch"
+cat >"$tmp/other_torch/TorchConfig.cmake" <<'CMAKE'
+set(TORCH_LIBRARIES "")
+set(TORCH_FOUND TRUE)
+CMAKE
+cat >"$tmp/other_torch/TorchConfigVersion.cmake" <<'CMAKE'
+set(PACKAGE_VERSION "99.1.0")
+set(PACKAGE_VERSION_COMPATIBLE TRUE)
+CMAKE
+cat >"$tmp/mismatch/CMakeLists.txt" <<'CMAKE'
+cmake_minimum_required(VERSION 3.18)
+project(mismatch CXX)
+find_package(gpipe REQUIRED)
+CMAKE
+if cmake -S "$tmp/mismatch" -B "$tmp/mismatch/build" \
+  -DCMAKE_PREFIX_PATH="$tmp/prefix" -DTorch_DIR="$tmp/other_torch" \
+  >"$tmp/mismatch.log" 2>&1; then
+  echo "FAIL: gpipe was found with another LibTorch (99.1.0)"
+  exit 1
+fi
+if ! tr -s ' \n' ' ' <"$tmp/mismatch.log" |
+  grep -q "find_package(Torch) found 99.1.0"; then
+  cat "$tmp/mismatch.log"
+  echo "FAIL: the other LibTorch is not named"
+  exit 1
+fi
+echo "ok: another LibTorch than gpipe's is refused at configure time"
+
 for example in readme_example unet_skips; do
   if ! "$tmp/examples/$example" >"$tmp/$example.out" 2>&1; then
     cat "$tmp/$example.out"
