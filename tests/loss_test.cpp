@@ -331,6 +331,37 @@ TEST_F(LossTest, ALossThatRunsTheBackwardItselfIsToldSo) {
   }
 }
 
+// The loss joins the output through a junction in every mode; where the
+// last partition is the identity the output is that stage's input leaf,
+// and the junction leads straight to its gradient: the plain gradients,
+// the input's included.
+TEST_F(LossTest, ALastPartitionThatIsTheIdentityPassesTheLossGradientOn) {
+  for (const auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    torch::manual_seed(5);
+    torch::nn::Sequential net(
+        torch::nn::Linear(5, 4), torch::nn::Tanh(), torch::nn::Identity());
+    net->to(torch::kFloat64);
+    auto copy = testing::copy_of(net);
+    GPipe model(copy, GPipeOptions({2, 1}).chunks(3).checkpoint(mode));
+    const auto x = torch::randn({7, 5}, torch::kFloat64).requires_grad_(true);
+    const auto x2 = x.detach().clone().requires_grad_(true);
+    const auto t = torch::randint(0, 4, {7});
+    cross_entropy(net->forward(x), t).backward();
+    model->train_step(x2, t, cross_entropy);
+    ASSERT_TRUE(x2.grad().defined()) << to_string(mode);
+    EXPECT_TRUE(torch::allclose(x2.grad(), x.grad(), 1e-10, 1e-13))
+        << to_string(mode);
+    const auto g1 = testing::grads_of(*net);
+    const auto g2 = testing::grads_of(*copy);
+    for (size_t k = 0; k < g1.size(); ++k) {
+      ASSERT_TRUE(g2[k].defined()) << to_string(mode) << ", parameter " << k;
+      EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13))
+          << to_string(mode) << ", parameter " << k;
+    }
+  }
+}
+
 // The guide's advice for a model whose output the loss flattens (a
 // [B, T, V] output against a [B, T] target): train_step cuts both by the
 // batch, and the loss flattens them; the plain model's gradients.
