@@ -31,6 +31,38 @@ bool DeferredBatchNormImpl::in_training() const {
   return is_training();
 }
 
+namespace {
+
+template <typename BatchNorm>
+bool options_from(
+    const torch::nn::Module& module,
+    double& eps,
+    c10::optional<double>& momentum) {
+  const auto* bn = dynamic_cast<const BatchNorm*>(&module);
+  if (bn != nullptr) {
+    eps = bn->options.eps();
+    momentum = bn->options.momentum();
+  }
+  return bn != nullptr;
+}
+
+}  // namespace
+
+void DeferredBatchNormImpl::eps_and_momentum(
+    double& eps, c10::optional<double>& momentum) const {
+  // The replaced BatchNorm's, which the user may change between steps (a
+  // momentum schedule), as the plain model would use them.
+  if (auto replaced = replaced_.lock()) {
+    if (options_from<torch::nn::BatchNorm1dImpl>(*replaced, eps, momentum) ||
+        options_from<torch::nn::BatchNorm2dImpl>(*replaced, eps, momentum) ||
+        options_from<torch::nn::BatchNorm3dImpl>(*replaced, eps, momentum)) {
+      return;
+    }
+  }
+  eps = options.eps();
+  momentum = options.momentum();
+}
+
 void DeferredBatchNormImpl::reset() {
   TORCH_CHECK_VALUE(
       options.num_features() > 0,
@@ -96,6 +128,9 @@ torch::Tensor DeferredBatchNormImpl::forward(torch::Tensor input) {
       options.num_features(),
       " channels in dimension 1, but got ",
       input.size(1));
+  double eps = 0;
+  c10::optional<double> momentum;
+  eps_and_momentum(eps, momentum);
   if (!in_training()) {
     return torch::batch_norm(
         input,
@@ -105,7 +140,7 @@ torch::Tensor DeferredBatchNormImpl::forward(torch::Tensor input) {
         running_var,
         /*training=*/false,
         /*momentum=*/0.0,
-        options.eps(),
+        eps,
         torch::globalContext().userEnabledCuDNN());
   }
   // As BatchNorm refuses it: a micro-batch of one value per channel would
@@ -125,7 +160,7 @@ torch::Tensor DeferredBatchNormImpl::forward(torch::Tensor input) {
       /*running_var=*/{},
       /*training=*/true,
       /*momentum=*/0.0,
-      options.eps(),
+      eps,
       torch::globalContext().userEnabledCuDNN());
   if (is_recomputing()) {
     return output;  // counted in the first forward already
@@ -163,10 +198,12 @@ void DeferredBatchNormImpl::commit() {
   }
   torch::NoGradGuard no_grad;
   num_batches_tracked.variable_data().add_(1);
+  double eps = 0;
+  c10::optional<double> momentum;
+  eps_and_momentum(eps, momentum);
   const double factor =
-      options.momentum()
-          ? *options.momentum()
-          : 1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
+      momentum ? *momentum
+               : 1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
   // The unbiased variance, as BatchNorm's running_var.
   auto var = m2_ / static_cast<double>(std::max<int64_t>(count_ - 1, 1));
   // variable_data(): as BatchNorm's own update, this must not bump the

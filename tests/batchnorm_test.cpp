@@ -342,6 +342,41 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(
             std::vector<int64_t>{4, 3}, std::vector<int64_t>{3, 4})));
 
+// A momentum (or eps) changed on the user's BatchNorm between steps, as a
+// momentum schedule does: the plain model uses it from then on, and so does
+// the DeferredBatchNorm that stands in for it (it kept the options it was
+// made with: running means off by 0.9 relative after 3 more steps). In
+// eval the changed eps applies too.
+TEST_F(DeferredBatchNormGPipeTest, OptionsChangedOnTheBatchNormApplyFromThen) {
+  auto net = bn_model();
+  net->to(torch::kFloat64);
+  auto copy = testing::copy_of(net);
+  GPipe model(
+      copy, GPipeOptions({4, 3}).chunks(kChunks).deferred_batch_norm(true));
+  for (int step = 0; step < 6; ++step) {
+    if (step == 3) {
+      for (auto* n : {&net, &copy}) {
+        (**n)[3]->as<torch::nn::BatchNorm2dImpl>()->options.momentum(0.5).eps(
+            0.25);
+      }
+    }
+    auto x = torch::randn({16, 2, 8, 8}, torch::kFloat64) * 2 + 1;
+    net->forward(x).sum().backward();
+    model->forward(x).sum().backward();
+  }
+  auto expected = net->named_buffers();
+  auto got = model->named_buffers();
+  ASSERT_EQ(expected.size(), got.size());
+  for (size_t k = 0; k < expected.size(); ++k) {
+    expect_close(got[k].value(), expected[k].value());
+  }
+  net->eval();
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({8, 2, 8, 8}, torch::kFloat64);
+  expect_close(model->forward(x), net->forward(x));
+}
+
 TEST_F(DeferredBatchNormGPipeTest, WithChunksOneGradientsEqualThePlainModel) {
   auto net = bn_model();
   net->to(torch::kFloat64);

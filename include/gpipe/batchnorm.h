@@ -92,6 +92,10 @@ class DeferredBatchNormImpl
   /// Whether it normalises with its micro-batches' statistics (training)
   /// or the running ones: the replaced BatchNorm's mode, if any.
   bool in_training() const;
+  /// The eps and momentum it computes with: the replaced BatchNorm's
+  /// options now (a momentum changed between steps applies, as in the plain
+  /// model), if it replaced one; else `options`'.
+  void eps_and_momentum(double& eps, c10::optional<double>& momentum) const;
 
   DeferredBatchNormOptions options;
   torch::Tensor weight;
