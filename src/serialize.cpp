@@ -184,6 +184,9 @@ void plan_copies(
   }
   for (const auto& child : module.named_children()) {
     known.insert(child.key());
+    if (!child.value()->is_serializable()) {
+      continue;  // Module::save leaves it out (a Functional), load skips it
+    }
     InputArchive sub;
     TORCH_CHECK_VALUE(
         archive.try_read(child.key(), sub),
@@ -229,6 +232,9 @@ void load_layers(const Layers& layers, const std::string& path) {
   auto archived = archived_layers(path, layers);
   std::vector<Copy> copies;
   for (const auto& layer : layers) {
+    if (!layer.second->is_serializable()) {
+      continue;  // as in plan_copies
+    }
     auto it = archived.find(layer.first);
     TORCH_CHECK_VALUE(
         it != archived.end(),

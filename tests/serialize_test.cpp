@@ -118,6 +118,49 @@ TEST_F(SerializeTest, GPipeArchiveLoadsIntoAnotherBalance) {
   expect_same_state(*four, *two);
 }
 
+// A Functional layer (the guide's advice for a functional step) is not
+// serializable: Module::save leaves it out of the archive, and
+// Module::load does not look for it. The loaders required an entry for
+// every layer ("has no layer '1'") and every child ("has no module
+// '0.act'") and refused every archive of such a model.
+struct WithActivationImpl : torch::nn::Module {
+  WithActivationImpl() {
+    linear = register_module("linear", torch::nn::Linear(5, 5));
+    act = register_module("act", torch::nn::Functional(torch::relu));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return act(linear(x));
+  }
+  torch::nn::Linear linear{nullptr};
+  torch::nn::Functional act{nullptr};
+};
+TORCH_MODULE(WithActivation);
+
+torch::nn::Sequential net_with_functionals() {
+  return torch::nn::Sequential(
+      WithActivation(),
+      torch::nn::Functional(torch::tanh),
+      torch::nn::Linear(5, 3));
+}
+
+TEST_F(SerializeTest, ArchivesOfModelsWithFunctionalLayersLoad) {
+  auto net = net_with_functionals();
+  GPipe model(net, GPipeOptions({2, 1}).chunks(2));
+  train(*model, [&](torch::Tensor x) { return model->forward(x); });
+  const auto of_gpipe = path("functional_gpipe.pt");
+  const auto of_plain = path("functional_plain.pt");
+  torch::save(model, of_gpipe);
+  torch::save(net, of_plain);
+  for (const auto& file : {of_gpipe, of_plain}) {
+    auto plain = net_with_functionals();
+    load_into_sequential(plain, file);
+    expect_same_state(*net, *plain);
+    GPipe other(net_with_functionals(), GPipeOptions({1, 2}).chunks(2));
+    load_into_gpipe(other, file);
+    expect_same_state(*net, *other);
+  }
+}
+
 TEST_F(SerializeTest, SaveAsSequentialLoadsWithTorchLoad) {
   auto net = make_net();
   GPipe model(net, GPipeOptions({3, 3}).chunks(2));
