@@ -52,6 +52,34 @@ struct GPipeImpl::Engine : detail::Pipeline {
   using Pipeline::Pipeline;
 };
 
+namespace {
+
+// verify_layout_unchanged, and the Sequential's layers as many as when the
+// model was built: a layer pushed back since ran nowhere (the output had
+// the old last layer's shape, and the new layer's parameters were not the
+// GPipe's), without a word.
+void verify_built_layout(
+    const GPipeOptions& options,
+    const GPipeOptions& built,
+    const torch::nn::Sequential& sequential) {
+  detail::verify_layout_unchanged(options, built, "gpipe::GPipe");
+  int64_t layers = 0;
+  for (const auto b : built.balance()) {
+    layers += b;
+  }
+  const auto now = static_cast<int64_t>(sequential->size());
+  TORCH_CHECK_VALUE(
+      now == layers,
+      "gpipe::GPipe was built over a Sequential of ",
+      detail::count_of(layers, "layer", "layers"),
+      ", but it has ",
+      now,
+      " now: a layer added to the Sequential after the GPipe was built "
+      "would not run; build a new GPipe over the Sequential as it is");
+}
+
+}  // namespace
+
 std::shared_ptr<torch::nn::Module> GPipeImpl::clone(
     const c10::optional<torch::Device>& device) const {
   TORCH_CHECK_VALUE(
@@ -59,6 +87,7 @@ std::shared_ptr<torch::nn::Module> GPipeImpl::clone(
       "gpipe::GPipe::clone places the copy on the devices of its options; "
       "call it without a device, but got ",
       device.value_or(torch::kCPU));
+  verify_built_layout(options, built_, sequential_);
   // The Sequential given, whose layers the partitions run (with
   // deferred_batch_norm its BatchNorms, whose parameters, statistics and
   // mode the converted layers share or follow): the copy converts its own
@@ -164,7 +193,7 @@ void GPipeImpl::train(bool on) {
 }
 
 torch::Tensor GPipeImpl::forward(torch::Tensor input) {
-  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
+  verify_built_layout(options, built_, sequential_);
   verify_batch({input});
   if (!pipeline_) {
     return input;
@@ -183,7 +212,7 @@ torch::Tensor GPipeImpl::forward(torch::Tensor input) {
 }
 
 std::vector<torch::Tensor> GPipeImpl::forward_tuple(torch::Tensor input) {
-  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
+  verify_built_layout(options, built_, sequential_);
   verify_batch({input});
   if (!pipeline_) {
     return {input};
@@ -197,7 +226,7 @@ std::vector<torch::Tensor> GPipeImpl::forward_tuple(torch::Tensor input) {
 
 std::vector<torch::Tensor> GPipeImpl::forward(
     std::vector<torch::Tensor> inputs) {
-  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
+  verify_built_layout(options, built_, sequential_);
   verify_batch(inputs);
   if (!pipeline_) {
     return inputs;
@@ -243,7 +272,7 @@ torch::Tensor GPipeImpl::run_train_step(
     const LossFunction& loss_fn,
     const Schedule* schedule,
     const Plan* plan) {
-  detail::verify_layout_unchanged(options, built_, "gpipe::GPipe");
+  verify_built_layout(options, built_, sequential_);
   verify_batch({input});
   TORCH_CHECK_VALUE(
       static_cast<bool>(loss_fn), "train_step expects a loss_fn, but got none");

@@ -313,6 +313,34 @@ TEST_F(GPipeTest, ADeviceOtherThanCpuOrCudaIsRefusedFirst) {
   EXPECT_EQ(net->parameters()[0].device(), torch::Device(torch::kCPU));
 }
 
+// A layer pushed back onto the Sequential after the GPipe was built ran
+// nowhere: the output had the old last layer's shape, and the new layer's
+// parameters were not the GPipe's. Every pass, and clone, now refuse it.
+TEST_F(GPipeTest, ALayerAddedToTheSequentialAfterwardsIsRefused) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4));
+  GPipe model(net, GPipeOptions({2, 1}).chunks(2));
+  const auto x = torch::randn({4, 4});
+  model->forward(x);
+  net->push_back(torch::nn::Linear(4, 2));
+  const std::string expected =
+      "gpipe::GPipe was built over a Sequential of 3 layers, but it has 4 now";
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { model->forward(x); },
+           [&] { model->forward_tuple(x); },
+           [&] { model->forward(std::vector<torch::Tensor>{x}); },
+           [&] {
+             model->train_step(x, torch::randn({4, 2}), [](auto y, auto t) {
+               return torch::mse_loss(y, t);
+             });
+           },
+           [&] { model->clone(); }}) {
+    EXPECT_THROW(call(), c10::ValueError);
+    const auto msg = message_of(call);
+    EXPECT_TRUE(contains(msg, expected)) << msg;
+  }
+}
+
 TEST_F(GPipeTest, ExtraDevicesAreDropped) {
   torch::nn::Sequential net{
       torch::nn::Identity{}, torch::nn::Identity{}, torch::nn::Identity{}};
