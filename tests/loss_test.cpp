@@ -362,6 +362,47 @@ TEST_F(LossTest, ALastPartitionThatIsTheIdentityPassesTheLossGradientOn) {
   }
 }
 
+// The guide's recipe for a loss that divides by the targets it keeps
+// (cross_entropy with ignored targets, a padded language model): each
+// micro-batch's sum over the batch's count, the rows' share undone. The
+// plain gradients and loss, also with a micro-batch that keeps nothing
+// (which the default mean makes NaN).
+TEST_F(LossTest, TheGuidesRecipeForIgnoredTargetsGivesThePlainGradients) {
+  namespace F = torch::nn::functional;
+  const auto x = torch::randn({16, 5}, torch::kFloat64);
+  const auto y = torch::tensor(
+      {0, 1, 2, 1, -100, -100, -100, 0, 2, 2, 1, 0, -100, -100, -100, -100},
+      torch::kLong);
+  for (const auto mode :
+       {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
+    auto net = small_net();
+    auto copy = testing::copy_of(net);
+    GPipe model(copy, GPipeOptions({3, 2}).chunks(4).checkpoint(mode));
+    const auto expected = F::cross_entropy(net->forward(x), y);
+    expected.backward();
+
+    const auto kept = (y != -100).sum().item<double>();
+    const auto rows = static_cast<double>(y.size(0));
+    const auto got =
+        model->train_step(x, y, [&](torch::Tensor out, torch::Tensor t) {
+          auto sum = F::cross_entropy(
+              out,
+              t,
+              F::CrossEntropyFuncOptions().ignore_index(-100).reduction(
+                  torch::kSum));
+          return sum / kept * (rows / static_cast<double>(t.size(0)));
+        });
+    EXPECT_NEAR(got.item<double>(), expected.item<double>(), 1e-12)
+        << to_string(mode);
+    const auto g1 = testing::grads_of(*net);
+    const auto g2 = testing::grads_of(*copy);
+    for (size_t k = 0; k < g1.size(); ++k) {
+      EXPECT_TRUE(torch::allclose(g2[k], g1[k], 1e-10, 1e-13))
+          << to_string(mode) << ", parameter " << k;
+    }
+  }
+}
+
 // The guide's advice for a model whose output the loss flattens (a
 // [B, T, V] output against a [B, T] target): train_step cuts both by the
 // batch, and the loss flattens them; the plain model's gradients.

@@ -65,13 +65,15 @@ class GPipeImpl : public torch::nn::Module {
   /// is known, so partition j keeps at most n - j micro-batches of
   /// activations instead of all of them). `target` is cut into
   /// micro-batches like `input` and moved to the last device. `loss_fn`
-  /// must average over its micro-batch (LibTorch's default reduction): each
-  /// micro-batch's loss is weighted by its share of the batch, so the
-  /// gradients accumulated into `.grad` equal those of
-  /// `loss_fn(forward(input), target).backward()`. Returns that loss
-  /// (detached, on the last device). `loss_fn` runs once per micro-batch
-  /// (never again in a recomputation), on the last partition's lane,
-  /// seeded per micro-batch like a cell. A step that throws (a layer, or
+  /// must be a mean over its micro-batch's rows: each micro-batch's loss is
+  /// weighted by its share of the batch's rows, so the gradients
+  /// accumulated into `.grad` equal those of
+  /// `loss_fn(forward(input), target).backward()`. A loss that divides by
+  /// something else (`cross_entropy` with ignored targets or class weights)
+  /// does not give those: docs/guide.md, section 5, shows how to write it.
+  /// Returns that loss (detached, on the last device). `loss_fn` runs once per
+  /// micro-batch (never again in a recomputation), on the last partition's
+  /// lane, seeded per micro-batch like a cell. A step that throws (a layer, or
   /// the loss of a later micro-batch) after some backwards ran, as 1F1B,
   /// interleaved and zero-bubble run them before the last loss, leaves
   /// those micro-batches' gradients in `.grad` (where `loss.backward()` on
