@@ -444,7 +444,6 @@ Flow Stage::backward(
   } else {
     y = c.output;
     skip_outputs = c.skip_outputs;
-    connect_loss(c, y);
   }
 
   std::vector<torch::Tensor> roots;
@@ -484,7 +483,13 @@ Flow Stage::backward(
   if (input_only) {
     std::vector<torch::Tensor> leaves = c.skip_inputs;
     leaves.insert(leaves.end(), c.input.tensors.begin(), c.input.tensors.end());
-    auto grads_in = backward_input(roots, grads, leaves, c.weight);
+    std::vector<torch::Tensor> grads_in;
+    try {
+      grads_in = backward_input(roots, grads, leaves, c.weight);
+    } catch (const c10::Error& e) {
+      refuse_loss_that_ran_backward(c, e);
+      throw;
+    }
     roots.clear();
     grads.clear();
     y = Packet{};
@@ -502,8 +507,13 @@ Flow Stage::backward(
     return dx;
   }
   if (!roots.empty()) {
-    torch::autograd::backward(
-        roots, grads, /*retain_graph=*/ctx.retain, /*create_graph=*/false);
+    try {
+      torch::autograd::backward(
+          roots, grads, /*retain_graph=*/ctx.retain, /*create_graph=*/false);
+    } catch (const c10::Error& e) {
+      refuse_loss_that_ran_backward(c, e);
+      throw;
+    }
   }
   roots.clear();
   grads.clear();

@@ -37,16 +37,25 @@ torch::Tensor Stage::loss_of(
 // backward does the same: the loss is computed on the output and kept with
 // its graph, and the cell's backward starts from it (with the skips'
 // gradients, if any), so the loss function sees the output as the plain
-// model's sees it. The loss gets a stand-in for the output whose graph ends
-// at a junction node, and the cell's backward connects the junction to the
-// output's graph before it starts from the loss: a checkpointed cell has no
-// graph to join until its backward recomputes the output (and its loss must
-// not run twice: it may draw random numbers or have side effects), and a
-// cell that kept its graph joins the same way, so that a loss function that
-// runs a backward itself meets the unconnected junction and is told, in
-// every mode, before any gradient reaches the model. The loss's own
-// parameters, if any, get their gradients in that backward.
+// model's sees it. A cell that kept its graph gives the loss its output
+// itself. A checkpointed cell has no graph to join until its backward
+// recomputes the output, and its loss must not run twice (it may draw
+// random numbers or have side effects): the loss gets a stand-in for the
+// output whose graph ends at a junction node, and the backward, once it has
+// recomputed the output, connects the junction to the output's graph before
+// it starts from the loss. The loss's own parameters, if any, get their
+// gradients in that backward. A loss function that runs a backward itself
+// meets the unconnected junction (before any gradient reaches the model),
+// or, where the cell kept its graph, frees the graph that the cell's
+// backward then finds freed: either way it is told
+// (refuse_loss_that_ran_backward).
 namespace {
+
+constexpr const char* kLossRanBackward =
+    "train_step's loss_fn ran a backward through the model's output "
+    "(loss.backward() or torch::autograd::grad inside loss_fn); "
+    "train_step runs the backward itself: return the loss without "
+    "back-propagating it";
 
 // Passes the loss's gradient of the stand-in on to the recomputed output.
 // Its edge comes after the loss's nodes have made it their child, which
@@ -70,12 +79,7 @@ struct OutputJunction final : torch::autograd::Node {
       torch::autograd::variable_list&& grads) override {
     // Not yet connected: a backward started inside the loss function,
     // before the cell's backward (which connects it) began.
-    TORCH_CHECK_VALUE(
-        !next_edges().empty(),
-        "train_step's loss_fn ran a backward through the model's output "
-        "(loss.backward() or torch::autograd::grad inside loss_fn); "
-        "train_step runs the backward itself: return the loss without "
-        "back-propagating it");
+    TORCH_CHECK_VALUE(!next_edges().empty(), kLossRanBackward);
     return std::move(grads);
   }
   std::string name() const override {
@@ -98,9 +102,9 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
   const bool grad = c.has_graph && ctx.grad &&
                     (c.checkpointed || y.requires_grad()) &&
                     is_differentiable(y);
-  auto input = y.detach();
+  auto input = grad && !c.checkpointed ? y : y.detach();
   std::shared_ptr<torch::autograd::Node> junction;
-  if (grad) {
+  if (grad && c.checkpointed) {
     junction = std::make_shared<OutputJunction>();
     const auto k = junction->add_input_metadata(input);
     torch::autograd::impl::set_gradient_edge(input, {junction, k});
@@ -130,6 +134,23 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
     c.loss_junction = std::move(junction);
   }
   record(ctx, TraceKind::Loss, started, CellClock::now());
+}
+
+void Stage::refuse_loss_that_ran_backward(
+    const CellState& c, const c10::Error& error) {
+  // A cell that kept its graph gives the loss the output itself (a
+  // junction there too is an autograd node more per micro-batch, which
+  // gpipe-bench's cell-cost section shows: docs/benchmark-history.md); a
+  // backward inside the loss function freed that graph, which the cell's
+  // backward then meets.
+  const std::string what = error.what_without_backtrace();
+  TORCH_CHECK_VALUE(
+      !(c.loss_root.defined() && !c.checkpointed &&
+        what.find("backward through the graph a second time") !=
+            std::string::npos),
+      kLossRanBackward,
+      " (it back-propagated into the last partition: zero_grad() before the "
+      "next step)");
 }
 
 void Stage::connect_loss(CellState& c, const Packet& y) {
