@@ -6,6 +6,7 @@
 #include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <string>
 
@@ -28,16 +29,34 @@ torch::nn::Sequential autocast_mlp() {
       torch::nn::Linear(8, 5));
 }
 
+// LibTorch 2.4 made the per-device calls one call with a device type.
+#if TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+void set_cpu_autocast(bool on) {
+  at::autocast::set_autocast_enabled(at::kCPU, on);
+}
+bool cpu_autocast() {
+  return at::autocast::is_autocast_enabled(at::kCPU);
+}
+#else
+void set_cpu_autocast(bool on) {
+  at::autocast::set_cpu_enabled(on);
+}
+bool cpu_autocast() {
+  return at::autocast::is_cpu_enabled();
+}
+#endif
+
 // CPU autocast on while alive; off, with this thread's cache cleared, after.
 struct CpuAutocast {
   CpuAutocast() {
-    at::autocast::set_cpu_enabled(true);
+    set_cpu_autocast(true);
   }
   ~CpuAutocast() {
     off();
   }
   static void off() {
-    at::autocast::set_cpu_enabled(false);
+    set_cpu_autocast(false);
     at::autocast::clear_cache();
   }
 };
@@ -159,11 +178,11 @@ TEST(AutocastTest, ThePassLeavesTheCallersSettingsAsTheyWere) {
   {
     CpuAutocast autocast;
     model->forward(x).to(torch::kFloat).sum().backward();
-    EXPECT_TRUE(at::autocast::is_cpu_enabled());
+    EXPECT_TRUE(cpu_autocast());
     EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
   }
   model->forward(x).sum().backward();
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_FALSE(cpu_autocast());
   EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
 }
 

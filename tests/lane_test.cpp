@@ -335,7 +335,9 @@ TEST(ForkTest, APipelineOfTheParentIsRefusedInTheChildAndLetGo) {
     } catch (const c10::ValueError&) {
     }
     model.reset();  // hung here
-    if (kThreadsAfterFork) {
+    // (With CUDA devices, LibTorch refuses autograd in a child forked after
+    // a backward: the guide says so.)
+    if (kThreadsAfterFork && !torch::cuda::is_available()) {
       gpipe::GPipe own(four_linears(), gpipe::GPipeOptions({2, 2}).chunks(4));
       if (!std::isfinite(one_step(own))) {
         return 6;
@@ -358,15 +360,16 @@ TEST(WorkerTest, ALaneThreadThatCannotStartIsAC10Error) {
   if (!kThreadsAfterFork) {
     return;  // the child would be ended for the thread it tries to start
   }
+  constexpr int kNoLimit = 7;
   const auto status = in_forked_child([] {
     // One process of this user at most: as root, the limit holds only
     // for another user.
     if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) {
-      return 7;
+      return kNoLimit;
     }
     const rlimit one{1, 1};
     if (setrlimit(RLIMIT_NPROC, &one) != 0) {
-      return 8;
+      return kNoLimit;
     }
     try {
       gpipe::GPipe model(four_linears(), gpipe::GPipeOptions({2, 2}));
@@ -381,8 +384,13 @@ TEST(WorkerTest, ALaneThreadThatCannotStartIsAC10Error) {
       return 5;
     }
   });
+  if (status == kNoLimit) {
+    // Skipped: no thread limit can be set here (a root without another user
+    // to become, as in a rootless container).
+    GTEST_SKIP() << "no thread limit can be set here";
+  }
   EXPECT_EQ(status, 0) << "3: the lanes started, 4: another message, 5: not "
-                          "a c10::Error, 7/8: could not set the limit";
+                          "a c10::Error";
 }
 #endif
 

@@ -299,46 +299,46 @@ TEST_F(LossTest, ALossThatIsNotAScalarIsRefusedSayingWhatItWas) {
 // number of gradients"; without checkpoints it back-propagated into the
 // last stage and train_step's own backward then failed with autograd's
 // "backward through the graph a second time" (a c10::Error, not a
-// ValueError). It is told what it did. The model stays usable.
+// ValueError), or, with retain_graph or a loss that saves nothing, added
+// the last partition's gradients twice. It is told what it did, and no
+// gradient reaches the model. The model stays usable.
 TEST_F(LossTest, ALossThatRunsTheBackwardItselfIsToldSo) {
   const auto x = torch::randn({4, 5}, torch::kFloat64);
   const auto t = torch::randint(0, 4, {4});
   for (const auto mode :
        {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {
-    GPipe model(small_net(), GPipeOptions({3, 2}).chunks(2).checkpoint(mode));
-    std::string what = "no ValueError";
-    try {
-      model->train_step(x, t, [](torch::Tensor y, torch::Tensor target) {
-        auto loss = cross_entropy(y, target);
-        loss.backward();
-        return loss;
-      });
-    } catch (const c10::ValueError& e) {
-      what = e.what_without_backtrace();
+    for (const bool retain : {false, true}) {
+      GPipe model(small_net(), GPipeOptions({3, 2}).chunks(2).checkpoint(mode));
+      std::string what = "no ValueError";
+      try {
+        model->train_step(x, t, [retain](torch::Tensor y, torch::Tensor tt) {
+          auto loss = cross_entropy(y, tt);
+          loss.backward({}, /*retain_graph=*/retain);
+          return loss;
+        });
+      } catch (const c10::ValueError& e) {
+        what = e.what_without_backtrace();
+      }
+      EXPECT_NE(
+          what.find("train_step's loss_fn ran a backward through the model's "
+                    "output"),
+          std::string::npos)
+          << to_string(mode) << (retain ? ", retained: " : ": ") << what;
+      // Refused before any gradient reached the model.
+      for (const auto& p : model->parameters()) {
+        EXPECT_TRUE(!p.grad().defined() || p.grad().eq(0).all().item<bool>())
+            << to_string(mode);
+      }
+      model->zero_grad();
+      EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
     }
-    EXPECT_NE(
-        what.find("train_step's loss_fn ran a backward through the model's "
-                  "output"),
-        std::string::npos)
-        << to_string(mode) << ": " << what;
-    // With a checkpointed micro-batch, refused before any gradient reached
-    // the model; without, the loss function's backward reached the last
-    // partition, as the message says.
-    for (const auto& p : model->parameters()) {
-      EXPECT_TRUE(
-          mode == Checkpoint::Never || !p.grad().defined() ||
-          p.grad().eq(0).all().item<bool>())
-          << to_string(mode);
-    }
-    model->zero_grad();
-    EXPECT_NO_THROW(model->train_step(x, t, cross_entropy));
   }
 }
 
-// The loss joins the output through a junction in every mode; where the
-// last partition is the identity the output is that stage's input leaf,
-// and the junction leads straight to its gradient: the plain gradients,
-// the input's included.
+// Where the last partition is the identity the output is that stage's
+// input leaf, which the loss reads directly (or, checkpointed, through a
+// junction that leads straight to its gradient): the plain gradients, the
+// input's included.
 TEST_F(LossTest, ALastPartitionThatIsTheIdentityPassesTheLossGradientOn) {
   for (const auto mode :
        {Checkpoint::Always, Checkpoint::ExceptLast, Checkpoint::Never}) {

@@ -1,6 +1,7 @@
 #include "engine/autocast.h"
 
 #include <ATen/autocast_mode.h>
+#include <torch/version.h>
 
 namespace gpipe::detail {
 
@@ -25,6 +26,26 @@ namespace gpipe::detail {
 // it uses (once per micro-batch, where the plain model casts once per
 // step), and no cell leaves a cast behind for another.
 
+// LibTorch 2.4 made the per-device calls one call with a device type, and
+// the old ones warn at every call.
+#if TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+AutocastState AutocastState::current() {
+  AutocastState state;
+  state.cpu = at::autocast::is_autocast_enabled(at::kCPU);
+  state.cuda = at::autocast::is_autocast_enabled(at::kCUDA);
+  state.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+  state.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  return state;
+}
+
+void AutocastScope::apply(const AutocastState& state) {
+  at::autocast::set_autocast_enabled(at::kCPU, state.cpu);
+  at::autocast::set_autocast_enabled(at::kCUDA, state.cuda);
+  at::autocast::set_autocast_dtype(at::kCPU, state.cpu_dtype);
+  at::autocast::set_autocast_dtype(at::kCUDA, state.cuda_dtype);
+}
+#else
 AutocastState AutocastState::current() {
   AutocastState state;
   state.cpu = at::autocast::is_cpu_enabled();
@@ -40,6 +61,7 @@ void AutocastScope::apply(const AutocastState& state) {
   at::autocast::set_autocast_cpu_dtype(state.cpu_dtype);
   at::autocast::set_autocast_gpu_dtype(state.cuda_dtype);
 }
+#endif
 
 AutocastScope::AutocastScope(const AutocastState& state)
     : found_(AutocastState::current()) {

@@ -125,33 +125,36 @@ ModeRestore::ModeRestore(const ModeSnapshot* forward) {
   }
   // A parameter unfrozen since the forward: the plain model's graph has no
   // path to it, so it gets no gradient from this cell.
+  unfrozen_.reserve(forward->frozen.size());
   for (const auto& p : forward->frozen) {
     if (p.requires_grad()) {
-      unfrozen_.push_back(p);
+      unfrozen_.push_back(p);  // reserved: cannot throw
       p.requires_grad_(false);
     }
   }
-  bool same = true;
-  found_.reserve(forward->modules.size());
-  for (const auto k : c10::irange(forward->modules.size())) {
-    found_.push_back(mode_of(*forward, k));
-    same = same && found_.back() == forward->training[k];
-  }
-  if (same) {
-    found_.clear();
-    return;
-  }
-  // A DeferredBatchNorm's own flag too, which train() sets to the mode it
-  // computes in (it may have been another: net->eval() leaves it).
-  own_found_.reserve(forward->modules.size());
-  for (const auto k : c10::irange(forward->modules.size())) {
-    own_found_.push_back(forward->modules[k]->is_training());
-  }
-  forward_ = forward;
+  // Anything below that throws (an allocation, a layer's own train())
+  // leaves the parameters and modes as found.
   try {
+    bool same = true;
+    found_.reserve(forward->modules.size());
+    for (const auto k : c10::irange(forward->modules.size())) {
+      found_.push_back(mode_of(*forward, k));
+      same = same && found_.back() == forward->training[k];
+    }
+    if (same) {
+      found_.clear();
+      return;
+    }
+    // A DeferredBatchNorm's own flag too, which train() sets to the mode it
+    // computes in (it may have been another: net->eval() leaves it).
+    own_found_.reserve(forward->modules.size());
+    for (const auto k : c10::irange(forward->modules.size())) {
+      own_found_.push_back(forward->modules[k]->is_training());
+    }
+    forward_ = forward;
     set_modes(*forward, forward->training);
   } catch (...) {
-    put_back();  // a layer's own train() threw
+    put_back();
     throw;
   }
 }

@@ -483,13 +483,7 @@ Flow Stage::backward(
   if (input_only) {
     std::vector<torch::Tensor> leaves = c.skip_inputs;
     leaves.insert(leaves.end(), c.input.tensors.begin(), c.input.tensors.end());
-    std::vector<torch::Tensor> grads_in;
-    try {
-      grads_in = backward_input(roots, grads, leaves, c.weight);
-    } catch (const c10::Error& e) {
-      refuse_loss_that_ran_backward(c, e);
-      throw;
-    }
+    auto grads_in = backward_input(roots, grads, leaves, c.weight);
     roots.clear();
     grads.clear();
     y = Packet{};
@@ -507,13 +501,8 @@ Flow Stage::backward(
     return dx;
   }
   if (!roots.empty()) {
-    try {
-      torch::autograd::backward(
-          roots, grads, /*retain_graph=*/ctx.retain, /*create_graph=*/false);
-    } catch (const c10::Error& e) {
-      refuse_loss_that_ran_backward(c, e);
-      throw;
-    }
+    torch::autograd::backward(
+        roots, grads, /*retain_graph=*/ctx.retain, /*create_graph=*/false);
   }
   roots.clear();
   grads.clear();

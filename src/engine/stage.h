@@ -209,12 +209,6 @@ class Stage {
   // A checkpointed cell's loss, once its backward has recomputed the output
   // `y`: joins the loss's graph to y's (stage_loss.cpp).
   static void connect_loss(CellState& c, const Packet& y);
-  // Called with autograd's error from a cell's backward: where the cell's
-  // loss kept its graph and the error says the graph ran already, the
-  // loss function ran a backward itself; throws that as a ValueError
-  // (stage_loss.cpp). Returns otherwise.
-  static void refuse_loss_that_ran_backward(
-      const CellState& c, const c10::Error& error);
   // Runs the partition on `x` with skips from `incoming`; fills `y` and
   // `outgoing` (by skips_out).
   void run(

@@ -45,10 +45,11 @@ torch::Tensor Stage::loss_of(
 // recomputed the output, connects the junction to the output's graph before
 // it starts from the loss. The loss's own parameters, if any, get their
 // gradients in that backward. A loss function that runs a backward itself
-// meets the unconnected junction (before any gradient reaches the model),
-// or, where the cell kept its graph, frees the graph that the cell's
-// backward then finds freed: either way it is told
-// (refuse_loss_that_ran_backward).
+// is told before any gradient reaches the model: it meets the unconnected
+// junction, or, where the cell kept its graph, a hook on the output that is
+// there while the loss function runs (a junction there too would cost an
+// autograd node per micro-batch, which gpipe-bench's cell-cost section
+// shows: docs/benchmark-history.md).
 namespace {
 
 constexpr const char* kLossRanBackward =
@@ -109,6 +110,22 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
     const auto k = junction->add_input_metadata(input);
     torch::autograd::impl::set_gradient_edge(input, {junction, k});
   }
+  // Refuses a backward through the output while the loss function runs.
+  struct BackwardRefused {
+    torch::Tensor output;
+    unsigned hook = 0;
+    ~BackwardRefused() {
+      if (output.defined()) {
+        output.remove_hook(hook);
+      }
+    }
+  } refused;
+  if (grad && !c.checkpointed) {
+    refused.hook = input.register_hook([](const torch::Tensor&) {
+      TORCH_CHECK_VALUE(false, kLossRanBackward);
+    });
+    refused.output = input;
+  }
   torch::Tensor loss;
   auto body = [&] { loss = loss_of(input, ctx); };
   auto rerun = [&] {
@@ -134,23 +151,6 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
     c.loss_junction = std::move(junction);
   }
   record(ctx, TraceKind::Loss, started, CellClock::now());
-}
-
-void Stage::refuse_loss_that_ran_backward(
-    const CellState& c, const c10::Error& error) {
-  // A cell that kept its graph gives the loss the output itself (a
-  // junction there too is an autograd node more per micro-batch, which
-  // gpipe-bench's cell-cost section shows: docs/benchmark-history.md); a
-  // backward inside the loss function freed that graph, which the cell's
-  // backward then meets.
-  const std::string what = error.what_without_backtrace();
-  TORCH_CHECK_VALUE(
-      !(c.loss_root.defined() && !c.checkpointed &&
-        what.find("backward through the graph a second time") !=
-            std::string::npos),
-      kLossRanBackward,
-      " (it back-propagated into the last partition: zero_grad() before the "
-      "next step)");
 }
 
 void Stage::connect_loss(CellState& c, const Packet& y) {
