@@ -10,8 +10,9 @@
 #include <memory>
 #include <vector>
 
+#include <gpipe/options.h>
+
 namespace gpipe {
-struct GPipeOptions;
 class Placement;
 }  // namespace gpipe
 
