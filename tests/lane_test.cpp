@@ -387,7 +387,8 @@ TEST(WorkerTest, ALaneThreadThatCannotStartIsAC10Error) {
   if (status == kNoLimit) {
     // Skipped: no thread limit can be set here (a root without another user
     // to become, as in a rootless container).
-    GTEST_SKIP() << "no thread limit can be set here";
+    GTEST_SKIP()
+        << "no thread limit can be set here";  // root, no user to become
   }
   EXPECT_EQ(status, 0) << "3: the lanes started, 4: another message, 5: not "
                           "a c10::Error";

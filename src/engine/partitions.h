@@ -4,13 +4,12 @@
 // PipelineStage check their model and options alike and split the same
 // way, so that layer names and parameter names agree across them.
 
+#include <gpipe/options.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cstdint>
 #include <memory>
 #include <vector>
-
-#include <gpipe/options.h>
 
 namespace gpipe {
 class Placement;
