@@ -85,6 +85,19 @@ namespace {
 // of gigabytes. As many as a job has ranks (WORLD_SIZE's limit).
 constexpr int64_t kMaxTraceLanes = int64_t{1} << 20;
 
+// A kind cast from a number outside the enum drew as "unknown" in black.
+void check_kind(const char* where, TraceKind kind) {
+  const auto value = static_cast<int64_t>(kind);
+  TORCH_CHECK_VALUE(
+      value >= static_cast<int64_t>(TraceKind::Forward) &&
+          value <= static_cast<int64_t>(TraceKind::AllReduce),
+      where,
+      ": expected a TraceKind (forward to all-reduce, 0 to ",
+      static_cast<int64_t>(TraceKind::AllReduce),
+      "), got ",
+      value);
+}
+
 }  // namespace
 
 void Trace::record(
@@ -100,6 +113,7 @@ void Trace::record(
       kMaxTraceLanes,
       "), got ",
       lane);
+  check_kind("Trace::record", kind);
   TORCH_CHECK_VALUE(
       end >= start,
       "Trace::record: expected an interval that ends at or after its start");
@@ -121,6 +135,7 @@ void Trace::add(const TraceEvent& event) {
       kMaxTraceLanes,
       "), got ",
       event.lane);
+  check_kind("Trace::add", event.kind);
   TORCH_CHECK_VALUE(
       std::isfinite(event.start_us) && std::isfinite(event.end_us),
       "Trace::add: expected finite times, got start_us ",

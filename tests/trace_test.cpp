@@ -108,6 +108,17 @@ TEST_F(TraceTest, AddRejectsABadEvent) {
   const auto now = std::chrono::steady_clock::now();
   EXPECT_THROW(
       trace.record(-1, 0, TraceKind::Forward, now, now), c10::IndexError);
+  // A kind outside the enum was drawn as "unknown".
+  try {
+    trace.add(TraceEvent{0, 0, static_cast<TraceKind>(42), 0, 1});
+    FAIL() << "expected c10::ValueError";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("got 42"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(
+      trace.record(0, 0, static_cast<TraceKind>(-1), now, now),
+      c10::ValueError);
   EXPECT_THROW(
       trace.record(
           0, 0, TraceKind::Forward, now, now - std::chrono::milliseconds(5)),

@@ -23,7 +23,8 @@
 
 namespace gpipe {
 
-/// What a traced interval was.
+/// What a traced interval was. Trace::add and Trace::record refuse any
+/// other value (a new kind goes last, after AllReduce).
 enum class TraceKind {
   Forward,    // a cell's forward (checkpointed or not)
   Backward,   // a cell's backward (after its recomputation, if any)
