@@ -168,6 +168,56 @@ TEST_F(LossTest, WhatTheLossReadsGetsItsGradient) {
   }
 }
 
+TEST_F(LossTest, AFrozenModelsLossStillTrainsWhatItReads) {
+  // Calibrating a temperature on a frozen model: only the loss has a
+  // learnable tensor. The step gave it no gradient.
+  auto net = small_net();
+  for (auto& p : net->parameters()) {
+    p.requires_grad_(false);
+  }
+  auto temperature =
+      torch::full({}, 1.5, torch::kFloat64).set_requires_grad(true);
+  auto scaled = [&](torch::Tensor y, torch::Tensor t) {
+    return cross_entropy(y / temperature, t);
+  };
+  auto x = torch::randn({8, 5}, torch::kFloat64);
+  auto t = torch::randint(0, 4, {8});
+  const auto plain_loss = scaled(net->forward(x), t);
+  plain_loss.backward();
+  const auto expected = temperature.grad().clone();
+  temperature.mutable_grad().reset();
+  for (auto schedule :
+       {Schedule::FillDrain, Schedule::OneFOneB, Schedule::ZeroBubble}) {
+    for (auto mode : {Checkpoint::Always, Checkpoint::Never}) {
+      SCOPED_TRACE(to_string(schedule) + ", " + to_string(mode));
+      GPipe model(net, GPipeOptions({3, 2}).chunks(4).checkpoint(mode));
+      const auto loss = model->train_step(x, t, scaled, schedule);
+      EXPECT_NEAR(loss.item<double>(), plain_loss.item<double>(), 1e-12);
+      ASSERT_TRUE(temperature.grad().defined());
+      EXPECT_TRUE(torch::allclose(temperature.grad(), expected, 1e-10, 1e-13))
+          << temperature.grad() << " against " << expected;
+      temperature.mutable_grad().reset();
+      for (const auto& p : net->parameters()) {
+        EXPECT_FALSE(p.grad().defined());
+      }
+    }
+  }
+  // Nothing to train at all: refused as the plain model's backward is, and
+  // the pipeline still trains a loss that reads the temperature afterwards.
+  GPipe model(net, GPipeOptions({3, 2}).chunks(4));
+  try {
+    model->train_step(x, t, cross_entropy);
+    ADD_FAILURE() << "no error for a step with nothing to train";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("expects something to train"),
+        std::string::npos)
+        << e.what();
+  }
+  model->train_step(x, t, scaled);
+  EXPECT_TRUE(torch::allclose(temperature.grad(), expected, 1e-10, 1e-13));
+}
+
 // Counts the AccumulateGrad nodes that autograd runs, on any thread.
 std::atomic<int64_t> accumulations{0};
 

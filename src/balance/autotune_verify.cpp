@@ -91,8 +91,8 @@ void verify_autotune(
       sample_input.sizes(),
       " and ",
       sample_target.sizes());
-  // A choice for training steps that would refuse to run: train_step needs
-  // something that requires grad.
+  // autotune times the model's backward, which a frozen model never runs
+  // (train_step trains only what its loss reads).
   bool trainable = sample_input.requires_grad();
   bool any_parameter = false;
   for (const auto& p : net->parameters()) {
@@ -104,8 +104,8 @@ void verify_autotune(
       "autotune: expected a model with a parameter that requires grad (or a "
       "sample input that does), but ",
       any_parameter ? "every parameter is frozen" : "it has no parameters",
-      ": a training step with the choice would change nothing, and "
-      "train_step refuses it");
+      ": autotune times the backward of the layers, which such a model "
+      "never runs");
   const auto batch =
       options.batch_size() > 0 ? options.batch_size() : sample_input.size(0);
   const auto sample_rows = sample_input.size(0);

@@ -467,9 +467,13 @@ torch::Tensor Pipeline::train(
     pass = start_pass(m, ends.originals, start.options);
     ends.prepare(*pass);
     TORCH_CHECK_VALUE(
-        pass->grad,
-        "train_step needs grad mode on and something that requires grad (a "
-        "parameter or the input)");
+        torch::GradMode::is_enabled(),
+        "train_step needs grad mode on, but it is off here (under "
+        "torch::NoGradGuard or c10::InferenceMode); use forward for "
+        "inference");
+    // A frozen model's loss may still read a tensor to train (a
+    // temperature): whether the step trains anything, Stage::loss says.
+    pass->grad = true;
     draw_seed(seed, start);
     pass->step_seed = start.seed;
     if (is_local(n - 1)) {

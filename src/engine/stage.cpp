@@ -292,9 +292,10 @@ Flow Stage::backward(
       any_grad = any_grad || g.defined();
     }
   }
-  if (!c.has_graph || !any_grad) {
+  if (!any_grad || (!c.has_graph && !c.loss_root.defined())) {
     // Frozen, or no gradient reaches this cell's outputs: nothing to
-    // recompute or back-propagate.
+    // recompute or back-propagate. (A frozen cell's loss may still read a
+    // tensor to train: its backward runs from the loss.)
     if (!ctx.retain) {
       c = CellState{};
     }

@@ -145,8 +145,25 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
       loss.scalar_type(),
       " tensor that does not (detached, or of a dtype without gradients); "
       "the step would change nothing");
+  if (ctx.grad && !loss.requires_grad()) {
+    TORCH_CHECK_VALUE(
+        c.has_graph,
+        "train_step expects something to train, but nothing requires grad: "
+        "the model's parameters are frozen (to this stage), its input needs "
+        "no gradient and the loss reads no tensor that does; the step would "
+        "change nothing. Use forward for inference");
+    TORCH_CHECK_VALUE(
+        false,
+        "train_step expects loss_fn to return a loss that requires grad, but "
+        "the last stage's output is a ",
+        y.scalar_type(),
+        " tensor, which carries no gradient, and the loss reads no tensor "
+        "that does; the step would change nothing");
+  }
   c.loss_value = loss.detach();
-  if (grad && loss.requires_grad()) {
+  // A loss that reads a tensor to train, on a frozen model's output (a
+  // temperature): its backward runs from the loss alone.
+  if (ctx.grad && loss.requires_grad()) {
     c.loss_root = std::move(loss);
     c.loss_junction = std::move(junction);
   }
