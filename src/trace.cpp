@@ -1,11 +1,15 @@
 #include <c10/util/Exception.h>
+#include <c10/util/irange.h>
 #include <gpipe/trace.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
+#include <vector>
 
 #include "text.h"
 
@@ -302,9 +306,10 @@ const char* short_name(TraceKind kind) {
 std::string Trace::chrome_json() const {
   const auto events = this->events();
   const auto label = json_escaped(row_label());
-  int64_t lanes = 0;
+  // A name for each lane with events (Chrome shows no others).
+  std::set<int64_t> lanes;
   for (const auto& e : events) {
-    lanes = std::max(lanes, e.lane + 1);
+    lanes.insert(e.lane);
   }
   std::ostringstream out;
   out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
@@ -313,7 +318,7 @@ std::string Trace::chrome_json() const {
     out << (first ? "\n" : ",\n");
     first = false;
   };
-  for (int64_t lane = 0; lane < lanes; ++lane) {
+  for (const auto lane : lanes) {
     comma();
     out << "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << lane
         << ",\"args\":{\"name\":\"" << label << " " << lane << "\"}}";
@@ -346,10 +351,29 @@ std::string Trace::svg() const {
   int64_t lanes = 0;
   double begin = events.empty() ? 0 : events.front().start_us;
   double end = begin;
+  std::set<int64_t> used;
   for (const auto& e : events) {
     lanes = std::max(lanes, e.lane + 1);
     end = std::max(end, e.end_us);
+    used.insert(e.lane);
   }
+  // A row for every lane up to the highest, where an idle lane shows; but a
+  // few events on lanes numbered up to a million made a picture of
+  // gigabytes: past kDenseRows rows, only the lanes with events get one.
+  constexpr int64_t kDenseRows = 1024;
+  std::vector<int64_t> shown;
+  if (lanes <= kDenseRows) {
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      shown.push_back(lane);
+    }
+  } else {
+    shown.assign(used.begin(), used.end());
+  }
+  std::map<int64_t, int64_t> row_of;
+  for (const auto k : c10::irange(shown.size())) {
+    row_of.emplace(shown[k], static_cast<int64_t>(k));
+  }
+  const auto rows = static_cast<int64_t>(shown.size());
   const double span = std::max(end - begin, 1.0);
   // Times in ms, or in us for a trace shorter than 1 ms (its labels would
   // all read 0.00 ms).
@@ -364,7 +388,7 @@ std::string Trace::svg() const {
       std::to_string(std::max<int64_t>(lanes - 1, 0)).size());
   const double left = std::max(70.0, 8 + 6.5 * label_chars);
   const double top = 30, row = 28, width = 1000;
-  const double height = top + row * static_cast<double>(lanes) + 50;
+  const double height = top + row * static_cast<double>(rows) + 50;
   auto x_of = [&](double t) { return left + (t - begin) / span * width; };
 
   std::ostringstream out;
@@ -377,16 +401,17 @@ std::string Trace::svg() const {
   const bool plain_noun = raw_label == "lane" || raw_label == "rank";
   out << "<text x=\"" << fixed(left, 0)
       << "\" y=\"18\" font-size=\"13\">gpipe timeline: " << events.size()
-      << (events.size() == 1 ? " interval" : " intervals") << " on " << lanes
+      << (events.size() == 1 ? " interval" : " intervals") << " on " << rows
       << " "
       << (plain_noun
-              ? label + (lanes == 1 ? "" : "s")
-              : std::string(lanes == 1 ? "row" : "rows") + " (" + label + ")")
+              ? label + (rows == 1 ? "" : "s")
+              : std::string(rows == 1 ? "row" : "rows") + " (" + label + ")")
+      << (rows < lanes ? " with events, of " + std::to_string(lanes) : "")
       << ", " << time_text(span, 2) << "</text>\n";
-  for (int64_t lane = 0; lane < lanes; ++lane) {
-    const double y = top + row * static_cast<double>(lane);
+  for (const auto k : c10::irange(rows)) {
+    const double y = top + row * static_cast<double>(k);
     out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">" << label
-        << " " << lane << "</text>\n";
+        << " " << shown[k] << "</text>\n";
     out << "<rect x=\"" << left << "\" y=\"" << fixed(y + 2, 1) << "\" width=\""
         << width << "\" height=\"" << row - 4
         << "\" fill=\"none\" stroke=\"#dddddd\"/>\n";
@@ -394,7 +419,7 @@ std::string Trace::svg() const {
   for (const auto& e : events) {
     const double x0 = x_of(e.start_us);
     const double w = std::max(x_of(e.end_us) - x0, 0.5);
-    const double y = top + row * static_cast<double>(e.lane);
+    const double y = top + row * static_cast<double>(row_of.at(e.lane));
     // An all-reduce runs beside the lane's cells: a thin bar under them.
     const bool beside = e.kind == TraceKind::AllReduce;
     out << "<rect x=\"" << fixed(x0, 2) << "\" y=\""
@@ -414,7 +439,7 @@ std::string Trace::svg() const {
     }
   }
   // Time axis (none without intervals) and legend.
-  const double axis = top + row * static_cast<double>(lanes) + 14;
+  const double axis = top + row * static_cast<double>(rows) + 14;
   for (int k = 0; k <= 4 && !events.empty(); ++k) {
     const double t = span * k / 4;
     // The last label ends at the axis's end, inside the picture.

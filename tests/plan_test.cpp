@@ -201,6 +201,14 @@ TEST(PlanTest, CsvReadsPyTorchSpellings) {
   EXPECT_NO_THROW(plan.validate());
   // Whole backwards stay whole.
   EXPECT_EQ(Plan::from_csv("0F0,0B0\n").lanes[0][1].phase, Phase::Backward);
+  // A byte order mark first (as some editors save UTF-8) was quoted,
+  // invisibly, as part of a malformed first action.
+  const auto marked = Plan::from_csv(
+      "\xEF\xBB\xBF"
+      "0F0,0B0\n");
+  ASSERT_EQ(marked.lanes.size(), 1u);
+  EXPECT_EQ(marked.lanes[0].size(), 2u);
+  EXPECT_NO_THROW(marked.validate());
 }
 
 TEST(PlanTest, CsvErrorsNameRowColumnAndText) {

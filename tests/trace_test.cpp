@@ -82,6 +82,29 @@ TEST_F(TraceTest, SummaryCountsEachLanesWorkOnce) {
   EXPECT_EQ(empty.bubble_fraction, 0.0);
 }
 
+// One event on lane 2^20 - 1 (a lane add() takes) drew a row for every
+// lane below it: an SVG of 135 MB.
+TEST_F(TraceTest, PicturesOfFewEventsOnHighLanesStaySmall) {
+  Trace trace;
+  trace.add(TraceEvent{3, 0, TraceKind::Forward, 0, 1});
+  trace.add(TraceEvent{(int64_t{1} << 20) - 1, 1, TraceKind::Backward, 1, 2});
+  const auto svg = trace.svg();
+  EXPECT_LT(svg.size(), 10000u);
+  EXPECT_NE(svg.find("on 2 lanes with events, of 1048576,"), std::string::npos)
+      << svg;
+  EXPECT_NE(svg.find(">lane 3</text>"), std::string::npos) << svg;
+  EXPECT_NE(svg.find(">lane 1048575</text>"), std::string::npos) << svg;
+  EXPECT_EQ(svg.find(">lane 0</text>"), std::string::npos) << svg;
+  const auto json = trace.chrome_json();
+  EXPECT_LT(json.size(), 10000u);
+  EXPECT_NE(json.find("\"lane 1048575\""), std::string::npos) << json;
+  // Up to 1024 lanes every one gets a row, idle or not.
+  Trace few;
+  few.add(TraceEvent{2, 0, TraceKind::Forward, 0, 1});
+  EXPECT_NE(few.svg().find(">lane 1</text>"), std::string::npos);
+  EXPECT_NE(few.svg().find("on 3 lanes,"), std::string::npos);
+}
+
 TEST_F(TraceTest, AddRejectsABadEvent) {
   Trace trace;
   EXPECT_THROW(

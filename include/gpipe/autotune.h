@@ -102,7 +102,9 @@ struct Autotuned {
   /// cores by the plan, GPipe's default), or a count fixed on every lane
   /// where the simulation found that faster (or it was given).
   int64_t threads_per_lane = 0;
-  /// Every candidate, fastest first, the rejected ones with their reason.
+  /// Every candidate, fastest first (to the microsecond; of two as fast,
+  /// the one whose most loaded lane holds less), the rejected ones with
+  /// their reason.
   std::vector<AutotuneCandidate> candidates;
 
   /// GPipeOptions of the choice: balance, chunks, checkpoint, placement,

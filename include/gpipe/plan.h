@@ -89,12 +89,15 @@ struct Plan {
   /// PyTorch writes it; empty columns are skipped; blank lines at the end
   /// are not lanes, a blank line between rows is an empty lane; other lines
   /// starting with `#` are comments, except one that starts like a
-  /// placement line, `#placement 0 1` say, which is refused). micro_batches
-  /// and stages are the largest indices plus one (or the placement line's
-  /// stages and lanes, when more). Without a placement line the placement
-  /// is the one the rows show when each stage's cells are on one row, else
-  /// empty. Throws `c10::ValueError` naming the row, column and text of a
-  /// malformed action, or a malformed placement line; the plan is not
+  /// placement line, `#placement 0 1` say, which is refused; a UTF-8 byte
+  /// order mark first is skipped). micro_batches and stages are the largest
+  /// indices plus one; lanes are the rows, or the placement line's lanes
+  /// when more. A placement line must place as many stages as the actions
+  /// use (in a plan of 0 micro-batches, the stages it places). Without a
+  /// placement line the placement is the one the rows show when each
+  /// stage's cells are on one row, else empty. Throws `c10::ValueError`
+  /// naming the row, column and text of a malformed action, or a malformed
+  /// placement line, or one of another length; the plan is not
   /// validated (call `validate()`, whose work follows the actions listed,
   /// not micro_batches x stages).
   static Plan from_csv(const std::string& text);

@@ -239,7 +239,11 @@ Placement placement_of_rows(const Plan& plan) {
 
 Plan Plan::from_csv(const std::string& text) {
   Plan plan;
-  std::istringstream in(text);
+  // Some editors begin a UTF-8 file with a byte order mark, which the first
+  // action's error would quote invisibly.
+  constexpr char kByteOrderMark[] = "\xEF\xBB\xBF";
+  std::istringstream in(
+      text.rfind(kByteOrderMark, 0) == 0 ? text.substr(3) : text);
   std::string line;
   int64_t row = 0;
   // B means the input part when the cell also has a W (PyTorch 2.3's
