@@ -239,11 +239,12 @@ void Connection::run_collective(
 // began other operations see it at once and refuse alike, naming both. (A
 // training step does so on a replica's first stage, which agrees with the
 // other replicas' before the step: agree_to_start. The other stages begin
-// theirs as the step begins and read it at its end, before the gradient
-// all-reduce's results (start_first_collective): their step does not wait
-// for the other replicas to start, and its failures are met where the
-// gradient all-reduce's are, so that a rank killed in another replica is
-// still named.)
+// theirs as the step begins and read it before their first gradient bucket
+// starts, or at the step's end (start_first_collective): their step does
+// not wait for the other replicas to start, and its failures are met where
+// the gradient all-reduce's are, so that a rank killed in another replica
+// is still named. The words of a step carry its buckets' layout: Note [The
+// replicas' buckets agree] in dist/data_parallel.h.)
 namespace {
 
 const char* first_collective_name(int64_t kind) {

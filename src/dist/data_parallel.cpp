@@ -180,6 +180,116 @@ bool GradientBuckets::holds(
   return k == trainable_.size();
 }
 
+int64_t GradientBuckets::layout_hash() const {
+  uint64_t h = 14695981039346656037ull;
+  auto mix = [&h](int64_t v) {
+    h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  };
+  for (const auto& bucket : buckets_) {
+    mix(static_cast<int64_t>(bucket.parameters.size()));
+    for (const auto& p : bucket.parameters) {
+      mix(p.numel());
+      mix(static_cast<int64_t>(p.scalar_type()));
+      mix(static_cast<int64_t>(p.device().type()));
+    }
+  }
+  // Non-negative, so that the words' negatives are its minimum.
+  return static_cast<int64_t>(h >> 2);
+}
+
+std::string GradientBuckets::dtypes() const {
+  std::vector<std::string> names;
+  for (const auto& option : slot_options_) {
+    const std::string name = c10::toString(option.first);
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      names.push_back(name);
+    }
+  }
+  std::string out;
+  for (const auto& name : names) {
+    out += (out.empty() ? "" : ", ") + name;
+  }
+  return out;
+}
+
+std::array<int64_t, 4> bucket_words(
+    const std::vector<std::unique_ptr<GradientBuckets>>& buckets,
+    int64_t bucket_bytes) {
+  std::array<int64_t, 4> words{bucket_bytes, 0, 0, 0};
+  uint64_t h = 0;
+  for (const auto& b : buckets) {
+    words[1] += b->bytes();
+    words[2] += b->count();
+    h = h * 31 + static_cast<uint64_t>(b->layout_hash());
+  }
+  words[3] = static_cast<int64_t>(h >> 2);
+  return words;
+}
+
+std::string dtypes_of(
+    const std::vector<std::unique_ptr<GradientBuckets>>& buckets) {
+  std::string out;
+  for (const auto& b : buckets) {
+    const auto mine = b->dtypes();
+    if (!mine.empty() && out.find(mine) == std::string::npos) {
+      out += (out.empty() ? "" : ", ") + mine;
+    }
+  }
+  return out.empty() ? "none" : out;
+}
+
+std::exception_ptr buckets_disagree(
+    const std::vector<int64_t>& reduced,
+    const std::array<int64_t, 4>& mine,
+    const std::string& dtypes,
+    int64_t replica) {
+  // reduced[1 + k] is the largest of word k over the replicas, and
+  // -reduced[5 + k] the smallest.
+  const auto high = [&](int k) { return reduced.at(1 + k); };
+  const auto low = [&](int k) { return -reduced.at(5 + k); };
+  bool agree = true;
+  for (int k = 0; k < 4; ++k) {
+    agree = agree && high(k) == low(k);
+  }
+  if (agree) {
+    return nullptr;
+  }
+  std::ostringstream ranges;
+  const char* names[] = {
+      "the bucket size asked for (set_gradient_bucket_bytes)",
+      "the bytes all-reduced",
+      "the buckets"};
+  for (int k = 0; k < 3; ++k) {
+    if (high(k) != low(k)) {
+      ranges << (ranges.tellp() > 0 ? "; " : "") << names[k] << " from "
+             << low(k) << " to " << high(k);
+    }
+  }
+  if (ranges.tellp() == 0) {
+    ranges << "their parameters' shapes or dtypes, bucket by bucket";
+  }
+  return std::make_exception_ptr(c10::ValueError(
+      c10::str(
+          "gpipe::dist: the replicas of this stage would all-reduce gradient "
+          "buckets of other layouts, which Gloo cannot (it would abort the "
+          "process); they differ in ",
+          ranges.str(),
+          ". This rank (replica ",
+          replica,
+          ") asks for buckets of ",
+          mine[0],
+          " bytes and all-reduces ",
+          mine[1],
+          " bytes in ",
+          mine[2],
+          mine[2] == 1 ? " bucket" : " buckets",
+          ", of parameters of dtype ",
+          dtypes,
+          ". Every replica must train the same parameters (frozen alike), "
+          "in the same dtypes, with the same set_gradient_bucket_bytes"),
+      {}));
+}
+
 bool GradientBuckets::started() const {
   return next_ == buckets_.size() && !buckets_.empty();
 }
@@ -376,7 +486,9 @@ std::exception_ptr agree_to_start(
     const World& data,
     int64_t pass,
     int64_t rows,
-    const std::exception_ptr& mine) {
+    const std::exception_ptr& mine,
+    const std::vector<std::unique_ptr<GradientBuckets>>& buckets,
+    int64_t bucket_bytes) {
   auto& connection = *data.connection();
   const auto replicas = data.size();
   const auto here = data.rank();
@@ -388,10 +500,13 @@ std::exception_ptr agree_to_start(
   // end, before their gradient all-reduce, where a rank that lost its peer
   // in another replica hears that peer's name from its pipeline
   // (failed_over_replicas).
-  first_collective(
+  // Its words carry the buckets' layout (Note [The replicas' buckets
+  // agree]).
+  const auto words = bucket_words(buckets, bucket_bytes);
+  const auto reduced = first_collective(
       connection,
       FirstCollective::TrainStep,
-      {0, 0, 0, 0},
+      words,
       0,
       "train_step's start over the replicas");
   // A refusal's words go through the store, read by the others only when
@@ -433,6 +548,10 @@ std::exception_ptr agree_to_start(
               "), so every replica refuses it: nothing ran, and the stage "
               "stays usable"));
     }
+  }
+  if (auto differ =
+          buckets_disagree(reduced, words, dtypes_of(buckets), here)) {
+    return differ;
   }
   bool equal = true;
   std::ostringstream sizes;

@@ -45,11 +45,13 @@
 #include <gpipe/dist.h>
 #include <torch/types.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -104,6 +106,14 @@ class GradientBuckets {
   /// Whether these buckets are made for `parameters` as they are now (the
   /// same ones requiring grad, in the same order).
   bool holds(const std::vector<torch::Tensor>& parameters) const;
+  /// How many buckets, and a hash of their layout: each one's elements,
+  /// dtype and device type, in order.
+  int64_t count() const {
+    return static_cast<int64_t>(buckets_.size());
+  }
+  int64_t layout_hash() const;
+  /// The dtypes of the trainable parameters, as "Double" or "Float, Half".
+  std::string dtypes() const;
 
  private:
   struct Bucket {
@@ -144,6 +154,32 @@ class GradientBuckets {
   std::shared_ptr<std::atomic<int64_t>> done_at_;
 };
 
+/// Note [The replicas' buckets agree]
+/// A bucket's all-reduce whose replicas hold other sizes or dtypes aborts
+/// the process inside Gloo (a message longer than the buffer posted for
+/// it): replicas whose set_gradient_bucket_bytes differ, one replica frozen
+/// or cast to another dtype. So the first collective of each training step
+/// over a data World (agree_to_start on the first stages, the step's start
+/// words on the others: Note [The first collective's words]) carries these
+/// four numbers, and every replica checks them alike before any bucket
+/// starts: the bucket size asked for, the bytes all-reduced, the buckets
+/// and a hash of their layout, over all of a rank's stages.
+std::array<int64_t, 4> bucket_words(
+    const std::vector<std::unique_ptr<GradientBuckets>>& buckets,
+    int64_t bucket_bytes);
+/// Null where the replicas' words (first_collective's result: `reduced`)
+/// agree; else the c10::ValueError every replica of the stage meets alike,
+/// naming the ranges over the replicas and this rank's own (`mine`,
+/// `dtypes`, on data rank `replica`).
+std::exception_ptr buckets_disagree(
+    const std::vector<int64_t>& reduced,
+    const std::array<int64_t, 4>& mine,
+    const std::string& dtypes,
+    int64_t replica);
+/// The dtypes of `buckets`' parameters (GradientBuckets::dtypes over all).
+std::string dtypes_of(
+    const std::vector<std::unique_ptr<GradientBuckets>>& buckets);
+
 /// Copies data rank 0's `tensors` (parameters and buffers) into every
 /// replica's, bucket by bucket, so that the replicas start equal.
 void broadcast_from_first_replica(
@@ -162,6 +198,8 @@ std::exception_ptr agree_to_start(
     const World& data,
     int64_t pass,
     int64_t rows,
-    const std::exception_ptr& mine);
+    const std::exception_ptr& mine,
+    const std::vector<std::unique_ptr<GradientBuckets>>& buckets,
+    int64_t bucket_bytes);
 
 }  // namespace gpipe::dist::detail

@@ -214,6 +214,8 @@ bool training(const PipelineStageImpl& stage) {
 void refusable(
     const Mesh& mesh,
     bool train,
+    const std::vector<std::unique_ptr<detail::GradientBuckets>>& buckets,
+    int64_t bucket_bytes,
     detail::Connection& connection,
     int64_t pass,
     Sends& begin_sends,
@@ -226,7 +228,8 @@ void refusable(
     error = std::current_exception();
   }
   if (train && mesh.data_size() > 1) {
-    error = detail::agree_to_start(mesh.data(), pass, rows, error);
+    error = detail::agree_to_start(
+        mesh.data(), pass, rows, error, buckets, bucket_bytes);
   }
   if (error) {
     detail::refuse_pass(connection, pass, error, begin_sends);
@@ -273,10 +276,13 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         // dist/connection_collectives.cpp). A replica's first stage agrees
         // with the others' before the pass instead (agree_to_start).
         if (mesh_.data_size() > 1 && !first && !engine_->step_start) {
+          engine_->step_words =
+              detail::bucket_words(engine_->buckets, engine_->bucket_bytes);
+          engine_->step_start_failure = nullptr;
           engine_->step_start = detail::start_first_collective(
               *mesh_.data().connection(),
               detail::FirstCollective::StepStart,
-              {0, 0, 0, 0},
+              engine_->step_words,
               0,
               "train_step's start over the replicas");
         }
@@ -321,10 +327,18 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         ends.target = target;
         ends.chunks = options.chunks();
         ends.device = device_;
+        if (!first && mesh_.data_size() > 1) {
+          ends.before_buckets = [this] {
+            return engine_->finish_step_start(
+                mesh_.data(), mesh_.data_rank(), /*on_lane=*/true);
+          };
+        }
         if (first) {
           refusable(
               mesh_,
               /*train=*/true,
+              engine_->buckets,
+              engine_->bucket_bytes,
               *engine_->connection,
               pass_id,
               begin_sends,
@@ -388,6 +402,8 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
           refusable(
               mesh_,
               /*train=*/false,
+              engine_->buckets,
+              engine_->bucket_bytes,
               *engine_->connection,
               pass_id,
               begin_sends,

@@ -171,11 +171,16 @@ void RankEndpoints::prepare(gpipe::detail::Pass& pass) {
   for (const auto j : c10::irange(pipeline_.size())) {
     index[j] = pipeline_.is_local(j) ? k++ : 0;
   }
-  pass.before_final_gradients = [buckets, index](int64_t j) {
-    buckets->at(index.at(j))->arm();
+  const auto agree = before_buckets;
+  pass.before_final_gradients = [buckets, index, agree](int64_t j) {
+    if (!agree || agree()) {
+      buckets->at(index.at(j))->arm();
+    }
   };
-  pass.on_gradients_final = [buckets, index](int64_t j) {
-    buckets->at(index.at(j))->start();
+  pass.on_gradients_final = [buckets, index, agree](int64_t j) {
+    if (!agree || agree()) {
+      buckets->at(index.at(j))->start();
+    }
   };
 }
 

@@ -12,6 +12,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -54,6 +55,12 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   /// i is micro-batch replica * m + i of the replicas' whole batch, and its
   /// cells draw as that one's would.
   int64_t replica = 0;
+  /// With replicas, on a stage without partition 0: called on the lane
+  /// before this rank's first bucket of the step starts (it checks the
+  /// buckets' layout against the other replicas': Note [The replicas'
+  /// buckets agree] in dist/data_parallel.h).
+  /// False: leave them unstarted (the step's end reports why).
+  std::function<bool()> before_buckets;
 
   /// Rank 0 draws the seed it sends; the others draw theirs once the
   /// pass has begun (see begin()).

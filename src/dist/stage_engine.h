@@ -7,6 +7,8 @@
 #include <gpipe/dist.h>
 #include <gpipe/trace.h>
 
+#include <array>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,6 +36,13 @@ struct PipelineStageImpl::Engine {
   // collective over the data World, begun as the step begins and finished
   // before the gradients' (Note [The first collective's words]).
   std::optional<detail::PendingFirstCollective> step_start;
+  // The bucket words step_start carries (Note [The replicas' buckets
+  // agree]), and a guard for both: finish_step_start runs on a lane.
+  std::array<int64_t, 4> step_words{};
+  // How finishing step_start failed on a lane, met again at the step's end
+  // (where a rank killed in another replica is named).
+  std::exception_ptr step_start_failure;
+  std::mutex step_start_mutex;
   mutable std::mutex trace_mutex;
   std::shared_ptr<Trace> trace;  // guarded by trace_mutex
 
@@ -41,6 +50,14 @@ struct PipelineStageImpl::Engine {
   int64_t next_pass() {
     return (stage_id << detail::kPassBits) | ++passes;
   }
+
+  // Finishes step_start, once (nothing if it is not pending), and throws
+  // the c10::ValueError of buckets_disagree where the replicas' buckets
+  // differ: before this rank's first bucket of the step starts. A failure
+  // of the collective itself is kept, with `on_lane`, for the call at the
+  // step's end, which throws it; until then the lane is told (false) to
+  // leave its buckets unstarted.
+  bool finish_step_start(const World& data, int64_t replica, bool on_lane);
 
   std::shared_ptr<Trace> current_trace() const {
     std::lock_guard<std::mutex> lock(trace_mutex);

@@ -10,6 +10,7 @@
 
 #include <exception>
 #include <memory>
+#include <optional>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <utility>
 #include <vector>
@@ -105,6 +106,9 @@ torch::Tensor PipelineStageImpl::run_train_step(
 
 torch::Tensor PipelineStageImpl::average_over_replicas(torch::Tensor loss) {
   const auto& data = mesh_.data();
+  // The step's first words over the replicas first: where they failed (a
+  // rank of another replica died), the lane left its buckets unstarted.
+  engine_->finish_step_start(data, mesh_.data_rank(), /*on_lane=*/false);
   // Each stage's buckets started on its lane as soon as its gradients
   // were final (Note [Gradient buckets]); a plan without a backward of a
   // stage leaves its buckets to start here.
@@ -112,11 +116,6 @@ torch::Tensor PipelineStageImpl::average_over_replicas(torch::Tensor loss) {
     if (!buckets->started()) {
       buckets->start();
     }
-  }
-  if (engine_->step_start) {
-    auto started = std::move(*engine_->step_start);
-    engine_->step_start.reset();
-    detail::finish_first_collective(*data.connection(), started);
   }
   const auto trace = engine_->current_trace();
   for (auto& buckets : engine_->buckets) {
@@ -131,6 +130,41 @@ torch::Tensor PipelineStageImpl::average_over_replicas(torch::Tensor loss) {
   const auto replicas = static_cast<double>(data.size());
   auto sums = summed_on[0];
   return (sums[0] / replicas).to(loss.scalar_type());  // on loss's device
+}
+
+bool PipelineStageImpl::Engine::finish_step_start(
+    const World& data, int64_t replica, bool on_lane) {
+  std::optional<detail::PendingFirstCollective> started;
+  {
+    std::lock_guard<std::mutex> lock(step_start_mutex);
+    if (step_start_failure) {
+      if (on_lane) {
+        return false;
+      }
+      std::rethrow_exception(std::exchange(step_start_failure, nullptr));
+    }
+    if (!step_start) {
+      return true;
+    }
+    started = std::move(step_start);
+    step_start.reset();
+  }
+  std::vector<int64_t> reduced;
+  try {
+    reduced = detail::finish_first_collective(*data.connection(), *started);
+  } catch (...) {
+    if (!on_lane) {
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(step_start_mutex);
+    step_start_failure = std::current_exception();
+    return false;
+  }
+  if (auto differ = detail::buckets_disagree(
+          reduced, step_words, detail::dtypes_of(buckets), replica)) {
+    std::rethrow_exception(differ);
+  }
+  return true;
 }
 
 // A rank of another replica failed while this one averaged: a rank that

@@ -352,6 +352,12 @@ void Pass::gradients_final(int64_t stage, bool before) {
   } catch (const RelayedFailure& e) {
     error_.set(std::current_exception());
     transport_->relay(e.origin());
+  } catch (const c10::Error& e) {
+    error_.set(std::current_exception());
+    // The other ranks hear why, not only that it failed.
+    transport_->abort_with(
+        "the gradients of partition " + std::to_string(stage) +
+        " could not be shared: " + e.what_without_backtrace());
   } catch (...) {
     error_.set(std::current_exception());
     transport_->abort_with(

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -464,6 +465,86 @@ TEST(MeshTest, FreezingALayerBetweenStepsIsFollowed) {
         "rank " + std::to_string(world.rank())));
   });
   failures.report();
+}
+
+// Replicas whose gradient buckets differ (a bucket size set on one
+// replica only, or one replica cast to float32) aborted every rank of
+// the stage inside Gloo. Now each rank throws a c10::Error, and a
+// difference on the first stage is refused before the step, leaving the
+// stages usable.
+TEST(MeshTest, ReplicasWhoseBucketsDifferAreRefusedNotAborted) {
+  const auto batch = batch_of(8);
+  // Who differs: both stages of replica 1 (seen by the first stages before
+  // the step), or only its last stage (seen on the lane, before the first
+  // bucket starts), in bucket size or in dtype.
+  struct Case {
+    const char* what;
+    std::vector<int64_t> ranks;
+    bool dtype;
+  };
+  for (const auto& c :
+       {Case{"bucket size, replica 1", {2, 3}, false},
+        Case{"bucket size, rank 3", {3}, false},
+        Case{"dtype, replica 1", {2, 3}, true}}) {
+    SCOPED_TRACE(c.what);
+    const auto nets = nets_of_ranks(4);
+    std::mutex mutex;
+    std::vector<std::string> errors(4);
+    std::vector<bool> usable(4, false);
+    run_ranks(4, [&](World world) {
+      const auto r = world.rank();
+      const bool differs =
+          std::find(c.ranks.begin(), c.ranks.end(), r) != c.ranks.end();
+      Mesh mesh(world, 2);
+      dist::PipelineStage stage(
+          nets[r], GPipeOptions({3, 4}).chunks(2).threads_per_lane(1), mesh);
+      auto shard = batch;
+      if (differs && c.dtype) {
+        stage->to(torch::kFloat32);
+        shard.x = shard.x.to(torch::kFloat32);
+      }
+      if (differs && !c.dtype) {
+        stage->set_gradient_bucket_bytes(64);
+      }
+      try {
+        train_on_shard(stage, mesh, shard);
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r] = "no error";
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r] = e.what_without_backtrace();
+      }
+      if (c.ranks.size() == 2) {
+        // Refused before the step: the stages train once they agree.
+        if (differs && c.dtype) {
+          stage->to(torch::kFloat64);
+        }
+        stage->set_gradient_bucket_bytes(1 << 20);
+        train_on_shard(stage, mesh, batch);
+        usable[r] = true;
+      }
+    });
+    for (const auto r : c10::irange(4)) {
+      EXPECT_NE(errors[r], "no error") << "rank " << r;
+    }
+    // Every rank names the difference (the other stage's ranks as what
+    // failed the pass).
+    for (const auto r : c10::irange(4)) {
+      EXPECT_NE(
+          errors[r].find("would all-reduce gradient buckets of other layouts"),
+          std::string::npos)
+          << "rank " << r << ": " << errors[r];
+    }
+    if (c.ranks.size() == 2) {
+      EXPECT_EQ(usable, std::vector<bool>(4, true));
+      EXPECT_NE(
+          errors[0].find(
+              c.dtype ? "they differ in the bytes all-reduced from 720 to 1440"
+                      : "set_gradient_bucket_bytes) from 64 to 26214400"),
+          std::string::npos)
+          << errors[0];
+    }
+  }
 }
 
 // Gradients accumulated over three steps without zeroing, one of them set
