@@ -61,4 +61,30 @@ c10::intrusive_ptr<c10d::Store> StoreClient::clone() {
   return c10::make_intrusive<StoreClient>(target(), host_);
 }
 
+HostedStore::HostedStore(
+    c10::intrusive_ptr<c10d::Store> inner, std::function<void()> on_close)
+    : ForwardingStore(inner->getTimeout()),
+      inner_(std::move(inner)),
+      on_close_(std::move(on_close)) {}
+
+HostedStore::~HostedStore() {
+  inner_.reset();  // the server stops here
+  if (on_close_) {
+    on_close_();
+  }
+}
+
+void HostedStore::setTimeout(const std::chrono::milliseconds& timeout) {
+  c10d::Store::setTimeout(timeout);
+  inner_->setTimeout(timeout);
+}
+
+c10::intrusive_ptr<c10d::Store> HostedStore::clone() {
+  return c10::intrusive_ptr<c10d::Store>::reclaim_copy(this);
+}
+
+c10::intrusive_ptr<c10d::Store> HostedStore::target() const {
+  return inner_;
+}
+
 }  // namespace gpipe::dist::detail

@@ -19,6 +19,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -49,6 +50,30 @@ class StoreClient final : public ForwardingStore {
   mutable std::mutex mutex_;
   c10::intrusive_ptr<c10d::Store> inner_;  // guarded by mutex_
   const std::string host_;
+};
+
+/// Rank 0's own store (the TCPStore that hosts the job's keys), as every
+/// holder in this process holds it: `on_close` runs when the last holder
+/// lets go, as the TCPStore (its server's thread and port) goes. Note
+/// [Knowing which ports this process hosts] in dist/world.cpp.
+class HostedStore final : public ForwardingStore {
+ public:
+  HostedStore(
+      c10::intrusive_ptr<c10d::Store> inner, std::function<void()> on_close);
+  ~HostedStore();
+  HostedStore(const HostedStore&) = delete;
+  HostedStore& operator=(const HostedStore&) = delete;
+
+  virtual void setTimeout(const std::chrono::milliseconds& timeout);
+  /// This store itself (TCPStore's operations take a lock: one serves
+  /// every thread).
+  virtual c10::intrusive_ptr<c10d::Store> clone();
+
+ private:
+  virtual c10::intrusive_ptr<c10d::Store> target() const;
+
+  c10::intrusive_ptr<c10d::Store> inner_;
+  std::function<void()> on_close_;
 };
 
 }  // namespace gpipe::dist::detail

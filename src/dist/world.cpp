@@ -169,33 +169,40 @@ World init_from_env() {
 
 namespace {
 
+// Note [Knowing which ports this process hosts]
 // The ports this process's rank-0 stores listen on, while a store lives: a
 // World keeps its store, and a World that failed keeps it until the process
 // exits (its group is kept: Gloo may still write into its receives). A new
 // World on such a port would meet that store; it is told what holds the
-// port instead.
+// port instead. The stores are not watched through c10's weak pointers: a
+// TCPStore with a weak pointer left is released but not destroyed, so its
+// server kept its thread, its sockets and its port after its World closed
+// (and a new World on the port was told that a World of this process held
+// it). Each store is a HostedStore, which says when it goes.
 class OwnStores {
  public:
-  void add(uint16_t port, const c10::intrusive_ptr<c10d::Store>& store) {
+  // Returns the number that `gone(port, number)` takes back.
+  uint64_t add(uint16_t port) {
     std::lock_guard<std::mutex> lock(mutex_);
-    stores_.insert_or_assign(port, c10::weak_intrusive_ptr<c10d::Store>(store));
+    stores_[port] = ++added_;
+    return added_;
+  }
+  void gone(uint16_t port, uint64_t number) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = stores_.find(port);
+    if (it != stores_.end() && it->second == number) {
+      stores_.erase(it);
+    }
   }
   bool holds(uint16_t port) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = stores_.find(port);
-    if (it == stores_.end()) {
-      return false;
-    }
-    if (it->second.expired()) {
-      stores_.erase(it);
-      return false;
-    }
-    return true;
+    return stores_.count(port) > 0;
   }
 
  private:
   std::mutex mutex_;
-  std::map<uint16_t, c10::weak_intrusive_ptr<c10d::Store>> stores_;
+  std::map<uint16_t, uint64_t> stores_;
+  uint64_t added_ = 0;
 };
 
 OwnStores& own_stores() {
@@ -345,7 +352,10 @@ World join_from_env(std::chrono::milliseconds timeout) {
         "]");
   }
   if (options.isServer) {
-    own_stores().add(options.port, tcp);
+    const auto number = own_stores().add(options.port);
+    tcp = c10::make_intrusive<detail::HostedStore>(
+        std::move(tcp),
+        [port = options.port, number] { own_stores().gone(port, number); });
   } else {
     // Note [Letting go of a store whose host ended] in store_client.h.
     tcp = c10::make_intrusive<detail::StoreClient>(

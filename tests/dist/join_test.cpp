@@ -3,6 +3,7 @@
 // without LibTorch's backtrace (Note [Errors without LibTorch's backtrace]
 // in src/text.h), and a rank left alone gives up within its timeout.
 
+#include <dirent.h>
 #include <gpipe/dist.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -249,6 +250,41 @@ TEST(JoinTest, ANewWorldOnThePortOfAFailedWorldOfThisProcessSaysSo) {
         << what;
     expect_no_backtrace(e);
   }
+}
+
+// Threads of this process just now.
+int64_t threads_now() {
+  int64_t n = 0;
+  if (auto* dir = ::opendir("/proc/self/task")) {
+    while (auto* entry = ::readdir(dir)) {
+      n += entry->d_name[0] != '.';
+    }
+    ::closedir(dir);
+  }
+  return n;
+}
+
+// A World that closed cleanly kept rank 0's store alive (a weak pointer
+// held it): its server's thread and sockets stayed, it went on listening on
+// the port, and a new World there was told another process held it.
+TEST(JoinTest, AWorldThatClosesLetsGoOfItsPortAndThreads) {
+  const auto port = std::to_string(free_port());
+  Environment env(
+      {{"MASTER_ADDR", "127.0.0.1"},
+       {"MASTER_PORT", port},
+       {"RANK", "0"},
+       {"WORLD_SIZE", "1"}});
+  int64_t after_first = 0;
+  for (int round = 0; round < 3; ++round) {
+    {
+      auto world = dist::init_from_env(std::chrono::seconds(5));
+      world.barrier();
+    }
+    if (round == 0) {
+      after_first = threads_now();
+    }
+  }
+  EXPECT_EQ(threads_now(), after_first);
 }
 
 }  // namespace
