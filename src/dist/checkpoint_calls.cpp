@@ -136,10 +136,16 @@ std::string read_within_timeout(
   }
   // A rank that said which call it makes had reached it, and then ended
   // (killed) or stalled in it; one that did not say had not reached it.
-  bool reached = false;
-  try {
-    reached = store.check({prefix + "call" + std::to_string(from)});
-  } catch (const std::exception&) {
+  // Every wait but agree_on_call's own comes after every rank said it (this
+  // one read it there): asking the store again named a rank killed while
+  // it wrote its part as one that had not reached the call.
+  const auto call_key = prefix + "call" + std::to_string(from);
+  bool reached = key != call_key;
+  if (!reached) {
+    try {
+      reached = store.check({call_key});
+    } catch (const std::exception&) {
+    }
   }
   const auto message =
       reached

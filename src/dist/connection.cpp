@@ -109,6 +109,7 @@ void Connection::listen() {
     } catch (...) {
       // The store went away (its host ended): receives from the ranks
       // that ended fail by themselves.
+      store_gone_ = true;
       return;
     }
     record_failure(text);
@@ -150,7 +151,14 @@ void Connection::fail(const std::string& message) {
     }
   } catch (...) {
     // The store is gone: the others learn of it from their own receives.
+    store_gone_ = true;
   }
+}
+
+std::string Connection::store_gone_note() const {
+  return store_gone_ ? "; the job's store is gone too (its host ended: rank "
+                       "0, or torchrun's agent)"
+                     : "";
 }
 
 void Connection::fail_with(const std::exception_ptr& error) {
@@ -252,7 +260,7 @@ torch::Tensor Connection::wait_bytes(
                                 " s (GPIPE_DIST_TIMEOUT): " + rank_name(peer) +
                                 " stopped answering, or runs other passes"
                           : rank_name(peer) + " died or closed its connection")
-            << " [c10d: " << error.substr(0, 300) << "]";
+            << store_gone_note() << " [c10d: " << error.substr(0, 300) << "]";
     fail(message.str());
   }
   keep_forever(std::move(work));  // aborted: c10d may still write into it
@@ -489,7 +497,8 @@ void Connection::wait_sends(
                      " to take its messages: that rank stopped answering, or "
                      "runs other passes"
                : " could not finish sending to " + other +
-                     " (it died or closed its connection)") +
+                     " (it died or closed its connection)" +
+                     store_gone_note()) +
           " [c10d: " + error.substr(0, 300) + "]");
     }
   }

@@ -172,6 +172,11 @@ struct Connection : std::enable_shared_from_this<Connection> {
   /// connections close, so give its notice a moment (half a second) to
   /// arrive; then it, not the lost connection, is what this rank reports.
   void await_failure_notice();
+  /// "" while the job's store answers; once this rank found it gone (its
+  /// host ended: rank 0, or torchrun's agent), a clause that says so, for
+  /// the message of a lost connection, whose peer may only have closed it
+  /// after losing rank 0.
+  std::string store_gone_note() const;
   /// The failure, if any.
   std::optional<std::string> failure() const;
   /// Throws the failure as a c10::Error if there is one.
@@ -255,6 +260,7 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> received_layouts_;
   std::mutex layouts_mutex_;  // guards both maps
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> store_gone_{false};  // see store_gone_note
   std::thread listener_;
   int64_t stage_ids_ = 0;
   std::atomic<int64_t> split_ids_{0};

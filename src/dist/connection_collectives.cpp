@@ -163,13 +163,24 @@ void Connection::wait_collective(
   }
   await_failure_notice();
   check();
+  // Of two ranks, the other is the one to name.
+  const auto who = size == 2 ? rank_name(1 - rank) +
+                                   " died, closed its "
+                                   "connections or stopped "
+                                   "answering"
+                             : std::string(
+                                   "a rank died, closed its connections or "
+                                   "stopped answering");
   gpipe::detail::fail_without_backtrace(c10::str(
       "gpipe::dist: the ",
       what,
       " failed on ",
       rank_name(rank),
-      ": a rank died, closed its connections or stopped answering, or the "
-      "ranks passed tensors of other sizes [c10d: ",
+      ": ",
+      who,
+      ", or the ranks passed tensors of other sizes",
+      store_gone_note(),
+      " [c10d: ",
       error.substr(0, 300),
       "]"));
 }

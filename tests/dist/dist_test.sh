@@ -224,15 +224,20 @@ survivors() {
   fi
 }
 
-# survivors_of_a_replica: the same with 2 replicas of 2 stages, rank 3
-# (replica 1's last stage) killed: every survivor names it, rank 1 too,
-# whose only link to rank 3 is their gradient all-reduce (it heard only
-# that the collective broke; now its pipeline neighbour tells it).
+# survivors_of_a_replica KILLED: the same with 2 replicas of 2 stages, rank
+# KILLED killed: every survivor names it. With rank 3 (replica 1's last
+# stage), rank 1 too, whose only link to rank 3 is their gradient
+# all-reduce (it heard only that the collective broke; now its pipeline
+# neighbour tells it). With rank 0, which hosts the store, no notice can
+# travel: rank 2 names it as its only peer in their agreement, and rank 3,
+# which lost rank 2, says the store is gone with its host.
 survivors_of_a_replica() {
-  by_hand 4 --scenario kill --kill-rank 3 --kill-step 1 --pipeline-size 2
-  for r in 0 1 2; do
-    if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*rank 3" "$tmp/rank$r"; then
-      fail "rank $r after rank 3 of a 2 x 2 mesh was killed: exit ${codes[$r]}: $(grep error "$tmp/rank$r" | head -c 400)"
+  local killed=$1 r
+  by_hand 4 --scenario kill --kill-rank "$killed" --kill-step 1 --pipeline-size 2
+  for r in 0 1 2 3; do
+    [[ $r -eq $killed ]] && continue
+    if [[ ${codes[$r]} -ne 3 ]] || ! grep -q "error: .*\(rank $killed died\|its host ended: rank $killed\)" "$tmp/rank$r"; then
+      fail "rank $r after rank $killed of a 2 x 2 mesh was killed: exit ${codes[$r]}: $(grep error "$tmp/rank$r" | head -c 400)"
     fi
   done
   echo "ok: survivors of a killed replica's rank name it: $(grep error "$tmp/rank1" | head -c 200)"
@@ -379,7 +384,8 @@ case $mode in
     fi
 
     survivors
-    survivors_of_a_replica
+    survivors_of_a_replica 3
+    survivors_of_a_replica 0
     stalled
     # Rank 0 hosts the store: its death ends the others' waits at once,
     # long before the timeout (20 s). Rank 2's is noticed at the timeout
