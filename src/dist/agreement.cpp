@@ -442,6 +442,14 @@ Begin begin_pass(
       local.training ? "train()" : "eval()",
       theirs.training ? "train()" : "eval()");
   differ(
+      "with",
+      "chunks " + std::to_string(local.chunks),
+      "chunks " + std::to_string(theirs.chunks));
+  auto mode = [](int64_t m) {
+    return "checkpoint " + to_string(static_cast<gpipe::Checkpoint>(m));
+  };
+  differ("with", mode(local.checkpoint), mode(theirs.checkpoint));
+  differ(
       "with its checkpoint mode and chunks checkpointing the micro-batches "
       "below",
       std::to_string(local.checkpoint_stop),

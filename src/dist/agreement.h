@@ -35,7 +35,11 @@ struct Begin {
   int64_t checkpoint_stop = 0;
   bool training = false;
   uint64_t seed = 0;
-  uint64_t plan_hash = 0;      // with schedule == kPlanSchedule
+  uint64_t plan_hash = 0;  // with schedule == kPlanSchedule
+  // The rank's options (alike on every rank: checked, with their names,
+  // before checkpoint_stop, which follows from them).
+  int64_t chunks = 0;
+  int64_t checkpoint = 0;      // a gpipe::Checkpoint
   std::vector<int64_t> sizes;  // rows of each micro-batch
   // Not empty: rank 0 refused the pass before it began (refuse_pass), with
   // this message and this kind of c10::Error (kRefusal*).
@@ -56,7 +60,9 @@ struct Begin {
         checkpoint_stop,
         training ? 1 : 0,
         0,
-        0};
+        0,
+        chunks,
+        checkpoint};
     std::memcpy(&words[4], &seed, sizeof(seed));
     std::memcpy(&words[5], &plan_hash, sizeof(plan_hash));
     words.insert(words.end(), sizes.begin(), sizes.end());
@@ -83,7 +89,12 @@ struct Begin {
     b.training = p[3] != 0;
     std::memcpy(&b.seed, &p[4], sizeof(b.seed));
     std::memcpy(&b.plan_hash, &p[5], sizeof(b.plan_hash));
-    b.sizes.assign(p + 6, p + w.numel());
+    TORCH_CHECK(
+        w.numel() >= 9,
+        "gpipe::dist: a malformed begin message came from rank 0");
+    b.chunks = p[6];
+    b.checkpoint = p[7];
+    b.sizes.assign(p + 8, p + w.numel());
     return b;
   }
 };

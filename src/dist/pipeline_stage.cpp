@@ -326,6 +326,7 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         ends.replica = mesh_.data_rank();
         ends.target = target;
         ends.chunks = options.chunks();
+        ends.checkpoint = options.checkpoint();
         ends.device = device_;
         if (!first && mesh_.data_size() > 1) {
           ends.before_buckets = [this] {
@@ -398,6 +399,8 @@ torch::Tensor PipelineStageImpl::forward(torch::Tensor input) {
             local,
             world_.size());
         ends.replica = mesh_.data_rank();
+        ends.chunks = options.chunks();
+        ends.checkpoint = options.checkpoint();
         if (first) {
           refusable(
               mesh_,

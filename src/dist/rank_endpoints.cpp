@@ -65,6 +65,8 @@ void RankEndpoints::begin(gpipe::detail::PassStart& start) {
   local_.seed = start.seed;
   local_.training = start.options.training;
   local_.checkpoint_stop = start.options.checkpoint_stop;
+  local_.chunks = chunks;
+  local_.checkpoint = static_cast<int64_t>(checkpoint);
   agreed_ = begin_pass(connection_, pass_id_, local_, start.rows, begin_sends_);
   if (connection_.rank != 0) {
     gpipe::detail::draw_step_seed();

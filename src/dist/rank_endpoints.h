@@ -50,6 +50,7 @@ class RankEndpoints final : public gpipe::detail::Endpoints {
   const Plan* user_plan = nullptr;
   torch::Tensor target;
   int64_t chunks = 1;
+  Checkpoint checkpoint = Checkpoint::ExceptLast;  // the rank's option
   torch::Device device = torch::kCPU;
   /// This pipeline's replica (its data rank in the Mesh): its micro-batch
   /// i is micro-batch replica * m + i of the replicas' whole batch, and its

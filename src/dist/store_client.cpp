@@ -62,15 +62,14 @@ c10::intrusive_ptr<c10d::Store> StoreClient::clone() {
 }
 
 HostedStore::HostedStore(
-    c10::intrusive_ptr<c10d::Store> inner, std::function<void()> on_close)
+    c10::intrusive_ptr<c10d::Store> inner, OnClose on_close)
     : ForwardingStore(inner->getTimeout()),
       inner_(std::move(inner)),
       on_close_(std::move(on_close)) {}
 
 HostedStore::~HostedStore() {
-  inner_.reset();  // the server stops here
   if (on_close_) {
-    on_close_();
+    on_close_(std::move(inner_));
   }
 }
 

@@ -53,13 +53,14 @@ class StoreClient final : public ForwardingStore {
 };
 
 /// Rank 0's own store (the TCPStore that hosts the job's keys), as every
-/// holder in this process holds it: `on_close` runs when the last holder
-/// lets go, as the TCPStore (its server's thread and port) goes. Note
-/// [Knowing which ports this process hosts] in dist/world.cpp.
+/// holder in this process holds it: when the last holder lets go,
+/// `on_close` is given the TCPStore, whose server serves the other ranks
+/// for as long as it is kept. Note [Knowing which ports this process hosts]
+/// in dist/world.cpp.
 class HostedStore final : public ForwardingStore {
  public:
-  HostedStore(
-      c10::intrusive_ptr<c10d::Store> inner, std::function<void()> on_close);
+  using OnClose = std::function<void(c10::intrusive_ptr<c10d::Store>)>;
+  HostedStore(c10::intrusive_ptr<c10d::Store> inner, OnClose on_close);
   ~HostedStore();
   HostedStore(const HostedStore&) = delete;
   HostedStore& operator=(const HostedStore&) = delete;
@@ -73,7 +74,7 @@ class HostedStore final : public ForwardingStore {
   virtual c10::intrusive_ptr<c10d::Store> target() const;
 
   c10::intrusive_ptr<c10d::Store> inner_;
-  std::function<void()> on_close_;
+  OnClose on_close_;
 };
 
 }  // namespace gpipe::dist::detail

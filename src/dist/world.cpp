@@ -174,25 +174,40 @@ namespace {
 // World keeps its store, and a World that failed keeps it until the process
 // exits (its group is kept: Gloo may still write into its receives). A new
 // World on such a port would meet that store; it is told what holds the
-// port instead. The stores are not watched through c10's weak pointers: a
-// TCPStore with a weak pointer left is released but not destroyed, so its
-// server kept its thread, its sockets and its port after its World closed
-// (and a new World on the port was told that a World of this process held
-// it). Each store is a HostedStore, which says when it goes.
+// port instead. A World that closed cleanly retires its store rather than
+// stopping it: the other ranks may still be finishing their last calls on
+// it (the end of a save_checkpoint: rank 1 lost the store when rank 0,
+// done first, stopped it), and c10d's server then serves them until this
+// process exits, as it did before. The next World this process makes
+// stops every retired store first, so that re-made Worlds neither pile up
+// servers (a thread and sockets each) nor find their port held. (The stores
+// are not watched through c10's weak pointers: a TCPStore with a weak
+// pointer left is released but never destroyed.)
 class OwnStores {
  public:
-  // Returns the number that `gone(port, number)` takes back.
+  // Returns the number that `retire(port, number, store)` takes back.
   uint64_t add(uint16_t port) {
     std::lock_guard<std::mutex> lock(mutex_);
     stores_[port] = ++added_;
     return added_;
   }
-  void gone(uint16_t port, uint64_t number) {
+  void retire(
+      uint16_t port, uint64_t number, c10::intrusive_ptr<c10d::Store> store) {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = stores_.find(port);
     if (it != stores_.end() && it->second == number) {
       stores_.erase(it);
     }
+    retired_.push_back(std::move(store));
+  }
+  // Stops the retired stores (outside the lock: a server's thread ends).
+  void stop_retired() {
+    std::vector<c10::intrusive_ptr<c10d::Store>> stopping;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping.swap(retired_);
+    }
+    stopping.clear();
   }
   bool holds(uint16_t port) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -202,6 +217,7 @@ class OwnStores {
  private:
   std::mutex mutex_;
   std::map<uint16_t, uint64_t> stores_;
+  std::vector<c10::intrusive_ptr<c10d::Store>> retired_;
   uint64_t added_ = 0;
 };
 
@@ -269,6 +285,8 @@ World join_from_env(std::chrono::milliseconds timeout) {
   // See Note [Meeting within the timeout].
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const auto seconds = timeout.count() / 1000.0;
+  // Note [Knowing which ports this process hosts].
+  own_stores().stop_retired();
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(port);
   // torchrun's agent hosts the store itself; a second server on its port
@@ -355,7 +373,9 @@ World join_from_env(std::chrono::milliseconds timeout) {
     const auto number = own_stores().add(options.port);
     tcp = c10::make_intrusive<detail::HostedStore>(
         std::move(tcp),
-        [port = options.port, number] { own_stores().gone(port, number); });
+        [port = options.port, number](c10::intrusive_ptr<c10d::Store> inner) {
+          own_stores().retire(port, number, std::move(inner));
+        });
   } else {
     // Note [Letting go of a store whose host ended] in store_client.h.
     tcp = c10::make_intrusive<detail::StoreClient>(

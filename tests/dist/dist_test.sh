@@ -355,6 +355,12 @@ case $mode in
     by_hand 2 --scenario other-pass
     expect_error "another pass" "rank 1 runs pass forward but rank 0 runs train_step" 2
 
+    # Rank 1 changes its chunks before step 1, rank 0 does not: both fail,
+    # naming both counts (with checkpoint never, the target's cut was
+    # blamed instead).
+    by_hand 2 --scenario other-chunks --checkpoint never
+    expect_error "other chunks" "rank 1 runs with chunks 2 but rank 0 runs chunks 4" 2
+
     # Rank 1 is given another plan than rank 0's: both fail, naming both.
     printf '%s\n' 0F0,0F1,0F2,0F3,0B3,0B2,0B1,0B0 \
       1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3 >"$tmp/plan.csv"

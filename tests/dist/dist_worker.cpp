@@ -369,6 +369,9 @@ int main(int argc, char** argv) {
       if (scenario == "other-pass" && r == 1 && step == 1) {
         stage->forward();  // while rank 0 runs train_step
       }
+      if (scenario == "other-chunks" && r == 1 && step == 1) {
+        stage->options.chunks(2);  // rank 0 keeps 4
+      }
       if (scenario == "bad-plan" && step == 1) {
         // A plan for 8 micro-batches where the input cuts into 4: refused
         // on every rank alike, and the stage goes on working.

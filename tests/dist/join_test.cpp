@@ -264,10 +264,12 @@ int64_t threads_now() {
   return n;
 }
 
-// A World that closed cleanly kept rank 0's store alive (a weak pointer
-// held it): its server's thread and sockets stayed, it went on listening on
-// the port, and a new World there was told another process held it.
-TEST(JoinTest, AWorldThatClosesLetsGoOfItsPortAndThreads) {
+// A World that closed cleanly kept rank 0's store alive for good (a weak
+// pointer held it): its server's thread and sockets piled up World after
+// World, and a new World on its port was told another process held it.
+// The store now serves until the next World is made (Note [Knowing which
+// ports this process hosts]).
+TEST(JoinTest, WorldsMadeOneAfterAnotherTakeThePortAndLeaveNoThreads) {
   const auto port = std::to_string(free_port());
   Environment env(
       {{"MASTER_ADDR", "127.0.0.1"},
