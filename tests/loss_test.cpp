@@ -170,7 +170,7 @@ TEST_F(LossTest, WhatTheLossReadsGetsItsGradient) {
 
 TEST_F(LossTest, AFrozenModelsLossStillTrainsWhatItReads) {
   // Calibrating a temperature on a frozen model: only the loss has a
-  // learnable tensor. The step gave it no gradient.
+  // learnable tensor (train_step refused such a step).
   auto net = small_net();
   for (auto& p : net->parameters()) {
     p.requires_grad_(false);

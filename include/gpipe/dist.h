@@ -133,10 +133,10 @@ class World {
 /// ending this process without a word. The backend is GPIPE_DIST_BACKEND's
 /// ("gloo", the default, or "nccl" where the build has it); one this build
 /// lacks is a c10::ValueError before anything waits. Rank 0's store outlives
-/// its World, serving the other ranks' last calls, until this process makes
-/// its next World; a job made again by the same processes should take
-/// another MASTER_PORT (a rank that comes before rank 0 may meet the old
-/// store, and both then fail within the timeout).
+/// its World, serving the other ranks' last calls, until this process's
+/// next World has met (or one is made on its port); a job made again by the
+/// same processes should take another MASTER_PORT (a rank that comes before
+/// rank 0 may meet the old store, and both then fail within the timeout).
 World init_from_env(std::chrono::milliseconds timeout);
 /// As above, with the timeout from GPIPE_DIST_TIMEOUT (seconds, in [1,
 /// 604800]; default 120).

@@ -419,8 +419,7 @@ Begin begin_pass(
         "gpipe::dist: ",
         connection.rank_name(rank),
         " runs ",
-        what,
-        " ",
+        what.empty() ? what : what + " ",
         here,
         " but ",
         connection.rank_name(0),
@@ -441,14 +440,17 @@ Begin begin_pass(
       "in mode",
       local.training ? "train()" : "eval()",
       theirs.training ? "train()" : "eval()");
-  differ(
-      "with",
-      "chunks " + std::to_string(local.chunks),
-      "chunks " + std::to_string(theirs.chunks));
-  auto mode = [](int64_t m) {
-    return "checkpoint " + to_string(static_cast<gpipe::Checkpoint>(m));
-  };
-  differ("with", mode(local.checkpoint), mode(theirs.checkpoint));
+  // (A forward's cut is rank 0's alone, and it checkpoints nothing.)
+  if (local.kind == PassKind::Train) {
+    differ(
+        "",
+        "with chunks " + std::to_string(local.chunks),
+        "with chunks " + std::to_string(theirs.chunks));
+    auto mode = [](int64_t m) {
+      return "with checkpoint " + to_string(static_cast<gpipe::Checkpoint>(m));
+    };
+    differ("", mode(local.checkpoint), mode(theirs.checkpoint));
+  }
   differ(
       "with its checkpoint mode and chunks checkpointing the micro-batches "
       "below",

@@ -134,6 +134,12 @@ void Connection::wait_collective(
     check();
     // Note [Errors without LibTorch's backtrace] in src/text.h.
     if (!in_time) {
+      // A rank absent here may itself be waiting for another, and give up
+      // a moment later naming it (its own wait began a little later): its
+      // notice is the better report.
+      await_failure_notice(std::min<std::chrono::milliseconds>(
+          timeout / 4, std::chrono::milliseconds(2000)));
+      check();
       const auto absent = size > 1 ? absent_from(collective) : std::string();
       gpipe::detail::fail_without_backtrace(c10::str(
           "gpipe::dist: the ",
@@ -194,11 +200,9 @@ void Connection::closing_on_failure(const std::function<void()>& run) {
   }
 }
 
-void Connection::await_failure_notice() {
+void Connection::await_failure_notice(std::chrono::milliseconds at_most) {
   std::unique_lock<std::mutex> lock(mutex_);
-  failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {
-    return failure_.has_value();
-  });
+  failure_cv_.wait_for(lock, at_most, [this] { return failure_.has_value(); });
 }
 
 void Connection::all_reduce(
@@ -343,9 +347,9 @@ std::vector<int64_t> finish_first_collective(
       "); every rank of a World must run the same collectives in the same "
       "order, and a collective of your own on Mesh::data() or "
       "Mesh::pipeline() waits for the others' training step to end");
-  // A later stage's step has begun its gradient all-reduces after these
-  // words: the World's ranks are out of step for good, so it is closed on
-  // both sides (a retry would meet those all-reduces).
+  // A later stage's step has run its pass past these words (its buckets
+  // wait for them, but the other side's collective does not): the World's
+  // ranks are out of step for good, so it is closed on both sides.
   const auto step_start = static_cast<int64_t>(FirstCollective::StepStart);
   if (reduced[0] == step_start || -reduced[10] == step_start) {
     connection.fail(connection.rank_name(connection.rank) + ": " + message);

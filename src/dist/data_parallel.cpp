@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <set>
 #include <sstream>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -197,7 +198,7 @@ int64_t GradientBuckets::layout_hash() const {
   return static_cast<int64_t>(h >> 2);
 }
 
-std::string GradientBuckets::dtypes() const {
+std::vector<std::string> GradientBuckets::dtype_names() const {
   std::vector<std::string> names;
   for (const auto& option : slot_options_) {
     const std::string name = c10::toString(option.first);
@@ -205,11 +206,7 @@ std::string GradientBuckets::dtypes() const {
       names.push_back(name);
     }
   }
-  std::string out;
-  for (const auto& name : names) {
-    out += (out.empty() ? "" : ", ") + name;
-  }
-  return out;
+  return names;
 }
 
 std::array<int64_t, 4> bucket_words(
@@ -228,12 +225,15 @@ std::array<int64_t, 4> bucket_words(
 
 std::string dtypes_of(
     const std::vector<std::unique_ptr<GradientBuckets>>& buckets) {
-  std::string out;
+  std::set<std::string> names;
   for (const auto& b : buckets) {
-    const auto mine = b->dtypes();
-    if (!mine.empty() && out.find(mine) == std::string::npos) {
-      out += (out.empty() ? "" : ", ") + mine;
+    for (const auto& name : b->dtype_names()) {
+      names.insert(name);
     }
+  }
+  std::string out;
+  for (const auto& name : names) {
+    out += (out.empty() ? "" : ", ") + name;
   }
   return out.empty() ? "none" : out;
 }
@@ -247,8 +247,10 @@ std::exception_ptr buckets_disagree(
   // -reduced[5 + k] the smallest.
   const auto high = [&](int k) { return reduced.at(1 + k); };
   const auto low = [&](int k) { return -reduced.at(5 + k); };
+  // The buckets themselves (bytes, count, layout) must agree; the size
+  // asked for only explains why they do not.
   bool agree = true;
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 1; k < 4; ++k) {
     agree = agree && high(k) == low(k);
   }
   if (agree) {
@@ -265,8 +267,9 @@ std::exception_ptr buckets_disagree(
              << low(k) << " to " << high(k);
     }
   }
-  if (ranges.tellp() == 0) {
-    ranges << "their parameters' shapes or dtypes, bucket by bucket";
+  if (high(1) == low(1) && high(2) == low(2)) {
+    ranges << (ranges.tellp() > 0 ? "; " : "")
+           << "their parameters' shapes, dtypes or devices, bucket by bucket";
   }
   return std::make_exception_ptr(c10::ValueError(
       c10::str(
@@ -496,12 +499,11 @@ std::exception_ptr agree_to_start(
   // operation on a World's group begins with, so that a collective of the
   // user's there at once is refused, not an abort (Note [The first
   // collective's words]). Only the first stages agree here; the other
-  // stages begin the same words as their pass begins and read them at its
-  // end, before their gradient all-reduce, where a rank that lost its peer
-  // in another replica hears that peer's name from its pipeline
-  // (failed_over_replicas).
-  // Its words carry the buckets' layout (Note [The replicas' buckets
-  // agree]).
+  // stages begin the same words as their pass begins and read them before
+  // their first bucket starts (or at the step's end), where a rank that
+  // lost its peer in another replica hears that peer's name from its
+  // pipeline (failed_over_replicas). The words carry the buckets' layout
+  // (Note [The replicas' buckets agree]).
   const auto words = bucket_words(buckets, bucket_bytes);
   const auto reduced = first_collective(
       connection,

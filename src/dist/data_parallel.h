@@ -112,8 +112,8 @@ class GradientBuckets {
     return static_cast<int64_t>(buckets_.size());
   }
   int64_t layout_hash() const;
-  /// The dtypes of the trainable parameters, as "Double" or "Float, Half".
-  std::string dtypes() const;
+  /// The names of the trainable parameters' dtypes ("Double", "Half").
+  std::vector<std::string> dtype_names() const;
 
  private:
   struct Bucket {
@@ -162,8 +162,10 @@ class GradientBuckets {
 /// over a data World (agree_to_start on the first stages, the step's start
 /// words on the others: Note [The first collective's words]) carries these
 /// four numbers, and every replica checks them alike before any bucket
-/// starts: the bucket size asked for, the bytes all-reduced, the buckets
-/// and a hash of their layout, over all of a rank's stages.
+/// starts: the bucket size asked for (named in the message only), the
+/// bytes all-reduced, the buckets and a hash of their layout (each
+/// parameter's elements, dtype and device type), over all of a rank's
+/// stages.
 std::array<int64_t, 4> bucket_words(
     const std::vector<std::unique_ptr<GradientBuckets>>& buckets,
     int64_t bucket_bytes);

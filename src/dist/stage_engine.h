@@ -37,11 +37,15 @@ struct PipelineStageImpl::Engine {
   // before the gradients' (Note [The first collective's words]).
   std::optional<detail::PendingFirstCollective> step_start;
   // The bucket words step_start carries (Note [The replicas' buckets
-  // agree]), and a guard for both: finish_step_start runs on a lane.
+  // agree]). Set as a step begins, before its lanes run; while they run,
+  // finish_step_start (on a lane, then at the step's end) reads and writes
+  // step_start, step_start_failure and step_start_finishing under
+  // step_start_mutex.
   std::array<int64_t, 4> step_words{};
   // How finishing step_start failed on a lane, met again at the step's end
   // (where a rank killed in another replica is named).
   std::exception_ptr step_start_failure;
+  bool step_start_finishing = false;  // a call is reading the words
   std::mutex step_start_mutex;
   mutable std::mutex trace_mutex;
   std::shared_ptr<Trace> trace;  // guarded by trace_mutex
@@ -56,7 +60,8 @@ struct PipelineStageImpl::Engine {
   // differ: before this rank's first bucket of the step starts. A failure
   // of the collective itself is kept, with `on_lane`, for the call at the
   // step's end, which throws it; until then the lane is told (false) to
-  // leave its buckets unstarted.
+  // leave its buckets unstarted, as it is while the words have not arrived
+  // (a lane never waits for them).
   bool finish_step_start(const World& data, int64_t replica, bool on_lane);
 
   std::shared_ptr<Trace> current_trace() const {

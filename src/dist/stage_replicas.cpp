@@ -143,28 +143,51 @@ bool PipelineStageImpl::Engine::finish_step_start(
       }
       std::rethrow_exception(std::exchange(step_start_failure, nullptr));
     }
+    // Another lane of this rank is reading the words: this one leaves its
+    // buckets to the step's end.
+    if (on_lane && step_start_finishing) {
+      return false;
+    }
     if (!step_start) {
       return true;
     }
+    // A lane does not wait for a replica that is late to begin the step
+    // (stalled, or slow): its buckets then start at the step's end, after
+    // the words, and a replica that never comes is named there.
+    if (on_lane && step_start->work && !step_start->work->isCompleted()) {
+      return false;
+    }
     started = std::move(step_start);
     step_start.reset();
+    step_start_finishing = true;
   }
-  std::vector<int64_t> reduced;
+  std::exception_ptr error;
+  bool disagree = false;
   try {
-    reduced = detail::finish_first_collective(*data.connection(), *started);
+    const auto reduced =
+        detail::finish_first_collective(*data.connection(), *started);
+    error = detail::buckets_disagree(
+        reduced, step_words, detail::dtypes_of(buckets), replica);
+    disagree = error != nullptr;
   } catch (...) {
-    if (!on_lane) {
-      throw;
-    }
-    std::lock_guard<std::mutex> lock(step_start_mutex);
-    step_start_failure = std::current_exception();
+    error = std::current_exception();
+  }
+  std::lock_guard<std::mutex> lock(step_start_mutex);
+  step_start_finishing = false;
+  if (!error) {
+    return true;
+  }
+  // Kept, so that every later call sees it: a lane's leaves its buckets
+  // unstarted, the step's end throws it. A disagreement is thrown on the
+  // lane at once too, failing the pass before any bucket starts.
+  step_start_failure = error;
+  if (on_lane && !disagree) {
     return false;
   }
-  if (auto differ = detail::buckets_disagree(
-          reduced, step_words, detail::dtypes_of(buckets), replica)) {
-    std::rethrow_exception(differ);
+  if (!on_lane) {
+    step_start_failure = nullptr;
   }
-  return true;
+  std::rethrow_exception(error);
 }
 
 // A rank of another replica failed while this one averaged: a rank that

@@ -16,10 +16,13 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <utility>
+#include <vector>
 
 #include "dist/backend.h"
 #include "dist/connection.h"
@@ -177,12 +180,13 @@ namespace {
 // port instead. A World that closed cleanly retires its store rather than
 // stopping it: the other ranks may still be finishing their last calls on
 // it (the end of a save_checkpoint: rank 1 lost the store when rank 0,
-// done first, stopped it), and c10d's server then serves them until this
-// process exits, as it did before. The next World this process makes
-// stops every retired store first, so that re-made Worlds neither pile up
-// servers (a thread and sockets each) nor find their port held. (The stores
-// are not watched through c10's weak pointers: a TCPStore with a weak
-// pointer left is released but never destroyed.)
+// done first, stopped it), and c10d's server goes on serving them. A new
+// World on the same port stops it first (the port is needed); the others
+// stop once a new World's ranks have all met (the same processes, done with
+// the old job), or when the process exits. So re-made Worlds neither pile
+// up servers (a thread and sockets each) nor find their port held. (The
+// stores are not watched through c10's weak pointers: a TCPStore with a
+// weak pointer left is released but never destroyed.)
 class OwnStores {
  public:
   // Returns the number that `retire(port, number, store)` takes back.
@@ -198,14 +202,23 @@ class OwnStores {
     if (it != stores_.end() && it->second == number) {
       stores_.erase(it);
     }
-    retired_.push_back(std::move(store));
+    retired_.emplace_back(port, std::move(store));
   }
-  // Stops the retired stores (outside the lock: a server's thread ends).
-  void stop_retired() {
+  // Stops the retired stores on `port`, or every one without it (outside
+  // the lock: a server's thread ends).
+  void stop_retired(std::optional<uint16_t> port = std::nullopt) {
     std::vector<c10::intrusive_ptr<c10d::Store>> stopping;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stopping.swap(retired_);
+      auto kept = retired_.begin();
+      for (auto& [on, store] : retired_) {
+        if (!port || on == *port) {
+          stopping.push_back(std::move(store));
+        } else {
+          *kept++ = {on, std::move(store)};
+        }
+      }
+      retired_.erase(kept, retired_.end());
     }
     stopping.clear();
   }
@@ -217,7 +230,7 @@ class OwnStores {
  private:
   std::mutex mutex_;
   std::map<uint16_t, uint64_t> stores_;
-  std::vector<c10::intrusive_ptr<c10d::Store>> retired_;
+  std::vector<std::pair<uint16_t, c10::intrusive_ptr<c10d::Store>>> retired_;
   uint64_t added_ = 0;
 };
 
@@ -286,7 +299,7 @@ World join_from_env(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const auto seconds = timeout.count() / 1000.0;
   // Note [Knowing which ports this process hosts].
-  own_stores().stop_retired();
+  own_stores().stop_retired(static_cast<uint16_t>(port));
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(port);
   // torchrun's agent hosts the store itself; a second server on its port
@@ -390,6 +403,8 @@ World join_from_env(std::chrono::milliseconds timeout) {
       deadline,
       timeout,
       options.isServer);
+  // Every rank of the new World came: done with older ones' stores.
+  own_stores().stop_retired();
   auto groups = make_group(store, rank, size);
   return World(std::make_shared<detail::Connection>(
       store,

@@ -155,10 +155,16 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
     TORCH_CHECK_VALUE(
         false,
         "train_step expects loss_fn to return a loss that requires grad, but "
-        "the last stage's output is a ",
-        y.scalar_type(),
-        " tensor, which carries no gradient, and the loss reads no tensor "
-        "that does; the step would change nothing");
+        "the last stage's output ",
+        is_differentiable(y)
+            ? std::string("does not require grad (a layer detached it, or ran "
+                          "under NoGradGuard)")
+            : c10::str(
+                  "is a ",
+                  y.scalar_type(),
+                  " tensor, which carries no gradient"),
+        " and the loss reads no tensor that does; the step would change "
+        "nothing");
   }
   c.loss_value = loss.detach();
   // A loss that reads a tensor to train, on a frozen model's output (a

@@ -359,7 +359,7 @@ case $mode in
     # naming both counts (with checkpoint never, the target's cut was
     # blamed instead).
     by_hand 2 --scenario other-chunks --checkpoint never
-    expect_error "other chunks" "rank 1 runs with chunks 2 but rank 0 runs chunks 4" 2
+    expect_error "other chunks" "rank 1 runs with chunks 2 but rank 0 runs with chunks 4" 2
 
     # Rank 1 is given another plan than rank 0's: both fail, naming both.
     printf '%s\n' 0F0,0F1,0F2,0F3,0B3,0B2,0B1,0B0 \

@@ -33,10 +33,10 @@ torch::nn::Sequential frozen_net() {
   return net;
 }
 
-// A frozen model's loss that reads a temperature: the last rank's step gave
-// it no gradient (the stage found nothing to train and kept no loss to
-// back-propagate). Nothing to train at all is refused on every rank (as
-// any failed step, it ends the job's connections).
+// A frozen model's loss that reads a temperature gets its gradient on the
+// last rank (the stage found nothing to train and kept no loss to
+// back-propagate: it got none). Nothing to train at all is refused on every
+// rank (as any failed step, it ends the job's connections).
 TEST(DistLossTest, AFrozenModelsLossTrainsWhatItReadsOnTheLastRank) {
   torch::manual_seed(1);
   const auto x = torch::randn({8, 5}, torch::kFloat64);
