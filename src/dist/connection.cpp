@@ -308,7 +308,8 @@ void Connection::send(
     } catch (const std::exception&) {
       fail(
           rank_name(rank) + " could not send " + id.describe() + " to " +
-          rank_name(peer) + " [c10d: " +
+          rank_name(peer) + ": " + rank_name(peer) +
+          " died or closed its connection" + store_gone_note() + " [c10d: " +
           message_of(std::current_exception()).substr(0, 300) + "]");
       throw_failure();
     }
@@ -496,9 +497,8 @@ void Connection::wait_sends(
                      " s (GPIPE_DIST_TIMEOUT) waiting for " + other +
                      " to take its messages: that rank stopped answering, or "
                      "runs other passes"
-               : " could not finish sending to " + other +
-                     " (it died or closed its connection)" +
-                     store_gone_note()) +
+               : " could not finish sending to " + other + ": " + other +
+                     " died or closed its connection" + store_gone_note()) +
           " [c10d: " + error.substr(0, 300) + "]");
     }
   }
