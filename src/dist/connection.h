@@ -169,11 +169,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   /// closed, later collectives say why, and every rank hears it.
   void closing_on_failure(const std::function<void()>& run);
   /// After a c10d error: a rank that failed tells the others before its
-  /// connections close, so give its notice a moment (half a second unless
-  /// `at_most` says otherwise) to arrive; then it, not the lost connection,
-  /// is what this rank reports.
-  void await_failure_notice(
-      std::chrono::milliseconds at_most = std::chrono::milliseconds(500));
+  /// connections close, so give its notice a moment (half a second) to
+  /// arrive; then it, not the lost connection, is what this rank reports.
+  void await_failure_notice();
   /// "" while the job's store answers; once this rank found it gone (its
   /// host ended: rank 0, or torchrun's agent), a clause that says so, for
   /// the message of a lost connection, whose peer may only have closed it

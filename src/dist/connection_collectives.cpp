@@ -134,12 +134,6 @@ void Connection::wait_collective(
     check();
     // Note [Errors without LibTorch's backtrace] in src/text.h.
     if (!in_time) {
-      // A rank absent here may itself be waiting for another, and give up
-      // a moment later naming it (its own wait began a little later): its
-      // notice is the better report.
-      await_failure_notice(std::min<std::chrono::milliseconds>(
-          timeout / 4, std::chrono::milliseconds(2000)));
-      check();
       const auto absent = size > 1 ? absent_from(collective) : std::string();
       gpipe::detail::fail_without_backtrace(c10::str(
           "gpipe::dist: the ",
@@ -200,9 +194,11 @@ void Connection::closing_on_failure(const std::function<void()>& run) {
   }
 }
 
-void Connection::await_failure_notice(std::chrono::milliseconds at_most) {
+void Connection::await_failure_notice() {
   std::unique_lock<std::mutex> lock(mutex_);
-  failure_cv_.wait_for(lock, at_most, [this] { return failure_.has_value(); });
+  failure_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] {
+    return failure_.has_value();
+  });
 }
 
 void Connection::all_reduce(
