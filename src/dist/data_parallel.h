@@ -162,10 +162,11 @@ class GradientBuckets {
 /// over a data World (agree_to_start on the first stages, the step's start
 /// words on the others: Note [The first collective's words]) carries these
 /// four numbers, and every replica checks them alike before any bucket
-/// starts: the bucket size asked for (named in the message only), the
-/// bytes all-reduced, the buckets and a hash of their layout (each
-/// parameter's elements, dtype and device type), over all of a rank's
-/// stages.
+/// starts (on a later stage, unless the words are late: a lane does not wait
+/// for them, and they are read at the step's end): the bucket size asked for
+/// (named in the message only), the bytes all-reduced, the buckets and a hash
+/// of their layout (each parameter's elements, dtype and device type), over all
+/// of a rank's stages.
 std::array<int64_t, 4> bucket_words(
     const std::vector<std::unique_ptr<GradientBuckets>>& buckets,
     int64_t bucket_bytes);

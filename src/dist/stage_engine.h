@@ -60,8 +60,8 @@ struct PipelineStageImpl::Engine {
   // differ: before this rank's first bucket of the step starts. A failure
   // of the collective itself is kept, with `on_lane`, for the call at the
   // step's end, which throws it; until then the lane is told (false) to
-  // leave its buckets unstarted, as it is while the words have not arrived
-  // (a lane never waits for them).
+  // leave its buckets unstarted (the step fails). A lane never waits for
+  // words that have not arrived: it starts its buckets unchecked (true).
   bool finish_step_start(const World& data, int64_t replica, bool on_lane);
 
   std::shared_ptr<Trace> current_trace() const {

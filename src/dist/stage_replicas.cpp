@@ -143,19 +143,22 @@ bool PipelineStageImpl::Engine::finish_step_start(
       }
       std::rethrow_exception(std::exchange(step_start_failure, nullptr));
     }
-    // Another lane of this rank is reading the words: this one leaves its
-    // buckets to the step's end.
+    // Another lane of this rank is reading the words.
     if (on_lane && step_start_finishing) {
-      return false;
+      return true;
     }
     if (!step_start) {
       return true;
     }
     // A lane does not wait for a replica that is late to begin the step
-    // (stalled, or slow): its buckets then start at the step's end, after
-    // the words, and a replica that never comes is named there.
+    // (stalled, or slow: the lane would stop sending to its neighbours, and
+    // they would blame it). Its buckets start unchecked, after the words on
+    // the group as always, and the words are read at the step's end. (Not
+    // deferred: a replica whose words came in time would start its
+    // stages' buckets in the lane's order, one deferring them in stage
+    // order, and their collectives would not match.)
     if (on_lane && step_start->work && !step_start->work->isCompleted()) {
-      return false;
+      return true;
     }
     started = std::move(step_start);
     step_start.reset();
