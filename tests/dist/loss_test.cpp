@@ -47,6 +47,9 @@ TEST(DistLossTest, AFrozenModelsLossTrainsWhatItReadsOnTheLastRank) {
       frozen_net()->forward(x) / plain_temperature, t);
   plain_loss.backward();
   const auto expected = plain_temperature.grad();
+  // Built here, not in the ranks' threads: the generator is the process's,
+  // and two threads seeding and drawing from it at once make two models.
+  std::vector<torch::nn::Sequential> nets = {frozen_net(), frozen_net()};
   std::mutex mutex;
   std::vector<std::string> errors;
   run_ranks(2, [&](World world) {
@@ -56,7 +59,7 @@ TEST(DistLossTest, AFrozenModelsLossTrainsWhatItReadsOnTheLastRank) {
       return torch::nn::functional::cross_entropy(y / temperature, target);
     };
     dist::PipelineStage stage(
-        frozen_net(), GPipeOptions({2, 2}).chunks(4), world);
+        nets[world.rank()], GPipeOptions({2, 2}).chunks(4), world);
     const bool first = world.rank() == 0;
     const bool last = world.rank() == 1;
     for (auto schedule : {Schedule::FillDrain, Schedule::OneFOneB}) {
