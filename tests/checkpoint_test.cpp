@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "common.h"
+#include "error_of.h"
 
 namespace {
 
@@ -424,3 +425,58 @@ TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
 }
 
 }  // namespace
+
+// A last layer that cuts the graph (a detach()) leaves the plain model's
+// output needing no grad, and its backward() fails. A checkpointed
+// micro-batch's output is computed without a graph, so it cannot tell and
+// says it needs grad until the backward recomputes it: that backward then
+// fails too, rather than returning having trained nothing. An output cut
+// beside one that is not is left out of the backward, as in the plain
+// model, and the model stays usable after the failure.
+TEST_F(CheckpointTest, ABackwardThroughACutOutputFailsAsThePlainModelsDoes) {
+  struct CutHeadImpl : torch::nn::Module {
+    std::vector<torch::Tensor> forward(torch::Tensor x) {
+      return {x * 2, x.detach()};
+    }
+  };
+  torch::manual_seed(0);
+  auto cut = lambda([](torch::Tensor x) { return x.detach(); });
+  torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Tanh(), cut);
+  net->to(torch::kDouble);
+  const auto x = torch::randn({6, 4}, torch::kDouble);
+  EXPECT_THROW(net->forward(x).sum().backward(), c10::Error);
+  for (const auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+    for (const auto& balance :
+         {std::vector<int64_t>{1, 2}, std::vector<int64_t>{3}}) {
+      gpipe::GPipe model(
+          net, gpipe::GPipeOptions(balance).chunks(2).checkpoint(mode));
+      auto out = model->forward(x);
+      const auto message =
+          gpipe::testing::error_of([&] { out.sum().backward(); });
+      EXPECT_NE(message.find("recomputed"), std::string::npos)
+          << to_string(mode) << ": " << message;
+      EXPECT_FALSE(net[0]->as<torch::nn::Linear>()->weight.grad().defined());
+    }
+  }
+
+  torch::manual_seed(0);
+  torch::nn::Sequential tuple_net(
+      torch::nn::Linear(4, 4), std::make_shared<CutHeadImpl>());
+  tuple_net->to(torch::kDouble);
+  auto plain = tuple_net->forward<std::vector<torch::Tensor>>(x);
+  (plain[0].sum() + plain[1].sum()).backward();
+  const auto weight = tuple_net[0]->as<torch::nn::Linear>()->weight;
+  const auto expected = weight.grad().clone();
+  weight.mutable_grad().reset();
+  gpipe::GPipe model(
+      tuple_net,
+      gpipe::GPipeOptions({1, 1}).chunks(3).checkpoint(Checkpoint::Always));
+  auto only_cut = model->forward_tuple(x);
+  const auto message =
+      gpipe::testing::error_of([&] { only_cut[1].sum().backward(); });
+  EXPECT_NE(message.find("recomputed"), std::string::npos) << message;
+  auto out = model->forward_tuple(x);
+  (out[0].sum() + out[1].sum()).backward();
+  ASSERT_TRUE(weight.grad().defined());
+  EXPECT_TRUE(torch::allclose(weight.grad(), expected, 1e-12, 1e-12));
+}

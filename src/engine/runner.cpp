@@ -332,6 +332,7 @@ CellContext Pass::context(int64_t i, int64_t j, int64_t lane) const {
     // Stage n - 1's loss has the seed of a stage n.
     ctx.loss_seed = cell_seed(step_seed, seed_offset + i, n_);
   }
+  ctx.last_stage = j == n_ - 1;
   ctx.retain = retain;
   ctx.trace = trace_.get();
   ctx.lane = lane;

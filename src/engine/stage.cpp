@@ -378,6 +378,19 @@ Flow Stage::backward(
       add_root(skip_outputs[k], dy.skips[k]);
     }
   }
+  // A checkpointed cell's outputs, computed without a graph, said they
+  // need grad; recomputed, none that a gradient came to does (a layer cut
+  // them: a detach(), a no-grad section). The plain model's output needed
+  // none, and its backward() fails: so does this one, rather than return
+  // having trained nothing.
+  TORCH_CHECK_VALUE(
+      !(c.checkpointed && ctx.last_stage && roots.empty()),
+      "backward() reached the pipeline's output, which does not require "
+      "grad: recomputed for the backward, the last partition's layers cut "
+      "it from the graph (a detach(), or a layer run under no grad). The "
+      "plain model's backward() fails here too (its output does not require "
+      "grad); a checkpointed micro-batch's output can tell only once it is "
+      "recomputed");
   dy = Flow{};
   skip_outputs.clear();
   // Input leaves of a retained cell collect gradients again on the next

@@ -110,6 +110,8 @@ struct CellContext {
   torch::Tensor target;
   double loss_scale = 1.0;
   uint64_t loss_seed = 0;
+  /// The pipeline's last stage (its outputs are the pass's).
+  bool last_stage = false;
   /// Backward keeps the cell for another backward (retain_graph).
   bool retain = false;
   /// Where to record intervals (null: not tracing), and as which lane.
