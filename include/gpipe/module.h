@@ -22,7 +22,9 @@ class Trace;
 /// each partition placed on its device and run by its own worker lane; every
 /// mini-batch is cut into `chunks` micro-batches that flow through the
 /// partitions like an assembly line, forward and backward. Outputs and
-/// gradients equal those of the plain Sequential.
+/// gradients equal those of the plain Sequential. An empty Sequential with
+/// `balance` {} passes its input through, as torchgpipe's does (the plain
+/// Sequential's forward throws); `train_step` refuses it.
 ///
 /// Parameters are registered under `partitions.<j>.<name>`, where `<name>` is
 /// the layer's name in the Sequential. gpipe/serialize.h reads archives of
