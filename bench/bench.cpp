@@ -238,6 +238,12 @@ int bench_main(int argc, char** argv) {
         gpipe::tools::cli_message(e, &app).c_str());
     return 2;
   }
+  if (const auto empty = gpipe::tools::empty_switch_value(app, argc, argv);
+      !empty.empty()) {
+    std::fprintf(
+        stderr, "gpipe-bench: %s (see gpipe-bench --help)\n", empty.c_str());
+    return 2;
+  }
   // A file or folder flag given empty (--markdown '') would be taken as
   // not given, and its results lost.
   for (const auto& [flag, path] :

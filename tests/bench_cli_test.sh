@@ -55,6 +55,8 @@ done <<'EOF'
 --iters expects a number from 1 to 100000, but got '3x'	--only random --iters 3x
 --json expects a value after it	--only random --json
 unknown flag '--bogus'	--bogus --only random
+unknown flag '--iter' (did you mean --iters?)	--only random --iter 3
+--quick is a switch: give it alone (or =true, =false), but got ''	--only random --quick=
 --width	--only random --width -5
 --batch	--only random --batch 0
 --blocks	--only speed --blocks 1 --quick

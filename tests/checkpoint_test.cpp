@@ -424,7 +424,6 @@ TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   EXPECT_TRUE(torch::allclose(always.first, never.first));
 }
 
-}  // namespace
 
 // A last layer that cuts the graph (a detach()) leaves the plain model's
 // output needing no grad, and its backward() fails. A checkpointed
@@ -480,3 +479,5 @@ TEST_F(CheckpointTest, ABackwardThroughACutOutputFailsAsThePlainModelsDoes) {
   ASSERT_TRUE(weight.grad().defined());
   EXPECT_TRUE(torch::allclose(weight.grad(), expected, 1e-12, 1e-12));
 }
+
+}  // namespace

@@ -124,6 +124,15 @@ if [[ $mode == bad ]]; then
   fi
   bad "unknown flag '--no-such-flag'" "${d[@]}" --no-such-flag
   bad "unexpected argument 'stray'" "${d[@]}" stray
+  # A mistyped flag with its value: named, with the flag it may mean
+  # (CLI11's message gave "'1 --epoch'", the words last first).
+  bad "unknown flag '--epoch' (did you mean --epochs?)" "${d[@]}" --epoch 1
+  bad "unknown flag '--ep' (did you mean --epochs?)" "${d[@]}" --ep 1 --bar 2
+  bad "unexpected argument 'stray'" "${d[@]}" stray --also
+  # An empty value is refused for a switch as for any flag (CLI11 read it
+  # as true).
+  bad "--json is a switch: give it alone (or =true, =false), but got ''" \
+    "${d[@]}" --json=
   bad --json "${d[@]}" --json=maybe
   bad --model "${d[@]}" --model vgg
   bad --schedule "${d[@]}" --schedule gpipe

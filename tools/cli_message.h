@@ -5,10 +5,83 @@
 
 #include <CLI/App.hpp>
 #include <CLI/Error.hpp>
+#include <algorithm>
+#include <cctype>
 #include <regex>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace gpipe::tools {
+
+namespace cli_detail {
+
+/// Edits (insertions, deletions, substitutions) from `a` to `b`.
+inline size_t edits(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) {
+    row[j] = j;
+  }
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min(
+          {row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+/// " (did you mean --epochs?)" for `--epoch` when `app` has a flag that
+/// starts with the word or is at most two edits from it; else "".
+inline std::string suggestion(const CLI::App* app, const std::string& word) {
+  if (app == nullptr) {
+    return "";
+  }
+  const auto flag = word.substr(0, word.find('='));
+  std::string best;
+  size_t best_edits = 3;
+  for (const auto* option : app->get_options()) {
+    for (const auto& name : option->get_lnames()) {
+      const auto candidate = "--" + name;
+      const bool prefix = flag.size() >= 4 && candidate.rfind(flag, 0) == 0;
+      const auto d = prefix ? 1 : edits(flag, candidate);
+      if (d < best_edits) {
+        best = candidate;
+        best_edits = d;
+      }
+    }
+  }
+  return best.empty() ? "" : " (did you mean " + best + "?)";
+}
+
+}  // namespace cli_detail
+
+/// The first switch of `app` given as `--name=` with nothing after the `=`
+/// before `--`: a message that says so, or "" (CLI11 reads an empty value
+/// as true).
+inline std::string empty_switch_value(
+    const CLI::App& app, int argc, const char* const* argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word == "--") {
+      break;
+    }
+    if (word.size() < 4 || word.rfind("--", 0) != 0 || word.back() != '=') {
+      continue;
+    }
+    const auto name = word.substr(0, word.size() - 1);
+    const auto* option = app.get_option_no_throw(name);
+    if (option != nullptr && option->get_expected_max() == 0) {
+      return name + " is a switch: give it alone (or =true, =false), " +
+             "but got ''";
+    }
+  }
+  return "";
+}
 
 /// The message of `e` (not --help's), reworded where CLI11's own says
 /// little: a flag given twice, a flag without its value, a value that is
@@ -50,10 +123,27 @@ inline std::string cli_message(
            g[4].str() + ", but got '" + g[2].str() + "'";
   }
   if (std::regex_match(m, g, extra)) {
-    const auto what = g[1].str();
-    return (!what.empty() && what[0] == '-' ? "unknown flag '"
-                                            : "unexpected argument '") +
-           what + "'";
+    // The first word left over, in the order given (CLI11's message joins
+    // them last first).
+    std::vector<std::string> words;
+    if (app != nullptr) {
+      words = app->remaining();
+    }
+    if (words.empty()) {
+      std::istringstream joined(g[1].str());
+      for (std::string w; joined >> w;) {
+        words.insert(words.begin(), w);
+      }
+    }
+    if (words.empty()) {
+      return m;
+    }
+    const auto& w = words.front();
+    const bool flag = w.size() > 1 && w != "--" && w[0] == '-' &&
+                      !std::isdigit(static_cast<unsigned char>(w[1])) &&
+                      w[1] != '.';
+    return flag ? "unknown flag '" + w + "'" + cli_detail::suggestion(app, w)
+                : "unexpected argument '" + w + "'";
   }
   return m;
 }

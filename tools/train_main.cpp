@@ -50,6 +50,10 @@ int gpipe_train::train_main(int argc, char** argv) {
   add_autotune_options(app, args);
   try {
     app.parse(argc, argv);
+    if (const auto empty = gpipe::tools::empty_switch_value(app, argc, argv);
+        !empty.empty()) {
+      throw UsageError(empty + " (see gpipe-train --help)");
+    }
     refuse_repeated_switches(app);
     args.world_size = world_size_from_env();
     // --autotune's first: a flag it chooses is refused as such, not by
