@@ -424,7 +424,6 @@ TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   EXPECT_TRUE(torch::allclose(always.first, never.first));
 }
 
-
 // A last layer that cuts the graph (a detach()) leaves the plain model's
 // output needing no grad, and its backward() fails. A checkpointed
 // micro-batch's output is computed without a graph, so it cannot tell and

@@ -122,6 +122,28 @@ if [[ $mode == bad ]]; then
   else
     echo "ok: the defaults given explicitly are taken"
   fi
+  # Image and label files of other lengths: the pair and both counts (it
+  # said only "the image and label files do not have as many entries").
+  uneven="$tmp/uneven"
+  mkdir "$uneven"
+  images() { # count: an IDX image file of `count` 28 x 28 images
+    { printf '\x00\x00\x08\x03\x00\x00\x00'"\\x0$1"'\x00\x00\x00\x1c\x00\x00\x00\x1c'
+      head -c $(($1 * 784)) /dev/zero; } | gzip
+  }
+  labels() { # count: an IDX label file of `count` labels
+    { printf '\x00\x00\x08\x01\x00\x00\x00'"\\x0$1"; head -c "$1" /dev/zero; } | gzip
+  }
+  images 2 >"$uneven/train-images-idx3-ubyte.gz"
+  labels 2 >"$uneven/train-labels-idx1-ubyte.gz"
+  images 2 >"$uneven/t10k-images-idx3-ubyte.gz"
+  labels 3 >"$uneven/t10k-labels-idx1-ubyte.gz"
+  run --data-dir "$uneven"
+  if [[ $status -ne 1 ]] ||
+    ! grep -qF "t10k-images-idx3-ubyte.gz has 2 images but t10k-labels-idx1-ubyte.gz has 3 labels" "$tmp/err"; then
+    fail "image and label files of other lengths: exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: $(cat "$tmp/err")"
+  fi
   bad "unknown flag '--no-such-flag'" "${d[@]}" --no-such-flag
   bad "unexpected argument 'stray'" "${d[@]}" stray
   # A mistyped flag with its value: named, with the flag it may mean

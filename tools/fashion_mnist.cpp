@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace gpipe_data {
@@ -137,10 +138,23 @@ FashionMnist read_fashion_mnist(
       read_idx(dir + "/" + kFashionMnistFiles[2], true, test_limit);
   const auto test_y =
       read_idx(dir + "/" + kFashionMnistFiles[3], false, test_limit);
-  TORCH_CHECK_VALUE(
-      train_x.count == train_y.count && test_x.count == test_y.count,
-      dir,
-      ": the image and label files do not have as many entries");
+  for (const auto& [x, y, images, labels] :
+       {std::tuple<const Idx&, const Idx&, const char*, const char*>{
+            train_x, train_y, kFashionMnistFiles[0], kFashionMnistFiles[1]},
+        {test_x, test_y, kFashionMnistFiles[2], kFashionMnistFiles[3]}}) {
+    TORCH_CHECK_VALUE(
+        x.count == y.count,
+        dir,
+        ": ",
+        images,
+        " has ",
+        x.count,
+        " images but ",
+        labels,
+        " has ",
+        y.count,
+        " labels; expected one label per image");
+  }
   TORCH_CHECK_VALUE(
       train_x.count > 0 && test_x.count > 0,
       dir,
