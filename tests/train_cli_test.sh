@@ -401,6 +401,21 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: valid run: $(tail -n 1 "$tmp/out")"
   fi
+  # A recording that would cross an epoch's end ends with the epoch: the
+  # test passes (a forward of 64 images in 4 micro-batches per lane) are
+  # not recorded among the steps; there were 16 forwards for 8.
+  run --data-dir "$data" --epochs 2 --limit 128 --test-limit 64 \
+    --trace "$tmp/e.json"
+  forwards=$(grep -o '"cat":"forward"' "$tmp/e.json" | wc -l)
+  if [[ $status -ne 0 ]]; then
+    fail "a traced run of 2 epochs exited $status: $(cat "$tmp/err")"
+  elif ! grep -q 'steps 2-2 (the epoch ended: its test passes are not recorded)' "$tmp/out"; then
+    fail "a traced run of 2 epochs of 2 steps: $(grep wrote "$tmp/out")"
+  elif [[ $forwards -ne 8 ]]; then
+    fail "a traced run of 2 epochs recorded $forwards forwards, expected 8 (one step)"
+  else
+    echo "ok: the recording ends with the epoch: $(grep wrote "$tmp/out")"
+  fi
   # The balance is profiled on a micro-batch as the run cuts it: 10 images
   # in 4 chunks are micro-batches of 3 (it profiled and said 10).
   run --data-dir "$data" --epochs 1 --limit 10 --test-limit 100 --json

@@ -185,6 +185,40 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   double last_loss = 0;
   double lr = args.lr;
   double train_seconds = 0;
+  // Ends the recording, which began with the run's second step, and
+  // writes it: after --trace-steps steps, or sooner where the epoch ends
+  // (`epoch_ended`), so that the test passes are not recorded among them.
+  auto end_trace = [&](bool epoch_ended) {
+    if (world) {
+      // One timeline with a row per rank, on rank 0.
+      trace = gpipe::dist::gather_trace(stage);
+      if (!lead) {
+        trace.reset();  // another replica's: rank 0 writes its own
+      }
+    }
+    set_trace(nullptr);
+    if (trace) {
+      if (!args.trace_path.empty()) {
+        trace->write_chrome_json(args.trace_path);
+      }
+      if (!args.timeline_path.empty()) {
+        trace->write_svg(args.timeline_path);
+      }
+      std::fprintf(
+          out,
+          "wrote %zu traced intervals of steps %lld-%lld%s%s%s%s%s\n",
+          trace->events().size(),
+          static_cast<long long>(resumed.step + 2),
+          static_cast<long long>(step),
+          epoch_ended ? " (the epoch ended: its test passes are not recorded)"
+                      : "",
+          args.trace_path.empty() ? "" : " to ",
+          args.trace_path.c_str(),
+          args.timeline_path.empty() ? "" : " and ",
+          args.timeline_path.c_str());
+    }
+    trace.reset();
+  };
   // With the results so far, so that resuming a finished run can report
   // them (resume_is_done): the last step's loss, and at an epoch's end its
   // test accuracy.
@@ -284,32 +318,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
       optimizer.step();
       ++step;
       if (trace && step - resumed.step == 1 + args.trace_steps) {
-        if (world) {
-          // One timeline with a row per rank, on rank 0.
-          trace = gpipe::dist::gather_trace(stage);
-          if (!lead) {
-            trace.reset();  // another replica's: rank 0 writes its own
-          }
-        }
-        set_trace(nullptr);
-      }
-      if (trace && step - resumed.step == 1 + args.trace_steps) {
-        if (!args.trace_path.empty()) {
-          trace->write_chrome_json(args.trace_path);
-        }
-        if (!args.timeline_path.empty()) {
-          trace->write_svg(args.timeline_path);
-        }
-        std::fprintf(
-            out,
-            "wrote %zu traced intervals of steps 2-%lld%s%s%s%s\n",
-            trace->events().size(),
-            static_cast<long long>(step),
-            args.trace_path.empty() ? "" : " to ",
-            args.trace_path.c_str(),
-            args.timeline_path.empty() ? "" : " and ",
-            args.timeline_path.c_str());
-        trace.reset();
+        end_trace(false);
       }
       window_samples += idx.size(0);
       trained_rows += idx.size(0);
@@ -349,6 +358,9 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
       }
     }
     train_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (trace && step - resumed.step >= 2) {
+      end_trace(true);
+    }
 
     module->eval();
     torch::NoGradGuard no_grad;
