@@ -135,4 +135,19 @@ torch::Tensor on_group_device(const Groups& groups, const torch::Tensor& t) {
   return t.device() == groups.device ? t : t.to(groups.device);
 }
 
+torch::Tensor summable_on_group_device(
+    const Groups& groups, const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kShort) {
+    return t.to(groups.device, torch::kInt);
+  }
+  if (t.scalar_type() == torch::kBFloat16 && !groups.device.is_cuda()) {
+    return t.to(groups.device, torch::kFloat);
+  }
+  return on_group_device(groups, t);
+}
+
+torch::Tensor byte_view(const torch::Tensor& t) {
+  return t.reshape({-1}).view(torch::kByte);
+}
+
 }  // namespace gpipe::dist::detail

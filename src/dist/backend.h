@@ -128,4 +128,14 @@ std::string message_of(std::exception_ptr error);
 torch::Tensor on_group_device(
     const Groups& groups, const torch::Tensor& tensor);
 
+/// `tensor` on the group's device, in a dtype its sums take: neither Gloo
+/// nor NCCL sums int16, and Gloo (LibTorch 1.13's) no bfloat16, so those
+/// are summed as int32 and float32 (a copy, rounded back once).
+torch::Tensor summable_on_group_device(
+    const Groups& groups, const torch::Tensor& tensor);
+
+/// A contiguous `tensor`'s bytes (a view, one dimension): what a broadcast
+/// copies, whatever the dtype (Gloo broadcasts no bool, int16 or bfloat16).
+torch::Tensor byte_view(const torch::Tensor& tensor);
+
 }  // namespace gpipe::dist::detail

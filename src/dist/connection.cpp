@@ -2,6 +2,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
+#include <c10/util/irange.h>
 
 #include <cstring>
 #include <sstream>
@@ -39,15 +40,19 @@ Connection::Connection(
     int64_t local_rank_,
     int64_t local_size_,
     std::chrono::milliseconds timeout_,
-    GroupFactory make_group_)
+    GroupFactory make_group_,
+    c10::intrusive_ptr<c10d::Store> job_store_,
+    std::vector<int64_t> global_ranks_)
     : store(std::move(store_)),
+      job_store(job_store_ ? std::move(job_store_) : store),
       groups(std::move(groups_)),
       rank(rank_),
       size(size_),
       local_rank(local_rank_),
       local_size(local_size_),
       timeout(timeout_),
-      make_group(std::move(make_group_)) {
+      make_group(std::move(make_group_)),
+      global_ranks(std::move(global_ranks_)) {
   if (size > 1) {
     listener_ = std::thread([this] { listen(); });
   }
@@ -101,6 +106,9 @@ void Connection::listen() {
     }
     std::string text;
     try {
+      if (!heard) {
+        note_long_waits();
+      }
       if (!store->check({kFailure}) || heard) {
         continue;
       }
@@ -114,6 +122,89 @@ void Connection::listen() {
     }
     record_failure(text);
     heard = true;
+  }
+}
+
+// Note [What a rank waits for]
+// A rank that times out waiting for another (in a collective, Note [Who a
+// collective waits for]) names it; but that rank may be alive, itself
+// waiting for a third that stopped: rank 0 of a 2 x 2 mesh waits for rank
+// 2 in their replicas' all-reduce while rank 2 waits for a gradient from
+// rank 3, which stalled. So that rank 0 says so, the listener of a rank
+// whose receive has waited a quarter of the timeout (2 s at most) writes
+// whom and what it waits for under the rank's key of the job's store (one
+// write per long wait, none for a wait that ends sooner), and takes it
+// back when that wait is over. A rank that names another as absent reads
+// that key and adds what it says. A rank's Worlds share the key: the last
+// to write wins, and takes back only what it wrote itself.
+
+namespace {
+
+constexpr const char* kWaitingKey = "waiting/";
+
+std::vector<uint8_t> waiting_bytes(const std::string& text) {
+  return {text.begin(), text.end()};
+}
+
+}  // namespace
+
+void Connection::note_long_waits() {
+  const auto now = std::chrono::steady_clock::now();
+  const auto after = std::min<std::chrono::steady_clock::duration>(
+      timeout / 4, std::chrono::milliseconds(2000));
+  std::string note;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& entry : waits_) {
+      const auto& wait = entry.second;
+      if (now - wait.since < after) {
+        continue;
+      }
+      if (wait.peer >= 0) {
+        note = "for " + *wait.what + " from " + rank_name(wait.peer);
+      } else {
+        note = "in the " + *wait.what + " (ranks ";
+        for (const auto r : c10::irange(size)) {
+          note += (r == 0 ? "" : ", ") + std::to_string(global_rank(r));
+        }
+        note += ")";
+      }
+      break;
+    }
+  }
+  if (note == noted_) {
+    return;
+  }
+  const auto key = kWaitingKey + std::to_string(global_rank(rank));
+  try {
+    if (noted_.empty()) {
+      job_store->set(key, waiting_bytes(note));
+    } else {
+      job_store->compareSet(key, waiting_bytes(noted_), waiting_bytes(note));
+    }
+  } catch (...) {
+    // The store is gone: nobody asks.
+  }
+  noted_ = note;
+}
+
+std::string Connection::peer_waits(int64_t peer) const {
+  const auto note = waiting_note(global_rank(peer));
+  return note.empty()
+             ? note
+             : " (" + rank_name(peer) + " was itself waiting " + note + ")";
+}
+
+std::string Connection::waiting_note(int64_t global_rank) const {
+  try {
+    const auto key = kWaitingKey + std::to_string(global_rank);
+    if (!job_store->check({key})) {
+      return "";
+    }
+    const auto value = job_store->get(key);
+    return {value.begin(), value.end()};
+  } catch (...) {
+    return "";
   }
 }
 
@@ -232,6 +323,10 @@ torch::Tensor Connection::wait_bytes(
   bool received = false;
   std::string error;
   if (work) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      waits_[work.get()] = Wait{peer, &what, std::chrono::steady_clock::now()};
+    }
     try {
       received = work->wait(timeout);
     } catch (const std::exception&) {
@@ -239,6 +334,7 @@ torch::Tensor Connection::wait_bytes(
     }
     std::lock_guard<std::mutex> lock(mutex_);
     waiting_.erase(work);
+    waits_.erase(work.get());
   } else {
     error = refused.empty() ? "c10d refused the receive" : refused;
   }
@@ -258,7 +354,8 @@ torch::Tensor Connection::wait_bytes(
             << (timed_out ? "gave up after " : "lost the connection: ")
             << (timed_out ? std::to_string(timeout.count() / 1000) +
                                 " s (GPIPE_DIST_TIMEOUT): " + rank_name(peer) +
-                                " stopped answering, or runs other passes"
+                                " stopped answering, or runs other passes" +
+                                peer_waits(peer)
                           : rank_name(peer) + " died or closed its connection")
             << store_gone_note() << " [c10d: " << error.substr(0, 300) << "]";
     fail(message.str());

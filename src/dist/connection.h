@@ -106,7 +106,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
       int64_t local_rank,
       int64_t local_size,
       std::chrono::milliseconds timeout,
-      GroupFactory make_group);
+      GroupFactory make_group,
+      c10::intrusive_ptr<c10d::Store> job_store = {},
+      std::vector<int64_t> global_ranks = {});
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -205,6 +207,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
   }
 
   c10::intrusive_ptr<c10d::Store> store;
+  /// The store of the job's own World (this one's, unless it was split from
+  /// another): where a rank says what it waits for, to every World's ranks
+  /// (Note [What a rank waits for]).
+  const c10::intrusive_ptr<c10d::Store> job_store;
   // What the backend made (Note [Backends] in dist/backend.h); left alone
   // (leaked) after a failure: see the Note.
   Groups groups;
@@ -217,8 +223,15 @@ struct Connection : std::enable_shared_from_this<Connection> {
   /// Makes this connection's sub-groups (World::split), as its own was made.
   const GroupFactory make_group;
   /// Each rank's rank in the job, for a split World; empty for the job's
-  /// own (the same numbers). Set once, before the World is handed out.
+  /// own (the same numbers). Set when it is made.
   std::vector<int64_t> global_ranks;
+  /// Note [What a rank waits for]: what rank `global_rank` of the job said
+  /// it has long been waiting for ("for ... from rank 3", "in the ..."),
+  /// or "".
+  std::string waiting_note(int64_t global_rank) const;
+  /// Held by World::all_reduce, broadcast, barrier and split (Note [A
+  /// World's collectives from several threads] in world_collectives.cpp).
+  std::mutex world_collectives_mutex;
   /// Held by a pass (train_step, forward, gather_trace) of any stage:
   /// stages share the connection's tags, so their passes take turns.
   std::mutex passes_mutex;
@@ -245,6 +258,12 @@ struct Connection : std::enable_shared_from_this<Connection> {
   // store cannot tell).
   void mark_arrival(int64_t collective);
   std::string absent_from(int64_t collective) const;
+  // Note [What a rank waits for]: the listener says (or takes back) under
+  // this rank's key of the job's store what this rank has long waited for.
+  void note_long_waits();
+  // " (rank 2 was waiting for ...)" where rank `peer` of this World said
+  // so, else "".
+  std::string peer_waits(int64_t peer) const;
 
   mutable std::mutex mutex_;
   std::optional<std::string> failure_;  // guarded by mutex_
@@ -255,6 +274,15 @@ struct Connection : std::enable_shared_from_this<Connection> {
   // The peer of each send posted and not yet waited for (wait_sends names
   // the rank that did not take it).
   std::map<const c10d::Work*, int64_t> send_peers_;
+  // The receives being waited for, with their peer, what they bring and
+  // when the wait began (Note [What a rank waits for]).
+  struct Wait {
+    int64_t peer = 0;
+    const std::string* what = nullptr;  // the waiter's, alive while listed
+    std::chrono::steady_clock::time_point since;
+  };
+  std::map<const c10d::Work*, Wait> waits_;  // guarded by mutex_
+  std::string noted_;  // what the listener last said; its own
   // Agreed layouts, by (peer, tag): what was last sent and last received.
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> sent_layouts_;
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> received_layouts_;

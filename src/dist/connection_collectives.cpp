@@ -78,8 +78,16 @@ std::string Connection::absent_from(int64_t collective) const {
                                        : ", ") +
              rank_name(absent[k]);
   }
+  // Note [What a rank waits for] in connection.cpp.
+  std::string waits;
+  for (const auto r : absent) {
+    const auto note = waiting_note(global_rank(r));
+    if (!note.empty()) {
+      waits += "; " + rank_name(r) + " was itself waiting " + note;
+    }
+  }
   return names + (absent.size() == 1 ? " had" : " had each") +
-         " not reached it (stopped, died, or runs something else)";
+         " not reached it (stopped, died, or runs something else)" + waits;
 }
 
 void Connection::wait_collective(
@@ -121,6 +129,19 @@ void Connection::wait_collective(
   };
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + timeout;
+  // Listed while waited for (Note [What a rank waits for]).
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    waits_[work.get()] = Wait{-1, &what, start};
+  }
+  struct Unlisted {
+    Connection& connection;
+    const c10d::Work* work;
+    ~Unlisted() {
+      std::lock_guard<std::mutex> lock(connection.mutex_);
+      connection.waits_.erase(work);
+    }
+  } unlisted{*this, work.get()};
   const auto mark_at =
       start + std::min<std::chrono::milliseconds>(
                   timeout / 4, std::chrono::milliseconds(2000));

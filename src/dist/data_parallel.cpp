@@ -301,7 +301,7 @@ void GradientBuckets::start_bucket(Bucket& bucket) {
   for (const auto k : bucket.missing) {
     bucket.had.narrow(0, static_cast<int64_t>(k), 1).fill_(0);
   }
-  bucket.staged = on_group_device(connection.groups, bucket.flat);
+  bucket.staged = summable_on_group_device(connection.groups, bucket.flat);
   std::vector<torch::Tensor> tensors{bucket.staged};
   bucket.work = connection.group->allreduce(tensors);
   // When the last bucket to finish ends, the all-reduce has.
@@ -386,7 +386,7 @@ void broadcast_from_first_replica(
       "PipelineStage (its agreement over the replicas)");
   for (auto& group : pack(tensors, kDefaultBucketBytes, kDefaultBucketBytes)) {
     auto flat = flatten(group);
-    std::vector<torch::Tensor> list{flat};
+    std::vector<torch::Tensor> list{byte_view(flat)};  // any dtype
     c10d::BroadcastOptions options;
     options.rootRank = 0;
     connection.run_collective(
@@ -395,7 +395,7 @@ void broadcast_from_first_replica(
           return connection.group->broadcast(ts, options);
         },
         "broadcast of the first replica's parameters");
-    unflatten(list[0], group);
+    unflatten(flat, group);
   }
 }
 

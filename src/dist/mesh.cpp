@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -44,8 +45,9 @@ World solo(detail::Connection& parent, int64_t id) {
       parent.local_rank,
       parent.local_size,
       parent.timeout,
-      parent.make_group);
-  connection->global_ranks = {parent.global_rank(parent.rank)};
+      parent.make_group,
+      parent.job_store,
+      std::vector<int64_t>{parent.global_rank(parent.rank)});
   return World(std::move(connection));
 }
 
@@ -53,6 +55,9 @@ World solo(detail::Connection& parent, int64_t id) {
 
 World World::split(int64_t color, int64_t key) const {
   auto& parent = *connection_;
+  // Note [A World's collectives from several threads] in
+  // world_collectives.cpp.
+  std::lock_guard<std::mutex> one_at_a_time(parent.world_collectives_mutex);
   parent.check();
   const auto id = parent.next_split_id();
   if (parent.size == 1) {
@@ -116,7 +121,11 @@ World World::split(int64_t color, int64_t key) const {
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       "split" + std::to_string(id) + "/" + std::to_string(color), parent.store);
   auto groups = parent.make_group(store, rank, size);
-  auto connection = std::make_shared<detail::Connection>(
+  std::vector<int64_t> global_ranks;
+  for (const auto& member : members) {
+    global_ranks.push_back(parent.global_rank(std::get<1>(member)));
+  }
+  return World(std::make_shared<detail::Connection>(
       store,
       std::move(groups),
       rank,
@@ -124,11 +133,9 @@ World World::split(int64_t color, int64_t key) const {
       parent.local_rank,
       parent.local_size,
       parent.timeout,
-      parent.make_group);
-  for (const auto& member : members) {
-    connection->global_ranks.push_back(parent.global_rank(std::get<1>(member)));
-  }
-  return World(std::move(connection));
+      parent.make_group,
+      parent.job_store,
+      std::move(global_ranks)));
 }
 
 Mesh::Mesh(World world, int64_t pipeline_size)

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
@@ -18,6 +19,19 @@
 #include "dist/connection.h"
 
 namespace gpipe::dist {
+
+// Note [A World's collectives from several threads]
+// A World's collectives of one's own (all_reduce, broadcast, barrier,
+// split) run one at a time on each rank: two threads that called them at
+// once had their agreements' and their tensors' collectives interleave on
+// the one c10d group, which summed one thread's tensor with the other's
+// or, where their sizes differed, aborted the process in Gloo. As with
+// any process group, the ranks' calls pair up in the order each rank
+// makes them: threads that call at once on every rank may be paired in
+// another order on another rank (the agreement refuses that where sizes
+// or kinds differ, but not between two equal tensors), so calls from
+// several threads want an order of the caller's, or a World each
+// (World::split).
 
 namespace {
 
@@ -149,6 +163,9 @@ std::exception_ptr refused_by(const std::function<void()>& check) {
 }  // namespace
 
 void World::all_reduce(torch::Tensor& tensor) const {
+  // Note [A World's collectives from several threads].
+  std::lock_guard<std::mutex> one_at_a_time(
+      connection_->world_collectives_mutex);
   const auto mine =
       refused_by([&] { check_collective_tensor(tensor, "all_reduce"); });
   if (size() == 1 && mine) {
@@ -170,13 +187,21 @@ void World::all_reduce(torch::Tensor& tensor) const {
       "gpipe::dist::World::all_reduce sums, and expects a tensor of real "
       "numbers, but got ",
       tensor.scalar_type());
-  std::vector<torch::Tensor> tensors{tensor};
+  // (A dtype the group does not sum is summed in a wider one.)
+  auto summed = detail::summable_on_group_device(connection_->groups, tensor);
+  std::vector<torch::Tensor> tensors{summed};
   connection_->closing_on_failure([&] {
     connection_->all_reduce(tensors, c10d::ReduceOp::SUM, "World::all_reduce");
   });
+  if (!summed.is_same(tensor)) {
+    tensor.copy_(summed);
+  }
 }
 
 void World::broadcast(torch::Tensor& tensor, int64_t root) const {
+  // Note [A World's collectives from several threads].
+  std::lock_guard<std::mutex> one_at_a_time(
+      connection_->world_collectives_mutex);
   const auto mine = refused_by([&] {
     check_collective_tensor(tensor, "broadcast");
     TORCH_CHECK_INDEX(
@@ -199,7 +224,8 @@ void World::broadcast(torch::Tensor& tensor, int64_t root) const {
       "broadcast",
       root,
       mine);
-  std::vector<torch::Tensor> tensors{tensor};
+  // Its bytes: a copy of any dtype.
+  std::vector<torch::Tensor> tensors{detail::byte_view(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   connection_->check();
@@ -214,6 +240,9 @@ void World::broadcast(torch::Tensor& tensor, int64_t root) const {
 }
 
 void World::barrier() const {
+  // Note [A World's collectives from several threads].
+  std::lock_guard<std::mutex> one_at_a_time(
+      connection_->world_collectives_mutex);
   if (size() == 1) {
     return;
   }

@@ -381,4 +381,74 @@ TEST(GlooErrorsTest, AWorldWhoseCollectiveTimedOutIsClosedOnEveryRank) {
   }
 }
 
+// A broadcast of bool, int16 or bfloat16 (which Gloo broadcasts not) and
+// an all-reduce of int16 or bfloat16 (which it sums not) blamed the other
+// rank as dead and closed the World: a broadcast copies the bytes of any
+// dtype, and those sums run in a wider dtype.
+TEST(GlooErrorsTest, EveryDtypeIsBroadcastAndInt16AndBFloat16AreSummed) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  gpipe::dist::testing::run_ranks(2, [&](gpipe::dist::World world) {
+    const auto r = world.rank();
+    try {
+      for (const auto dtype :
+           {torch::kBool,
+            torch::kShort,
+            torch::kBFloat16,
+            torch::kComplexFloat,
+            torch::kFloat}) {
+        const auto root = torch::arange(5).remainder(2).to(dtype);
+        auto t = r == 1 ? root.clone() : torch::zeros({5}, dtype);
+        world.broadcast(t, 1);
+        EXPECT_TRUE(torch::equal(t, root)) << dtype << ": " << t;
+        auto scalar = torch::full({}, r == 1 ? 1 : 0).to(dtype);
+        world.broadcast(scalar, 1);
+        EXPECT_TRUE(torch::equal(scalar, torch::full({}, 1).to(dtype)))
+            << dtype;
+      }
+      for (const auto dtype : {torch::kShort, torch::kBFloat16}) {
+        auto t = torch::full({3}, r + 1).to(dtype);
+        world.all_reduce(t);
+        EXPECT_EQ(t.scalar_type(), dtype);
+        EXPECT_TRUE(torch::equal(t, torch::full({3}, 3).to(dtype)))
+            << dtype << ": " << t;
+      }
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      errors.push_back(e.what_without_backtrace());
+    }
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
+}
+
+// Two threads of each rank calling a World's collectives at once had their
+// agreements and their tensors interleave on the one group: sums of the
+// other thread's tensor, or Gloo's abort where the sizes differed. On each
+// rank they now run one at a time (Note [A World's collectives from
+// several threads]); here every thread passes alike, so any pairing sums
+// right. (Calls of other kinds at once may pair up in another order on
+// another rank: the agreement refuses that, on every rank.)
+TEST(GlooErrorsTest, CollectivesCalledFromTwoThreadsAtOnceRunOneAtATime) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  gpipe::dist::testing::run_ranks(2, [&](gpipe::dist::World world) {
+    auto body = [&] {
+      try {
+        for (int i = 0; i < 20; ++i) {
+          auto t = torch::full({1000}, static_cast<float>(world.rank() + 1));
+          world.all_reduce(t);
+          EXPECT_TRUE(torch::equal(t, torch::full({1000}, 3.0F)));
+        }
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors.push_back(e.what_without_backtrace());
+      }
+    };
+    std::thread other(body);
+    body();
+    other.join();
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
+}
+
 }  // namespace

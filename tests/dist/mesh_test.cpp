@@ -1396,6 +1396,105 @@ TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
   EXPECT_TRUE(errors[2].empty()) << errors[2];
 }
 
+// A rank that stops coming (rank 3, replica 1's last stage, skips step 1
+// and waits) is named by those waiting for it, and also by rank 0, which
+// waits for rank 2 in their replicas' all-reduce while rank 2, alive,
+// waits for rank 3's gradient: rank 0 says so. Before, rank 0 said only
+// that rank 2 "had not reached it", when its own timeout came first (Note
+// [What a rank waits for]). (Rank 3 stops outside its cells: ranks that
+// are threads of one process share the random generators' lease, which a
+// cell holds.)
+TEST(MeshTest, ARankWaitingForAStalledRankIsNamedWithWhomItWaitsFor) {
+  const auto options =
+      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
+  const auto batch = batch_of(8);
+  const auto nets = nets_of_ranks(4);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::mutex mutex;
+  std::vector<std::string> errors(4);
+  std::atomic<int> failed{0};
+  dist::testing::run_threads(4, [&](int64_t r) {
+    auto world = dist::init_from_store(store, r, 4, std::chrono::seconds(2));
+    Mesh mesh(world, 2);
+    dist::PipelineStage stage(nets[r], options, mesh);
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1 && r == 3) {
+        const auto give_up =
+            std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (failed < 3 && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        return;
+      }
+      try {
+        train_on_shard(stage, mesh, batch);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[r] = e.what_without_backtrace();
+        ++failed;
+        return;
+      }
+    }
+  });
+  std::string all;
+  for (const auto r : c10::irange(4)) {
+    all += "\nrank " + std::to_string(r) + ": " + errors[r];
+  }
+  // Each names rank 3: as the rank it waits for, or (its own timeout come
+  // first) as the rank that the rank it waits for waits for.
+  for (const auto r : {0, 1, 2}) {
+    EXPECT_NE(errors[r].find("rank 3"), std::string::npos) << all;
+  }
+  EXPECT_TRUE(
+      errors[0].find("from rank 3") != std::string::npos ||
+      errors[0].find("rank 2 was itself waiting for gradients") !=
+          std::string::npos)
+      << all;
+}
+
+// A bfloat16 model's replicas: the first replica's parameters are
+// broadcast as bytes and the gradients summed in float32 (Gloo does
+// neither in bfloat16: the constructor failed, "rank 1 died ... [c10d:
+// Invalid scalar type]"). Both replicas end the step with the same
+// gradient, their shards' mean.
+TEST(MeshTest, ABFloat16ModelHasReplicas) {
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(r);  // other weights: the broadcast makes them one
+    nets.emplace_back(torch::nn::Linear(4, 3), torch::nn::Tanh());
+    nets.back()->to(torch::kBFloat16);
+  }
+  torch::manual_seed(5);
+  const auto x = torch::randn({8, 4}).to(torch::kBFloat16);
+  const auto y = torch::randn({8, 3}).to(torch::kBFloat16);
+  std::mutex mutex;
+  std::vector<torch::Tensor> grads(2);
+  std::vector<torch::Tensor> weights(2);
+  run_ranks(2, [&](World world) {
+    const auto r = world.rank();
+    dist::PipelineStage stage(
+        nets[r], GPipeOptions({2}).chunks(2), Mesh(world, 1));
+    const auto shard = torch::indexing::Slice(4 * r, 4 * (r + 1));
+    stage->train_step(
+        x.index({shard}),
+        y.index({shard}),
+        [](torch::Tensor out, torch::Tensor target) {
+          // (LibTorch 1.13's mse_loss has no bfloat16 kernel on a CPU.)
+          return (out.to(torch::kFloat) - target.to(torch::kFloat))
+              .pow(2)
+              .mean();
+        });
+    const auto linear = nets[r][0]->as<torch::nn::Linear>();
+    std::lock_guard<std::mutex> lock(mutex);
+    grads[r] = linear->weight.grad().clone();
+    weights[r] = linear->weight.detach().clone();
+  });
+  ASSERT_TRUE(grads[0].defined() && grads[1].defined());
+  EXPECT_EQ(grads[0].scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(weights[0], weights[1]));
+  EXPECT_TRUE(torch::equal(grads[0], grads[1]));
+}
+
 // Replicas whose shards differ in rows would have their gradients averaged
 // with equal weights, which no single pipeline on the whole batch does:
 // the replicas' first stages agree before the step begins, so every rank
