@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "error_of.h"
@@ -384,6 +385,29 @@ TEST(PlanTest, SimulationTimesActionsByCostAndTransfer) {
   EXPECT_DOUBLE_EQ(sim.busy[1], 2.0);
   EXPECT_DOUBLE_EQ(sim.bubble, 4.0);
   EXPECT_THROW(simulate(Plan::from_csv("0B0,0F0\n")), c10::ValueError);
+  // An infinite cost is refused as a NaN's is (it gave a NaN bubble).
+  const auto plan = make_plan(Schedule::OneFOneB, 4, 2);
+  for (const double bad :
+       {std::numeric_limits<double>::infinity(),
+        std::numeric_limits<double>::quiet_NaN(),
+        -1.0}) {
+    ActionCosts forward;
+    forward.forward = bad;
+    EXPECT_NE(
+        error_of([&] {
+          simulate(plan, forward);
+        }).find("expected finite, non-negative costs"),
+        std::string::npos)
+        << bad;
+    ActionCosts transfer;
+    transfer.transfer = bad;
+    EXPECT_NE(
+        error_of([&] {
+          simulate(plan, transfer);
+        }).find("expected a finite, non-negative transfer cost"),
+        std::string::npos)
+        << bad;
+  }
 }
 
 // Cells that draw random numbers on CPU lanes hold the generators alone

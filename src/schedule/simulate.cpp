@@ -7,6 +7,7 @@
 #include <gpipe/plan.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <tuple>
@@ -38,6 +39,10 @@ Simulation simulate_with_lease(
     const ActionCosts& costs,
     const std::function<Held(const Cell&)>& lease) {
   plan.validate();
+  TORCH_CHECK_VALUE(
+      costs.transfer >= 0 && std::isfinite(costs.transfer),
+      "simulate: expected a finite, non-negative transfer cost, but got ",
+      costs.transfer);
   const detail::CellInputs inputs(plan);
   const auto lanes = plan.lanes.size();
   Simulation sim;
@@ -72,8 +77,8 @@ Simulation simulate_with_lease(
     const auto& c = plan.lanes[l][next[l]];
     const double cost = cost_of(c, costs);
     TORCH_CHECK_VALUE(
-        cost >= 0,
-        "simulate: expected non-negative costs, but ",
+        cost >= 0 && std::isfinite(cost),
+        "simulate: expected finite, non-negative costs, but ",
         to_string(c),
         " costs ",
         cost);
