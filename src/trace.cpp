@@ -375,11 +375,18 @@ std::string Trace::svg() const {
   }
   const auto rows = static_cast<int64_t>(shown.size());
   const double span = std::max(end - begin, 1.0);
-  // Times in ms, or in us for a trace shorter than 1 ms (its labels would
-  // all read 0.00 ms).
-  const bool in_us = end - begin < 1000.0;
-  auto time_text = [in_us](double us, int ms_digits) {
-    return in_us ? fixed(us, 1) + " us" : fixed(us / 1000.0, ms_digits) + " ms";
+  // Times in ms; in us for a trace shorter than 1 ms (its labels would all
+  // read 0.00 ms), in s for one of a second or more (a step of hours read
+  // "10000000.00 ms").
+  const bool in_us = end - begin < 1e3;
+  const bool in_s = end - begin >= 1e6;
+  auto number = [in_us, in_s](double us, int digits) {
+    return in_us  ? fixed(us, 1)
+           : in_s ? fixed(us / 1e6, digits)
+                  : fixed(us / 1e3, digits);
+  };
+  auto time_text = [&](double us, int digits) {
+    return number(us, digits) + (in_us ? " us" : in_s ? " s" : " ms");
   };
   // The label column fits "<label> <last lane>" (about 6.5 px a character
   // at 11 px), at least the 70 px that "lane 12" takes.
@@ -407,7 +414,7 @@ std::string Trace::svg() const {
               ? label + (rows == 1 ? "" : "s")
               : std::string(rows == 1 ? "row" : "rows") + " (" + label + ")")
       << (rows < lanes ? " with events, of " + std::to_string(lanes) : "")
-      << ", " << time_text(span, 2) << "</text>\n";
+      << ", " << time_text(end - begin, 2) << "</text>\n";
   for (const auto k : c10::irange(rows)) {
     const double y = top + row * static_cast<double>(k);
     out << "<text x=\"4\" y=\"" << fixed(y + row * 0.65, 1) << "\">" << label
@@ -428,8 +435,7 @@ std::string Trace::svg() const {
         << "\" fill=\"" << colour_of(e.kind) << "\""
         << (e.failed ? " stroke=\"#d00000\" stroke-width=\"2\"" : "")
         << "><title>" << to_string(e.kind) << " micro-batch " << e.micro_batch
-        << (e.failed ? " (failed)" : "") << ", "
-        << (in_us ? fixed(e.start_us, 1) : fixed(e.start_us / 1000.0)) << "-"
+        << (e.failed ? " (failed)" : "") << ", " << number(e.start_us, 3) << "-"
         << time_text(e.end_us, 3) << "</title></rect>\n";
     if (w > 14 && !beside) {
       out << "<text x=\"" << fixed(x0 + w / 2, 2) << "\" y=\""

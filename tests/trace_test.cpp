@@ -338,6 +338,19 @@ TEST_F(TraceTest, AShortTraceIsLabelledInMicroseconds) {
   trace.add(TraceEvent{0, 1, TraceKind::Forward, 107.0, 2107.0});
   EXPECT_NE(trace.svg().find(">2.01 ms</text>"), std::string::npos)
       << trace.svg();
+  // One of a second or more in s (three hours read "10800000.00 ms").
+  trace.add(TraceEvent{1, 1, TraceKind::Backward, 2107.0, 100.0 + 3 * 3600e6});
+  const auto long_svg = trace.svg();
+  EXPECT_NE(long_svg.find(", 10800.00 s</text>"), std::string::npos)
+      << long_svg;
+  EXPECT_NE(long_svg.find(">2700.00 s</text>"), std::string::npos) << long_svg;
+  EXPECT_EQ(long_svg.find(" ms<"), std::string::npos) << long_svg;
+  // The title gives the span as it is, not the 1 us the drawing takes at
+  // least (a trace of 0.001 us said "1.0 us").
+  Trace tiny;
+  tiny.add(TraceEvent{0, 0, TraceKind::Forward, 5.0, 5.001});
+  EXPECT_NE(tiny.svg().find(", 0.0 us</text>"), std::string::npos)
+      << tiny.svg();
 }
 
 TEST_F(TraceTest, SvgDrawsEveryIntervalAndWritesFiles) {
