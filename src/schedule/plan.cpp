@@ -456,16 +456,22 @@ std::ostream& operator<<(std::ostream& out, const Plan& plan) {
       width = shown(c) ? std::max(width, label(c).size()) : width;
     }
   }
+  // Each step's shown cell of each lane, found once (looking through every
+  // step's cells for every lane took a second for a thousand lanes).
+  std::vector<std::vector<const Cell*>> grid(
+      plan.lanes.size(), std::vector<const Cell*>(steps.size(), nullptr));
+  for (size_t k = 0; k < steps.size(); ++k) {
+    for (const auto& c : steps[k]) {
+      if (shown(c)) {
+        grid[row_of.at(c.partition)][k] = &c;
+      }
+    }
+  }
   for (size_t l = 0; l < plan.lanes.size(); ++l) {
     std::ostringstream row;
     row << "lane " << l << " |";
-    for (const auto& step : steps) {
-      std::string cell = ".";
-      for (const auto& c : step) {
-        if (shown(c) && row_of.at(c.partition) == l) {
-          cell = label(c);
-        }
-      }
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const std::string cell = grid[l][k] ? label(*grid[l][k]) : ".";
       row << ' ' << cell << std::string(width - cell.size(), ' ');
     }
     auto text = row.str();
