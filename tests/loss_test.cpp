@@ -218,6 +218,53 @@ TEST_F(LossTest, AFrozenModelsLossStillTrainsWhatItReads) {
   EXPECT_TRUE(torch::allclose(temperature.grad(), expected, 1e-10, 1e-13));
 }
 
+// A last layer that cuts the output from the graph (a detach()): train_step
+// refuses a loss that then requires no grad, also where every micro-batch
+// is checkpointed (its loss was taken on a stand-in that requires grad:
+// the step returned its loss and trained nothing); a loss that reads a
+// temperature trains it alone, as the plain model's does.
+TEST_F(LossTest, ACheckpointedOutputCutFromTheGraphIsToldAsAnyOther) {
+  auto net = small_net();
+  net->push_back(
+      torch::nn::Functional([](torch::Tensor y) { return y.detach(); }));
+  auto temperature =
+      torch::full({}, 1.5, torch::kFloat64).set_requires_grad(true);
+  auto scaled = [&](torch::Tensor y, torch::Tensor t) {
+    return cross_entropy(y / temperature, t);
+  };
+  auto x = torch::randn({8, 5}, torch::kFloat64);
+  auto t = torch::randint(0, 4, {8});
+  scaled(net->forward(x), t).backward();
+  const auto expected = temperature.grad().clone();
+  temperature.mutable_grad().reset();
+  for (auto schedule : {Schedule::FillDrain, Schedule::OneFOneB}) {
+    for (auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+      SCOPED_TRACE(to_string(schedule) + ", " + to_string(mode));
+      GPipe model(net, GPipeOptions({3, 3}).chunks(4).checkpoint(mode));
+      try {
+        model->train_step(x, t, cross_entropy, schedule);
+        ADD_FAILURE() << "no error for a loss that requires no grad";
+      } catch (const c10::ValueError& e) {
+        EXPECT_NE(
+            std::string(e.what()).find(
+                "the last stage's output does not require grad"),
+            std::string::npos)
+            << e.what();
+      }
+      for (const auto& p : net->parameters()) {
+        EXPECT_FALSE(p.grad().defined());
+      }
+      model->train_step(x, t, scaled, schedule);
+      ASSERT_TRUE(temperature.grad().defined());
+      EXPECT_TRUE(torch::allclose(temperature.grad(), expected, 1e-10, 1e-13));
+      temperature.mutable_grad().reset();
+      for (const auto& p : net->parameters()) {
+        EXPECT_FALSE(p.grad().defined());
+      }
+    }
+  }
+}
+
 // Counts the AccumulateGrad nodes that autograd runs, on any thread.
 std::atomic<int64_t> accumulations{0};
 

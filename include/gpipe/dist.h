@@ -103,7 +103,7 @@ class World {
   /// PipelineStage's constructors and, on a replica's first stage, a
   /// training step with replicas begin with too): where they differ, or a
   /// rank runs another of these at once, every rank throws a
-  /// c10::ValueError. On each rank they run one at a time (also split):
+  /// c10::ValueError. On each rank these (and split) run one at a time:
   /// calls from several threads are paired across ranks in the order each
   /// rank runs them, so give them an order, or each thread a World of its
   /// own (split). Any dtype is broadcast; all_reduce sums real numbers

@@ -147,7 +147,9 @@ torch::Tensor summable_on_group_device(
 }
 
 torch::Tensor byte_view(const torch::Tensor& t) {
-  return t.reshape({-1}).view(torch::kByte);
+  // (reshape keeps a stride other than 1 where a contiguous tensor of one
+  // element, or none, has one: view(dtype) refuses that.)
+  return t.as_strided({t.numel()}, {1}).view(torch::kByte);
 }
 
 }  // namespace gpipe::dist::detail

@@ -32,6 +32,18 @@ struct KeptChannel : c10::intrusive_ptr_target {
 
 }  // namespace
 
+// The store's key under which a rank says what it has long waited for,
+// and its text (Note [What a rank waits for]).
+namespace {
+
+constexpr const char* kWaitingKey = "waiting/";
+
+std::vector<uint8_t> waiting_bytes(const std::string& text) {
+  return {text.begin(), text.end()};
+}
+
+}  // namespace
+
 Connection::Connection(
     c10::intrusive_ptr<c10d::Store> store_,
     Groups groups_,
@@ -66,6 +78,16 @@ Connection::~Connection() {
   failure_cv_.notify_all();
   if (listener_.joinable()) {
     listener_.join();
+  }
+  // A note that a wait left is taken back (Note [What a rank waits for]).
+  if (!noted_.empty() && !failure_) {
+    try {
+      job_store->compareSet(
+          kWaitingKey + std::to_string(global_rank(rank)),
+          waiting_bytes(noted_),
+          {});
+    } catch (...) {
+    }
   }
   if (failure_) {
     // Receives may still be posted into the group: leave it alone.
@@ -132,21 +154,12 @@ void Connection::listen() {
 // 2 in their replicas' all-reduce while rank 2 waits for a gradient from
 // rank 3, which stalled. So that rank 0 says so, the listener of a rank
 // whose receive has waited a quarter of the timeout (2 s at most) writes
-// whom and what it waits for under the rank's key of the job's store (one
-// write per long wait, none for a wait that ends sooner), and takes it
-// back when that wait is over. A rank that names another as absent reads
+// whom and what it waits for under the rank's key of the job's store (a
+// write when the wait has been long, another when it is over; none for a
+// wait that ends sooner). A failure leaves it there, for the ranks that
+// read it after their own timeout. A rank that names another as absent reads
 // that key and adds what it says. A rank's Worlds share the key: the last
 // to write wins, and takes back only what it wrote itself.
-
-namespace {
-
-constexpr const char* kWaitingKey = "waiting/";
-
-std::vector<uint8_t> waiting_bytes(const std::string& text) {
-  return {text.begin(), text.end()};
-}
-
-}  // namespace
 
 void Connection::note_long_waits() {
   const auto now = std::chrono::steady_clock::now();
@@ -155,6 +168,9 @@ void Connection::note_long_waits() {
   std::string note;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) {
+      return;  // the note stays for the ranks that read it
+    }
     for (const auto& entry : waits_) {
       const auto& wait = entry.second;
       if (now - wait.since < after) {
@@ -322,11 +338,27 @@ torch::Tensor Connection::wait_bytes(
   }
   bool received = false;
   std::string error;
+  // Listed while waited for, and on a failure until the failure is
+  // recorded: its note must stay for the ranks that read it meanwhile
+  // (Note [What a rank waits for]).
+  struct Unlisted {
+    Unlisted(Connection& c, const c10d::Work* w) : connection(c), work(w) {}
+    Unlisted(const Unlisted&) = delete;
+    Unlisted& operator=(const Unlisted&) = delete;
+    ~Unlisted() {
+      std::lock_guard<std::mutex> lock(connection.mutex_);
+      connection.waits_.erase(work);
+    }
+    Connection& connection;
+    const c10d::Work* work;
+  };
+  std::optional<Unlisted> unlisted;
   if (work) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       waits_[work.get()] = Wait{peer, &what, std::chrono::steady_clock::now()};
     }
+    unlisted.emplace(*this, work.get());
     try {
       received = work->wait(timeout);
     } catch (const std::exception&) {
@@ -334,7 +366,6 @@ torch::Tensor Connection::wait_bytes(
     }
     std::lock_guard<std::mutex> lock(mutex_);
     waiting_.erase(work);
-    waits_.erase(work.get());
   } else {
     error = refused.empty() ? "c10d refused the receive" : refused;
   }

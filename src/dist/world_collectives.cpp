@@ -55,6 +55,13 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
       what,
       " expects a dense contiguous tensor, but got ",
       tensor.defined() ? "one that is not" : "an undefined one");
+  TORCH_CHECK_VALUE(
+      !tensor.is_conj() && !tensor.is_neg(),
+      "gpipe::dist::World::",
+      what,
+      " expects a tensor whose values are in its memory, but got a lazy ",
+      tensor.is_conj() ? "conjugate" : "negation",
+      " view (call resolve_conj() or resolve_neg() first)");
 }
 
 // Gloo aborts the process (an enforce in its event-loop thread, which no

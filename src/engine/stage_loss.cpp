@@ -5,10 +5,13 @@
 #include <gpipe/trace.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <memory>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "engine/cell.h"
 #include "engine/stage.h"
@@ -176,11 +179,57 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
   record(ctx, TraceKind::Loss, started, CellClock::now());
 }
 
-void Stage::connect_loss(CellState& c, const Packet& y) {
-  if (c.loss_junction) {
-    static_cast<OutputJunction&>(*c.loss_junction).connect(y.tensors.at(0));
-    c.loss_junction.reset();
+namespace {
+
+// Whether `loss`'s graph reaches a tensor to train other than through
+// `junction` (a learnable temperature): a walk of the loss's own nodes.
+bool reads_a_leaf_apart_from(
+    const torch::Tensor& loss, const torch::autograd::Node* junction) {
+  if (!loss.grad_fn()) {
+    return loss.requires_grad();  // the loss is itself a tensor to train
   }
+  std::vector<torch::autograd::Node*> stack{loss.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (node == junction || !seen.insert(node).second) {
+      continue;
+    }
+    if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr) {
+      return true;
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+void Stage::connect_loss(CellState& c, const Packet& y) {
+  if (!c.loss_junction) {
+    return;
+  }
+  const auto& out = y.tensors.at(0);
+  // The loss of a checkpointed output was taken on a stand-in that requires
+  // grad; recomputed, the output may not (a layer cut it from the graph).
+  // The plain model's loss then requires grad only through the tensors the
+  // loss reads itself, and without any train_step refuses it, as it does
+  // where the output is not checkpointed (in loss()).
+  TORCH_CHECK_VALUE(
+      (out.defined() && out.requires_grad()) ||
+          reads_a_leaf_apart_from(c.loss_root, c.loss_junction.get()),
+      "train_step expects loss_fn to return a loss that requires grad, but "
+      "the last stage's output does not require grad (a layer detached it, "
+      "or ran under NoGradGuard: found when the checkpointed micro-batch was "
+      "recomputed) and the loss reads no tensor that does; the step would "
+      "change nothing");
+  static_cast<OutputJunction&>(*c.loss_junction).connect(out);
+  c.loss_junction.reset();
 }
 
 }  // namespace gpipe::detail

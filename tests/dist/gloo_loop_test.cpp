@@ -406,6 +406,17 @@ TEST(GlooErrorsTest, EveryDtypeIsBroadcastAndInt16AndBFloat16AreSummed) {
         EXPECT_TRUE(torch::equal(scalar, torch::full({}, 1).to(dtype)))
             << dtype;
       }
+      // A contiguous tensor of one element whose stride is not 1 (a column
+      // of a row), and a lazy conjugate, refused alike on every rank.
+      auto row = torch::zeros({1, 3});
+      auto column = row.select(1, 0);
+      if (r == 1) {
+        column.fill_(7);
+      }
+      world.broadcast(column, 1);
+      EXPECT_EQ(row[0][0].item<float>(), 7.0F);
+      auto conjugate = torch::ones({2}, torch::kComplexFloat).conj();
+      EXPECT_THROW(world.broadcast(conjugate, 0), c10::ValueError);
       for (const auto dtype : {torch::kShort, torch::kBFloat16}) {
         auto t = torch::full({3}, r + 1).to(dtype);
         world.all_reduce(t);
