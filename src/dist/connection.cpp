@@ -32,18 +32,6 @@ struct KeptChannel : c10::intrusive_ptr_target {
 
 }  // namespace
 
-// The store's key under which a rank says what it has long waited for,
-// and its text (Note [What a rank waits for]).
-namespace {
-
-constexpr const char* kWaitingKey = "waiting/";
-
-std::vector<uint8_t> waiting_bytes(const std::string& text) {
-  return {text.begin(), text.end()};
-}
-
-}  // namespace
-
 Connection::Connection(
     c10::intrusive_ptr<c10d::Store> store_,
     Groups groups_,
@@ -79,16 +67,7 @@ Connection::~Connection() {
   if (listener_.joinable()) {
     listener_.join();
   }
-  // A note that a wait left is taken back (Note [What a rank waits for]).
-  if (!noted_.empty() && !failure_) {
-    try {
-      job_store->compareSet(
-          kWaitingKey + std::to_string(global_rank(rank)),
-          waiting_bytes(noted_),
-          {});
-    } catch (...) {
-    }
-  }
+  take_back_note();
   if (failure_) {
     // Receives may still be posted into the group: leave it alone.
     keep_forever(std::move(groups.group));
@@ -144,83 +123,6 @@ void Connection::listen() {
     }
     record_failure(text);
     heard = true;
-  }
-}
-
-// Note [What a rank waits for]
-// A rank that times out waiting for another (in a collective, Note [Who a
-// collective waits for]) names it; but that rank may be alive, itself
-// waiting for a third that stopped: rank 0 of a 2 x 2 mesh waits for rank
-// 2 in their replicas' all-reduce while rank 2 waits for a gradient from
-// rank 3, which stalled. So that rank 0 says so, the listener of a rank
-// whose receive has waited a quarter of the timeout (2 s at most) writes
-// whom and what it waits for under the rank's key of the job's store (a
-// write when the wait has been long, another when it is over; none for a
-// wait that ends sooner). A failure leaves it there, for the ranks that
-// read it after their own timeout. A rank that names another as absent reads
-// that key and adds what it says. A rank's Worlds share the key: the last
-// to write wins, and takes back only what it wrote itself.
-
-void Connection::note_long_waits() {
-  const auto now = std::chrono::steady_clock::now();
-  const auto after = std::min<std::chrono::steady_clock::duration>(
-      timeout / 4, std::chrono::milliseconds(2000));
-  std::string note;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_) {
-      return;  // the note stays for the ranks that read it
-    }
-    for (const auto& entry : waits_) {
-      const auto& wait = entry.second;
-      if (now - wait.since < after) {
-        continue;
-      }
-      if (wait.peer >= 0) {
-        note = "for " + *wait.what + " from " + rank_name(wait.peer);
-      } else {
-        note = "in the " + *wait.what + " (ranks ";
-        for (const auto r : c10::irange(size)) {
-          note += (r == 0 ? "" : ", ") + std::to_string(global_rank(r));
-        }
-        note += ")";
-      }
-      break;
-    }
-  }
-  if (note == noted_) {
-    return;
-  }
-  const auto key = kWaitingKey + std::to_string(global_rank(rank));
-  try {
-    if (noted_.empty()) {
-      job_store->set(key, waiting_bytes(note));
-    } else {
-      job_store->compareSet(key, waiting_bytes(noted_), waiting_bytes(note));
-    }
-  } catch (...) {
-    // The store is gone: nobody asks.
-  }
-  noted_ = note;
-}
-
-std::string Connection::peer_waits(int64_t peer) const {
-  const auto note = waiting_note(global_rank(peer));
-  return note.empty()
-             ? note
-             : " (" + rank_name(peer) + " was itself waiting " + note + ")";
-}
-
-std::string Connection::waiting_note(int64_t global_rank) const {
-  try {
-    const auto key = kWaitingKey + std::to_string(global_rank);
-    if (!job_store->check({key})) {
-      return "";
-    }
-    const auto value = job_store->get(key);
-    return {value.begin(), value.end()};
-  } catch (...) {
-    return "";
   }
 }
 
@@ -338,27 +240,11 @@ torch::Tensor Connection::wait_bytes(
   }
   bool received = false;
   std::string error;
-  // Listed while waited for, and on a failure until the failure is
-  // recorded: its note must stay for the ranks that read it meanwhile
-  // (Note [What a rank waits for]).
-  struct Unlisted {
-    Unlisted(Connection& c, const c10d::Work* w) : connection(c), work(w) {}
-    Unlisted(const Unlisted&) = delete;
-    Unlisted& operator=(const Unlisted&) = delete;
-    ~Unlisted() {
-      std::lock_guard<std::mutex> lock(connection.mutex_);
-      connection.waits_.erase(work);
-    }
-    Connection& connection;
-    const c10d::Work* work;
-  };
-  std::optional<Unlisted> unlisted;
+  // Note [What a rank waits for] in connection_waits.cpp.
+  std::optional<Listed> listed;
   if (work) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      waits_[work.get()] = Wait{peer, &what, std::chrono::steady_clock::now()};
-    }
-    unlisted.emplace(*this, work.get());
+    listed.emplace(
+        *this, work.get(), Wait{peer, &what, std::chrono::steady_clock::now()});
     try {
       received = work->wait(timeout);
     } catch (const std::exception&) {

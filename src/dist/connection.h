@@ -261,6 +261,9 @@ struct Connection : std::enable_shared_from_this<Connection> {
   // Note [What a rank waits for]: the listener says (or takes back) under
   // this rank's key of the job's store what this rank has long waited for.
   void note_long_waits();
+  // When the connection goes: takes back what note_long_waits said, unless
+  // a failure keeps it for the ranks that read it.
+  void take_back_note();
   // " (rank 2 was waiting for ...)" where rank `peer` of this World said
   // so, else "".
   std::string peer_waits(int64_t peer) const;
@@ -282,6 +285,19 @@ struct Connection : std::enable_shared_from_this<Connection> {
     std::chrono::steady_clock::time_point since;
   };
   std::map<const c10d::Work*, Wait> waits_;  // guarded by mutex_
+  // Lists a wait in waits_ for as long as it lives (on a failure, until
+  // the failure is recorded: the note stays for the ranks that read it).
+  class Listed {
+   public:
+    Listed(Connection& c, const c10d::Work* work, Wait wait);
+    Listed(const Listed&) = delete;
+    Listed& operator=(const Listed&) = delete;
+    ~Listed();
+
+   private:
+    Connection& connection_;
+    const c10d::Work* work_;
+  };
   std::string noted_;  // what the listener last said; its own
   // Agreed layouts, by (peer, tag): what was last sent and last received.
   std::map<std::pair<int64_t, int>, std::vector<int64_t>> sent_layouts_;

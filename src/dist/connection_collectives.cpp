@@ -129,19 +129,8 @@ void Connection::wait_collective(
   };
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + timeout;
-  // Listed while waited for (Note [What a rank waits for]).
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    waits_[work.get()] = Wait{-1, &what, start};
-  }
-  struct Unlisted {
-    Connection& connection;
-    const c10d::Work* work;
-    ~Unlisted() {
-      std::lock_guard<std::mutex> lock(connection.mutex_);
-      connection.waits_.erase(work);
-    }
-  } unlisted{*this, work.get()};
+  // Note [What a rank waits for] in connection_waits.cpp.
+  const Listed listed(*this, work.get(), Wait{-1, &what, start});
   const auto mark_at =
       start + std::min<std::chrono::milliseconds>(
                   timeout / 4, std::chrono::milliseconds(2000));
