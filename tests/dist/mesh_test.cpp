@@ -1440,16 +1440,17 @@ TEST(MeshTest, ARankWaitingForAStalledRankIsNamedWithWhomItWaitsFor) {
   for (const auto r : c10::irange(4)) {
     all += "\nrank " + std::to_string(r) + ": " + errors[r];
   }
-  // Each names rank 3: as the rank it waits for, or (its own timeout come
-  // first) as the rank that the rank it waits for waits for.
+  // Each names rank 3: as the rank it waits for, as the rank that the rank
+  // it waits for waits for (its own timeout come first: "rank 2 was itself
+  // waiting for ... from rank 3", or "... in the train_step's start over
+  // the replicas (ranks 1, 3)"), or in another rank's notice. Which comes
+  // first depends on the load.
   for (const auto r : {0, 1, 2}) {
-    EXPECT_NE(errors[r].find("rank 3"), std::string::npos) << all;
+    EXPECT_TRUE(
+        errors[r].find("rank 3") != std::string::npos ||
+        errors[r].find(", 3)") != std::string::npos)
+        << all;
   }
-  EXPECT_TRUE(
-      errors[0].find("from rank 3") != std::string::npos ||
-      errors[0].find("rank 2 was itself waiting for gradients") !=
-          std::string::npos)
-      << all;
 }
 
 // A bfloat16 model's replicas: the first replica's parameters are
