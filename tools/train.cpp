@@ -198,24 +198,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     }
     set_trace(nullptr);
     if (trace) {
-      if (!args.trace_path.empty()) {
-        trace->write_chrome_json(args.trace_path);
-      }
-      if (!args.timeline_path.empty()) {
-        trace->write_svg(args.timeline_path);
-      }
-      std::fprintf(
-          out,
-          "wrote %zu traced intervals of steps %lld-%lld%s%s%s%s%s\n",
-          trace->events().size(),
-          static_cast<long long>(resumed.step + 2),
-          static_cast<long long>(step),
-          epoch_ended ? " (the epoch ended: its test passes are not recorded)"
-                      : "",
-          args.trace_path.empty() ? "" : " to ",
-          args.trace_path.c_str(),
-          args.timeline_path.empty() ? "" : " and ",
-          args.timeline_path.c_str());
+      write_trace(args, *trace, resumed.step + 2, step, epoch_ended, out);
     }
     trace.reset();
   };

@@ -22,6 +22,7 @@
 
 namespace gpipe {
 class GPipe;
+class Trace;
 struct TrainingState;
 }  // namespace gpipe
 
@@ -255,6 +256,16 @@ gpipe::Placement pipeline_placement(const Args& args);
 /// when --epochs of `n` images in --batch-size batches make too few steps
 /// (the first one is not recorded).
 void verify_trace_steps(const Args& args, int64_t n);
+/// Writes `trace`, of steps `first` to `last`, to --trace and --timeline
+/// and says so on `out` (train_save.cpp); `epoch_ended`: the epoch's end
+/// ended the recording before --trace-steps steps.
+void write_trace(
+    const Args& args,
+    const gpipe::Trace& trace,
+    int64_t first,
+    int64_t last,
+    bool epoch_ended,
+    std::FILE* out);
 /// --resume (train_save.cpp): true when the resumed run has no epoch left
 /// (said on `out`, and as JSON with --json, by the lead rank); throws
 /// UsageError when it leaves too few steps for --trace-steps; says where

@@ -6,6 +6,7 @@
 #include <gpipe/dist.h>
 #include <gpipe/gpipe.h>
 #include <gpipe/serialize.h>
+#include <gpipe/trace.h>
 #include <unistd.h>
 
 #include <charconv>
@@ -352,6 +353,32 @@ void verify_trace_steps(const Args& args, int64_t n) {
         epochs * steps_per_epoch,
         "; lower --trace-steps or raise --epochs or --limit"));
   }
+}
+
+void write_trace(
+    const Args& args,
+    const gpipe::Trace& trace,
+    int64_t first,
+    int64_t last,
+    bool epoch_ended,
+    std::FILE* out) {
+  if (!args.trace_path.empty()) {
+    trace.write_chrome_json(args.trace_path);
+  }
+  if (!args.timeline_path.empty()) {
+    trace.write_svg(args.timeline_path);
+  }
+  std::fprintf(
+      out,
+      "wrote %zu traced intervals of steps %lld-%lld%s%s%s%s%s\n",
+      trace.events().size(),
+      static_cast<long long>(first),
+      static_cast<long long>(last),
+      epoch_ended ? " (the epoch ended: its test passes are not recorded)" : "",
+      args.trace_path.empty() ? "" : " to ",
+      args.trace_path.c_str(),
+      args.timeline_path.empty() ? "" : " and ",
+      args.timeline_path.c_str());
 }
 
 bool resume_is_done(
