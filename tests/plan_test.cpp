@@ -391,20 +391,19 @@ TEST(PlanTest, SimulationTimesActionsByCostAndTransfer) {
        {std::numeric_limits<double>::infinity(),
         std::numeric_limits<double>::quiet_NaN(),
         -1.0}) {
-    ActionCosts forward;
-    forward.forward = bad;
+    const auto refusal = [&](double ActionCosts::*field) {
+      ActionCosts costs;
+      costs.*field = bad;
+      return error_of([&] { simulate(plan, costs); });
+    };
     EXPECT_NE(
-        error_of([&] {
-          simulate(plan, forward);
-        }).find("expected finite, non-negative costs"),
+        refusal(&ActionCosts::forward)
+            .find("expected finite, non-negative costs"),
         std::string::npos)
         << bad;
-    ActionCosts transfer;
-    transfer.transfer = bad;
     EXPECT_NE(
-        error_of([&] {
-          simulate(plan, transfer);
-        }).find("expected a finite, non-negative transfer cost"),
+        refusal(&ActionCosts::transfer)
+            .find("expected a finite, non-negative transfer cost"),
         std::string::npos)
         << bad;
   }

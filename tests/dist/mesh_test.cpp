@@ -1349,13 +1349,10 @@ TEST(MeshTest, AFailureNamesTheRankWhereItHappenedOnEveryRank) {
   expect_every_rank_to_name_the_failing_rank(1, /*in_loss=*/true);
 }
 
-// A rank that stops coming (here, rank 2, replica 1's first stage, skips
-// step 1 and waits) is named by the ranks that wait for it: rank 0, whose
-// step begins with a collective over the replicas that rank 2 never
-// reaches, and rank 1, whose receive from rank 0 times out meanwhile,
-// through rank 0's notice. Before, rank 0 said only that "a rank stopped
-// answering" and rank 1 blamed rank 0 (Note [Who a collective waits for]).
-TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
+// 2 replicas of a 2-stage pipeline (ranks as threads, a 2 s timeout)
+// train a step, then rank `stalled` skips the next one, alive (its World
+// open) until the others have given up: the other ranks' errors.
+std::vector<std::string> errors_when_a_rank_stops_coming(int64_t stalled) {
   const auto options =
       GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
   const auto batch = batch_of(8);
@@ -1369,8 +1366,7 @@ TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
     Mesh mesh(world, 2);
     dist::PipelineStage stage(nets[r], options, mesh);
     for (int step = 0; step < 2; ++step) {
-      if (step == 1 && r == 2) {
-        // Stalled: alive (its World open) until the others have given up.
+      if (step == 1 && r == stalled) {
         const auto give_up =
             std::chrono::steady_clock::now() + std::chrono::seconds(30);
         while (failed < 3 && std::chrono::steady_clock::now() < give_up) {
@@ -1388,6 +1384,17 @@ TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
       }
     }
   });
+  return errors;
+}
+
+// A rank that stops coming (here, rank 2, replica 1's first stage, skips
+// step 1 and waits) is named by the ranks that wait for it: rank 0, whose
+// step begins with a collective over the replicas that rank 2 never
+// reaches, and rank 1, whose receive from rank 0 times out meanwhile,
+// through rank 0's notice. Before, rank 0 said only that "a rank stopped
+// answering" and rank 1 blamed rank 0 (Note [Who a collective waits for]).
+TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
+  const auto errors = errors_when_a_rank_stops_coming(2);
   EXPECT_NE(errors[0].find("rank 2 had not reached it"), std::string::npos)
       << errors[0];
   EXPECT_NE(errors[1].find("rank 2 had not reached it"), std::string::npos)
@@ -1405,37 +1412,7 @@ TEST(MeshTest, ARankThatStopsComingIsNamedByThoseWaitingForIt) {
 // are threads of one process share the random generators' lease, which a
 // cell holds.)
 TEST(MeshTest, ARankWaitingForAStalledRankIsNamedWithWhomItWaitsFor) {
-  const auto options =
-      GPipeOptions(std::vector<int64_t>{3, 4}).chunks(2).threads_per_lane(1);
-  const auto batch = batch_of(8);
-  const auto nets = nets_of_ranks(4);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::mutex mutex;
-  std::vector<std::string> errors(4);
-  std::atomic<int> failed{0};
-  dist::testing::run_threads(4, [&](int64_t r) {
-    auto world = dist::init_from_store(store, r, 4, std::chrono::seconds(2));
-    Mesh mesh(world, 2);
-    dist::PipelineStage stage(nets[r], options, mesh);
-    for (int step = 0; step < 2; ++step) {
-      if (step == 1 && r == 3) {
-        const auto give_up =
-            std::chrono::steady_clock::now() + std::chrono::seconds(30);
-        while (failed < 3 && std::chrono::steady_clock::now() < give_up) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        return;
-      }
-      try {
-        train_on_shard(stage, mesh, batch);
-      } catch (const c10::Error& e) {
-        std::lock_guard<std::mutex> lock(mutex);
-        errors[r] = e.what_without_backtrace();
-        ++failed;
-        return;
-      }
-    }
-  });
+  const auto errors = errors_when_a_rank_stops_coming(3);
   std::string all;
   for (const auto r : c10::irange(4)) {
     all += "\nrank " + std::to_string(r) + ": " + errors[r];
