@@ -706,10 +706,12 @@ elif [[ $mode == run ]]; then
   fi
   # Resuming a finished run trains nothing and still prints its JSON line,
   # with the loss and accuracy the run ended with.
-  # (Its balance is the one the run trained with, 6,7, not this one's.)
-  run "${common[@]}" --balance 3,10 --epochs 2 --save "$tmp/r" --resume
+  # (Its balance is the one the run trained with, 6,7, not one measured
+  # now: without --balance it says so before profiling anything.)
+  run "${common[@]}" --epochs 2 --save "$tmp/r" --resume
   if [[ $status -ne 0 ]] || ! grep -q '"nothing_left_to_train":true' "$tmp/out" ||
     ! grep -q '"balance":\[6,7\]' "$tmp/out" ||
+    grep -q 'balance_by_time chose' "$tmp/err" ||
     [[ $(ending) != "$straight" ]]; then
     fail "--resume of a finished run exited $status: $(cat "$tmp/err") $(tail -2 "$tmp/out")"
   else

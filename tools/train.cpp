@@ -79,6 +79,9 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     std::fprintf(out, "loaded weights from %s\n", args.load_path.c_str());
   }
   verify_resume(args, net);
+  if (resume_is_finished(args, world ? &*world : nullptr, lead, out)) {
+    return 0;
+  }
   // Only the images --limit and --test-limit keep are read.
   auto data = gpipe_data::read_fashion_mnist(
       args.data_dir, args.limit, args.test_limit);
@@ -139,9 +142,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
   const auto resumed =
       args.resume ? resume_training(args, model, stage, optimizer, lead)
                   : gpipe::TrainingState{};
-  if (resume_is_done(args, resumed, balance, steps_per_epoch, lead, out)) {
-    return 0;
-  }
+  verify_resumed_steps(args, resumed, steps_per_epoch, lead, out);
   const auto out_device = world ? stage->device() : model->devices().back();
   {
     std::ostringstream line;
@@ -203,7 +204,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     trace.reset();
   };
   // With the results so far, so that resuming a finished run can report
-  // them (resume_is_done): the last step's loss, and at an epoch's end its
+  // them (resume_is_finished): the last step's loss, and at an epoch's end its
   // test accuracy.
   auto save = [&](int64_t epochs_done,
                   int64_t position,

@@ -266,14 +266,22 @@ void write_trace(
     int64_t last,
     bool epoch_ended,
     std::FILE* out);
-/// --resume (train_save.cpp): true when the resumed run has no epoch left
-/// (said on `out`, and as JSON with --json, by the lead rank); throws
-/// UsageError when it leaves too few steps for --trace-steps; says where
-/// it resumed from.
-bool resume_is_done(
+/// --resume (train_save.cpp), before the data is read and the balance
+/// measured: true when the newest checkpoint in --save has done --epochs
+/// already, which the lead rank says on `out` (and as JSON with --json,
+/// with the balance and results the run ended with). Rank 0's reading
+/// decides for every rank of `world` (null: one process).
+bool resume_is_finished(
+    const Args& args,
+    const gpipe::dist::World* world,
+    bool lead,
+    std::FILE* out);
+/// --resume (train_save.cpp), once loaded: throws UsageError when the
+/// resumed run leaves too few steps for --trace-steps; the lead rank says
+/// where it resumed from.
+void verify_resumed_steps(
     const Args& args,
     const gpipe::TrainingState& resumed,
-    const std::vector<int64_t>& balance,
     int64_t steps_per_epoch,
     bool lead,
     std::FILE* out);

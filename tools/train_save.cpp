@@ -16,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <system_error>
 
@@ -381,54 +382,76 @@ void write_trace(
       args.timeline_path.c_str());
 }
 
-bool resume_is_done(
+bool resume_is_finished(
+    const Args& args,
+    const gpipe::dist::World* world,
+    bool lead,
+    std::FILE* out) {
+  if (!args.resume) {
+    return false;
+  }
+  // Rank 0's reading decides for every rank (a rank on another host may
+  // see other files); resume_training loads what it found.
+  std::optional<gpipe::TrainingState> saved;
+  if (world == nullptr || world->rank() == 0) {
+    if (!newest_checkpoint(args).empty()) {
+      saved = gpipe::read_training_state(args.save_path);
+    }
+  }
+  const int64_t epochs = args.epochs;
+  bool finished = saved && saved->epoch >= epochs;
+  if (world != nullptr) {
+    auto flag = torch::tensor({finished ? 1 : 0}, torch::kLong);
+    world->broadcast(flag, 0);
+    finished = flag.item<int64_t>() != 0;
+  }
+  if (!finished || !lead) {
+    return finished;
+  }
+  std::fprintf(
+      out,
+      "--resume: the saved run has done %lld epoch%s of --epochs %lld; "
+      "nothing left to train\n",
+      static_cast<long long>(saved->epoch),
+      saved->epoch == 1 ? "" : "s",
+      static_cast<long long>(epochs));
+  if (args.json) {
+    nlohmann::json summary = {
+        {"model", args.model},
+        {"epochs", epochs},
+        {"steps", saved->step},
+        {"resumed_at_step", saved->step},
+        {"nothing_left_to_train", true}};
+    // The balance the run trained with, when its checkpoint says.
+    const auto saved_balance = saved->user.find(kBalanceKey);
+    if (saved_balance != saved->user.end()) {
+      std::vector<int64_t> parts;
+      std::stringstream text(saved_balance->second);
+      for (std::string part; std::getline(text, part, ',');) {
+        parts.push_back(std::strtoll(part.c_str(), nullptr, 10));
+      }
+      summary["balance"] = parts;
+    }
+    // The results the run ended with, as its own summary gave them.
+    for (const auto* key : {kFinalLossKey, kTestAccuracyKey}) {
+      const auto found = saved->user.find(key);
+      if (found != saved->user.end()) {
+        summary[key] = std::strtod(found->second.c_str(), nullptr);
+      }
+    }
+    write_json_line(summary);
+  }
+  return true;
+}
+
+void verify_resumed_steps(
     const Args& args,
     const gpipe::TrainingState& resumed,
-    const std::vector<int64_t>& balance,
     int64_t steps_per_epoch,
     bool lead,
     std::FILE* out) {
   const int64_t epochs = args.epochs;
   const bool tracing = !args.trace_path.empty() || !args.timeline_path.empty();
-  if (resumed.epoch >= epochs) {
-    if (lead) {
-      std::fprintf(
-          out,
-          "--resume: the saved run has done %lld epoch%s of --epochs %lld; "
-          "nothing left to train\n",
-          static_cast<long long>(resumed.epoch),
-          resumed.epoch == 1 ? "" : "s",
-          static_cast<long long>(epochs));
-      if (args.json) {
-        nlohmann::json summary = {
-            {"model", args.model},
-            {"epochs", epochs},
-            {"steps", resumed.step},
-            {"resumed_at_step", resumed.step},
-            {"nothing_left_to_train", true}};
-        // The balance the run trained with (this one's, measured afresh,
-        // says nothing of it), when its checkpoint says.
-        const auto saved_balance = resumed.user.find(kBalanceKey);
-        if (saved_balance != resumed.user.end()) {
-          std::vector<int64_t> parts;
-          std::stringstream text(saved_balance->second);
-          for (std::string part; std::getline(text, part, ',');) {
-            parts.push_back(std::strtoll(part.c_str(), nullptr, 10));
-          }
-          summary["balance"] = parts;
-        }
-        // The results the run ended with, as its own summary gave them.
-        for (const auto* key : {kFinalLossKey, kTestAccuracyKey}) {
-          const auto found = resumed.user.find(key);
-          if (found != resumed.user.end()) {
-            summary[key] = std::strtod(found->second.c_str(), nullptr);
-          }
-        }
-        write_json_line(summary);
-      }
-    }
-    return true;
-  }
   // --trace-steps was checked against the whole run; a resumed run has
   // only the steps left.
   const int64_t steps_left =
@@ -454,7 +477,6 @@ bool resume_is_done(
         static_cast<long long>(resumed.epoch + 1),
         static_cast<long long>(resumed.position));
   }
-  return false;
 }
 
 }  // namespace gpipe_train
