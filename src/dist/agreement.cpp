@@ -413,7 +413,8 @@ Begin begin_pass(
   }
   auto differ = [&](const std::string& what,
                     const std::string& here,
-                    const std::string& there) {
+                    const std::string& there,
+                    const std::string& where = "") {
     TORCH_CHECK_VALUE(
         here == there,
         "gpipe::dist: ",
@@ -427,14 +428,21 @@ Begin begin_pass(
         there,
         " (",
         detail::describe_pass(pass),
-        "): every rank must run the same passes in the same order");
+        "): every rank must run the same passes in the same order",
+        where.empty() ? "" : "; " + where);
   };
   differ("pass", kind_name(local.kind), kind_name(theirs.kind));
   if (local.kind == PassKind::Train) {
+    const auto mine = step_name(local.schedule, local.plan_hash);
+    const auto rank0 = step_name(theirs.schedule, theirs.plan_hash);
     differ(
         "train_step with",
-        step_name(local.schedule, local.plan_hash),
-        step_name(theirs.schedule, theirs.plan_hash));
+        mine,
+        rank0,
+        mine != rank0 && local.schedule == kPlanSchedule &&
+                theirs.schedule == kPlanSchedule
+            ? plans_differ(connection, local, theirs)
+            : "");
   }
   differ(
       "in mode",

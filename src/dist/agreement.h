@@ -21,6 +21,10 @@
 
 #include "dist/connection.h"
 
+namespace gpipe {
+struct Plan;
+}  // namespace gpipe
+
 namespace gpipe::dist::detail {
 
 enum class PassKind : int64_t { Forward = 0, Train = 1 };
@@ -36,6 +40,10 @@ struct Begin {
   bool training = false;
   uint64_t seed = 0;
   uint64_t plan_hash = 0;  // with schedule == kPlanSchedule
+  // The plan's own text (plan_identity), which plan_hash hashes: not sent.
+  // Rank 0 leaves it in the store once per plan, so that a rank whose
+  // plan differs can say where (Note [Telling two plans apart]).
+  std::string plan_text;
   // The rank's options (alike on every rank: checked, with their names,
   // before checkpoint_stop, which follows from them).
   int64_t chunks = 0;
@@ -102,6 +110,29 @@ struct Begin {
 inline const char* kind_name(PassKind kind) {
   return kind == PassKind::Train ? "train_step" : "forward";
 }
+
+/// What tells a plan apart from another, as text: its micro-batches and
+/// stages on the first line, then its CSV (placement and actions).
+std::string plan_identity(const gpipe::Plan& plan);
+
+/// Where two plan_identity texts first differ, as "the plans first differ
+/// at ...", naming `here` and `there` as the sides (e.g. "rank 1" and
+/// "rank 0"); "" when they are the same.
+std::string plan_difference(
+    const std::string& mine,
+    const std::string& theirs,
+    const std::string& here,
+    const std::string& there);
+
+/// Rank 0: leaves `local.plan_text` in the store under its hash, for
+/// plans_differ (Note [Telling two plans apart]); once per plan.
+void publish_plan(Connection& connection, const Begin& local);
+
+/// Where this rank's plan differs from rank 0's (`theirs.plan_hash`), as
+/// plan_difference says it, or "" when rank 0's plan is not in the store.
+/// Never waits, never throws.
+std::string plans_differ(
+    Connection& connection, const Begin& local, const Begin& theirs);
 
 /// What a training step runs: "schedule 1f1b", "a plan (hashed to N)".
 inline std::string step_name(int64_t s, uint64_t plan_hash) {

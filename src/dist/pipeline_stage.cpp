@@ -309,9 +309,13 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
         local.schedule = static_cast<int64_t>(schedule);
         if (plan != nullptr) {
           local.schedule = detail::kPlanSchedule;
-          local.plan_hash = std::hash<std::string>{}(
-              plan->to_csv() + "/" + std::to_string(plan->micro_batches) + "/" +
-              std::to_string(plan->stages));
+          local.plan_text = detail::plan_identity(*plan);
+          local.plan_hash = std::hash<std::string>{}(local.plan_text);
+          if (engine_->connection->rank == 0 &&
+              engine_->published_plan != local.plan_hash) {
+            detail::publish_plan(*engine_->connection, local);
+            engine_->published_plan = local.plan_hash;
+          }
         }
         RankEndpoints ends(
             *engine_->connection,

@@ -27,6 +27,9 @@ struct PipelineStageImpl::Engine {
   int64_t stage_id = 0;
   int64_t passes = 0;   // passes started, the same count on every rank
   int64_t current = 0;  // the pass whose transport is being made
+  // On the pipeline's rank 0: the hash of the plan it left in the store
+  // last (Note [Telling two plans apart]).
+  uint64_t published_plan = 0;
   // With replicas: per local stage (in the order of partitions()), its
   // gradients' all-reduce over the data World.
   int64_t bucket_bytes = detail::kDefaultBucketBytes;

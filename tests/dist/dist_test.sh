@@ -361,11 +361,12 @@ case $mode in
     by_hand 2 --scenario other-chunks --checkpoint never
     expect_error "other chunks" "rank 1 runs with chunks 2 but rank 0 runs with chunks 4" 2
 
-    # Rank 1 is given another plan than rank 0's: both fail, naming both.
+    # Rank 1 is given another plan than rank 0's: both fail, naming both
+    # and where they first differ (rank 1's plan has its losses listed).
     printf '%s\n' 0F0,0F1,0F2,0F3,0B3,0B2,0B1,0B0 \
       1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3 >"$tmp/plan.csv"
     by_hand 2 --scenario other-plan --plan "$tmp/plan.csv" --schedule fill_drain
-    expect_error "another plan" "rank 1 runs train_step with a plan (hashed to [0-9]*) but rank 0 runs a plan (hashed to" 2
+    expect_error "another plan" "rank 1 runs train_step with a plan (hashed to [0-9]*) but rank 0 runs a plan (hashed to .*the plans first differ at lane 1, action 2: rank 1's is 1L0, rank 0's is 1B0" 2
 
     # Inference in which rank 0's layer throws on the last micro-batch: the
     # last rank fails with that error instead of waiting for it.

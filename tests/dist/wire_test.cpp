@@ -178,5 +178,39 @@ TEST(AgreementTest, TheFirstDifferenceOfTwoListsIsQuotedWithItsPlace) {
   EXPECT_EQ(first_difference("a; b", "a; b"), Pair("a; b", "a; b"));
 }
 
+TEST(AgreementTest, TwoPlansAreToldApartWhereTheyFirstDiffer) {
+  auto text = [](const std::string& csv) {
+    return plan_identity(Plan::from_csv(csv));
+  };
+  auto differ = [&](const std::string& a, const std::string& b) {
+    return plan_difference(text(a), text(b), "rank 1", "rank 0");
+  };
+  const std::string fill = "0F0,0F1,0B1,0B0\n1F0,1F1,1B1,1B0\n";
+  EXPECT_EQ(differ(fill, fill), "");
+  // The first action of the first lane that differs, numbered from 1.
+  EXPECT_EQ(
+      differ(fill, "0F0,0F1,0B1,0B0\n1F0,1B0,1F1,1B1\n"),
+      "the plans first differ at lane 1, action 2: rank 1's is 1F1, "
+      "rank 0's is 1B0");
+  // A lane cut short.
+  EXPECT_EQ(
+      differ("0F0,0B0\n1F0\n", "0F0,0B0\n1F0,1B0\n"),
+      "the plans first differ at lane 1, action 2: rank 1's lane has only "
+      "1 action, rank 0's is 1B0");
+  // Sizes before actions.
+  EXPECT_EQ(
+      differ(fill, "0F0,0B0\n1F0,1B0\n"),
+      "the plans differ in size: rank 1's has 2 micro-batches, 2 stages, "
+      "rank 0's 1 micro-batch, 2 stages");
+  // A placement line on one side only (stages 0 and 2 on lane 0 is
+  // modulo's, written as no line; stages 0 and 3 is a V's).
+  EXPECT_EQ(
+      differ(
+          "0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n",
+          "# placement: 0 1 1 0\n0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n"),
+      "the plans place their stages differently: rank 1's has no placement "
+      "line, rank 0's '# placement: 0 1 1 0'");
+}
+
 }  // namespace
 }  // namespace gpipe::dist::detail
