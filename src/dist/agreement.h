@@ -125,8 +125,10 @@ std::string plan_difference(
     const std::string& there);
 
 /// Rank 0: leaves `local.plan_text` in the store under its hash, for
-/// plans_differ (Note [Telling two plans apart]); once per plan.
-void publish_plan(Connection& connection, const Begin& local);
+/// plans_differ (Note [Telling two plans apart]), and takes back the plan
+/// it left before (hash `previous`; 0: none). Once per plan.
+void publish_plan(
+    Connection& connection, const Begin& local, uint64_t previous);
 
 /// Where this rank's plan differs from rank 0's (`theirs.plan_hash`), as
 /// plan_difference says it, or "" when rank 0's plan is not in the store.

@@ -313,7 +313,8 @@ torch::Tensor PipelineStageImpl::run_pipeline_step(
           local.plan_hash = std::hash<std::string>{}(local.plan_text);
           if (engine_->connection->rank == 0 &&
               engine_->published_plan != local.plan_hash) {
-            detail::publish_plan(*engine_->connection, local);
+            detail::publish_plan(
+                *engine_->connection, local, engine_->published_plan);
             engine_->published_plan = local.plan_hash;
           }
         }

@@ -5,12 +5,12 @@
 // actions, and the message goes out every step. A rank whose hash differs
 // from rank 0's fails before anything runs, and would otherwise have
 // nothing to say but the two hashes. So rank 0 leaves each plan it runs in
-// the pipeline's store, once per plan (under `gpipe/plan/<hash>`), before it
-// sends the begin message that names it; a rank whose plan differs reads
-// it there and says where the two first differ: their micro-batches and
-// stages, the placement line, or the first action of the first lane that
-// differs. Reading it never waits: a plan not (or no longer) in the store
-// leaves the hashes alone to tell.
+// the pipeline's store, once per plan (under `gpipe/plan/<hash>`), before
+// it sends the begin message that names it (and takes the one before
+// back); a rank whose plan differs reads it there and says where the two
+// first differ: their micro-batches and stages, the placement line, or the
+// first action of the first lane that differs. Reading it never waits: a
+// plan not (or no longer) in the store leaves the hashes alone to tell.
 
 #include <gpipe/plan.h>
 
@@ -108,11 +108,18 @@ std::string plan_difference(
          std::to_string(b.size());
 }
 
-void publish_plan(Connection& connection, const Begin& local) {
+void publish_plan(
+    Connection& connection, const Begin& local, uint64_t previous) {
   const auto& text = local.plan_text;
   connection.store->set(
       plan_key(local.plan_hash),
       std::vector<uint8_t>(text.begin(), text.end()));
+  // The plan of an earlier pass is no longer compared with (every rank
+  // began that pass, or the pipeline failed): a program that makes a new
+  // plan every step leaves one in the store, not one a step.
+  if (previous != 0 && previous != local.plan_hash) {
+    connection.store->deleteKey(plan_key(previous));
+  }
 }
 
 std::string plans_differ(
