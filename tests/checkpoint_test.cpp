@@ -424,6 +424,87 @@ TEST_F(CheckpointTest, RecomputationUpdatesRunningStatisticsOnce) {
   EXPECT_TRUE(torch::allclose(always.first, never.first));
 }
 
+// A layer that reads a buffer and then updates it in its forward (a
+// running average it scales by): the recomputation must read the buffer as
+// the forward did, not as later forwards left it (Note [Buffers a forward
+// changes]). Gradients and buffers are the plain model's, run micro-batch
+// by micro-batch, with checkpoints, through forward and train_step, over
+// steps (a buffer beside it that never changes is read as it is).
+TEST_F(CheckpointTest, ABufferALayerReadsThenUpdatesIsRecomputedAsItWasRead) {
+  struct ScaleByRunningImpl : torch::nn::Module {
+    torch::Tensor running;
+    torch::Tensor fixed;
+    ScaleByRunningImpl() {
+      running = register_buffer("running", torch::ones({6}, torch::kDouble));
+      fixed = register_buffer("fixed", torch::full({6}, 0.5, torch::kDouble));
+    }
+    torch::Tensor forward(torch::Tensor x) {
+      auto y = x * running.clone() * fixed;  // (saved: not the buffer)
+      torch::NoGradGuard no_grad;
+      running.mul_(0.5).add_(x.mean(0).abs());
+      return y;
+    }
+  };
+  const auto make = [] {
+    torch::manual_seed(3);
+    torch::nn::Sequential net(
+        torch::nn::Linear(6, 6),
+        std::make_shared<ScaleByRunningImpl>(),
+        torch::nn::Tanh(),
+        torch::nn::Linear(6, 2));
+    net->to(torch::kDouble);
+    return net;
+  };
+  const auto x = torch::randn({8, 6}, torch::kDouble);
+  for (const int64_t chunks : {1, 2, 4}) {
+    for (const auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+      for (const bool by_step : {false, true}) {
+        auto plain = make();
+        auto net = make();
+        gpipe::GPipe model(
+            net, gpipe::GPipeOptions({2, 2}).chunks(chunks).checkpoint(mode));
+        for (int step = 0; step < 2; ++step) {
+          plain->zero_grad();
+          net->zero_grad();
+          for (const auto& part : x.chunk(chunks)) {
+            plain->forward(part).pow(2).sum().backward();
+          }
+          if (by_step) {
+            model->train_step(
+                x,
+                torch::zeros({8}),
+                [](const torch::Tensor& out, const torch::Tensor&) {
+                  return out.pow(2).sum();
+                },
+                gpipe::Schedule::OneFOneB);
+            // (train_step's loss is scaled by each micro-batch's share.)
+            for (auto& p : net->parameters()) {
+              p.mutable_grad().mul_(chunks);
+            }
+          } else {
+            model->forward(x).pow(2).sum().backward();
+          }
+          SCOPED_TRACE(c10::str(
+              "chunks ",
+              chunks,
+              ", ",
+              to_string(mode),
+              by_step ? ", train_step" : ", forward",
+              ", step ",
+              step));
+          gpipe::testing::expect_same_gradients(*plain, *net);
+          const auto buffers = net->buffers();
+          const auto expected = plain->buffers();
+          ASSERT_EQ(buffers.size(), expected.size());
+          for (const auto k : c10::irange(buffers.size())) {
+            EXPECT_TRUE(torch::allclose(buffers[k], expected[k], 1e-12, 1e-12));
+          }
+        }
+      }
+    }
+  }
+}
+
 // A last layer that cuts the graph (a detach()) leaves the plain model's
 // output needing no grad, and its backward() fails. A checkpointed
 // micro-batch's output is computed without a graph, so it cannot tell and

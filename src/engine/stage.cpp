@@ -58,6 +58,7 @@ void Stage::refresh() {
   accumulators_unheld_.clear();
   auto modes = std::make_shared<ModeSnapshot>();
   modes->modules = module_->modules();
+  auto buffers = std::make_shared<std::vector<torch::Tensor>>();
   // In Module::parameters()'s order: each module's own, the module before
   // its children.
   for (const auto& m : modes->modules) {
@@ -75,6 +76,11 @@ void Stage::refresh() {
             torch::autograd::impl::try_get_grad_accumulator(p) == nullptr);
       }
     }
+    for (auto& b : m->buffers(/*recurse=*/false)) {
+      if (b.defined()) {
+        buffers->push_back(std::move(b));
+      }
+    }
     auto* deferred = dynamic_cast<DeferredBatchNormImpl*>(m.get());
     modes->deferred.push_back(deferred);
     modes->training.push_back(
@@ -82,6 +88,7 @@ void Stage::refresh() {
   }
   modes_ = std::move(modes);
   parameters_ = std::move(parameters);
+  refresh_buffers(std::move(buffers));
 }
 
 namespace {
@@ -215,8 +222,13 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
     RecomputingGuard recomputing;
     BufferRestore buffers;
     buffers.save(module_->buffers());
+    put_forward_buffers(c);
     body();
   };
+  // What a checkpointed cell's recomputation must read of the buffers.
+  c.forward_buffers.clear();
+  auto buffers_then = c.checkpointed ? buffers_before_forward(c)
+                                     : decltype(buffers_before_forward(c)){};
   {
     std::optional<torch::NoGradGuard> no_grad;
     std::optional<CheckpointingGuard> checkpointing;
@@ -225,6 +237,9 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
       checkpointing.emplace();
     }
     c.random = run_seeded(random_, device_, ctx.training, c.seed, body, rerun);
+  }
+  if (c.checkpointed) {
+    buffers_after_forward(c, buffers_then.first, buffers_then.second);
   }
   // Also in a pass without checkpoints once one ran: its forwards (an eval
   // pass between a checkpointed forward and its backward) change what the
@@ -334,6 +349,7 @@ Flow Stage::backward(
     const AutocastScope autocast(ctx.autocast);  // the forward's
     RecomputingGuard recomputing;
     buffers.save(module_->buffers());
+    put_forward_buffers(c);
     std::map<SkipKey, torch::Tensor> incoming;
     for (const auto k : c10::irange(skips_in_.size())) {
       incoming.emplace(skips_in_[k], c.skip_inputs[k]);

@@ -16,6 +16,8 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine/autocast.h"
@@ -87,6 +89,10 @@ struct CellState {
   RandomOutcome random;
   /// A checkpointed cell's: the modes its forward ran in.
   std::shared_ptr<const ModeSnapshot> modes;
+  /// A checkpointed cell's: buffers its recomputation must read as its
+  /// forward did, with their values then (Note [Buffers a forward
+  /// changes]).
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> forward_buffers;
 };
 
 /// What one cell runs under; the same for every cell of a pass but the
@@ -249,6 +255,35 @@ class Stage {
   check_parameters_unchanged();
   std::vector<bool> accumulators_unheld_;      // by refresh()
   std::shared_ptr<const ModeSnapshot> modes_;  // by refresh()
+
+  // Note [Buffers a forward changes] (stage_buffers.cpp). The partition's
+  // buffers (by refresh()), and what checkpointed forwards showed of each:
+  // changed by some forward, or left as found; a buffer not in the map
+  // was not seen yet. Cells of two passes may run at once: guarded.
+  enum class BufferSeen : uint8_t { Unchanged, Changed };
+  std::mutex buffers_mutex_;
+  std::shared_ptr<const std::vector<torch::Tensor>> buffers_;
+  std::unordered_map<const c10::TensorImpl*, BufferSeen> buffers_seen_;
+  // Takes `buffers` as the partition's, keeping what was seen of those
+  // that were already.
+  void refresh_buffers(
+      std::shared_ptr<const std::vector<torch::Tensor>> buffers);
+  // Before a checkpointed forward: keeps in `c` the values of the buffers
+  // that a forward changed or that were not seen yet; returns the
+  // buffers' list and their versions now, for buffers_after_forward.
+  std::pair<
+      std::shared_ptr<const std::vector<torch::Tensor>>,
+      std::vector<int64_t>>
+  buffers_before_forward(CellState& c);
+  // After it: notes which buffers it changed, and lets go of the values
+  // of buffers that no forward changed.
+  void buffers_after_forward(
+      CellState& c,
+      const std::shared_ptr<const std::vector<torch::Tensor>>& buffers,
+      const std::vector<int64_t>& versions);
+  // Before a recomputation: the buffers `c` kept, as they were (without a
+  // version bump).
+  static void put_forward_buffers(const CellState& c);
 };
 
 /// True on a thread inside a cell (a layer's forward or backward, or the
