@@ -265,6 +265,15 @@ if [[ $mode == bad ]]; then
   bad "--plan '$tmp/forward-only.csv': it has 4 forwards and no backward" \
     "${d[@]}" --plan "$tmp/forward-only.csv"
 
+  # A plan of no micro-batches (a placement line alone, as to_csv writes
+  # make_plan(s, 0, ...)): the run divided by zero (SIGFPE), or with
+  # --chunks 4 was told to give --chunks 0.
+  printf '# placement: 1 0\n' >"$tmp/empty.csv"
+  bad "--plan '$tmp/empty.csv': it has no actions (0 micro-batches)" \
+    "${d[@]}" --plan "$tmp/empty.csv"
+  bad "--plan '$tmp/empty.csv': it has no actions (0 micro-batches)" \
+    "${d[@]}" --plan "$tmp/empty.csv" --chunks 4
+
   bad --lr-schedule "${d[@]}" --lr-schedule linear
   bad --devices "${d[@]}" --devices gpu:0,cpu
   bad --devices "${d[@]}" --devices cpu

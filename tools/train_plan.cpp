@@ -32,6 +32,11 @@ void read_plan(const CLI::App& app, Args& args) {
   try {
     args.plan = gpipe::Plan::from_csv(text.str());
     args.plan.validate();
+    // (A plan of no micro-batches is a plan, of nothing to train.)
+    TORCH_CHECK_VALUE(
+        args.plan.micro_batches > 0,
+        "it has no actions (0 micro-batches); training needs a forward and "
+        "a backward of every micro-batch on every stage");
     TORCH_CHECK_VALUE(
         static_cast<int64_t>(args.plan.lanes.size()) == lanes &&
             args.plan.stages == args.partitions,
@@ -58,7 +63,7 @@ void read_plan(const CLI::App& app, Args& args) {
       }
     }
     TORCH_CHECK_VALUE(
-        args.plan.micro_batches == 0 || backward,
+        backward,
         "it has ",
         count_of(forwards, "forward", "forwards"),
         " and no backward; training needs a plan with a B (or an I and a "
