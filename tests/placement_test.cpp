@@ -128,6 +128,12 @@ TEST(PlacementTest, VerifyPlacementNamesBothSides) {
         verify_placement(Placement(), 2);
       }).find("expected a placement of 2 stages, but got none"),
       std::string::npos);
+  // -1 is any number of lanes; -5 was taken for it too.
+  EXPECT_NE(
+      error_of([] {
+        verify_placement(Placement::modulo(2), 2, -5);
+      }).find("expected a number of lanes >= 0 (or -1: any), but got -5"),
+      std::string::npos);
 }
 
 TEST(PlacementTest, MakePlanCarriesThePlacement) {
@@ -336,6 +342,12 @@ TEST(PlacementTest, CsvRoundTripKeepsThePlacement) {
       error_of([] {
         Plan::from_csv("# placement: 0 1\n# placement: 0 1\n0F0\n");
       }).find("row 2: a second placement line"),
+      std::string::npos);
+  // After the rows it was taken (the format puts it first).
+  EXPECT_NE(
+      error_of([] { Plan::from_csv("0F0,0B0\n1F0,1B0\n# placement: 1 0\n"); })
+          .find("row 3: the placement line comes after the actions of 2 lanes; "
+                "it must come before them"),
       std::string::npos);
   // A placement line of another length than the actions' stages.
   EXPECT_NE(

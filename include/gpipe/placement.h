@@ -78,9 +78,10 @@ std::string to_string(const Placement& placement);
 std::ostream& operator<<(std::ostream& out, const Placement& placement);
 
 /// The one check of a placement against what runs it: `stages` stages, and
-/// `lanes` lanes (-1: any number). Throws `c10::ValueError` naming both
-/// when they differ, or when the placement is empty for stages > 0; `who`
-/// starts the message ("gpipe::GPipe", "train_step").
+/// `lanes` lanes (-1: any number; below it is refused). Throws
+/// `c10::ValueError` naming both when they differ, or when the placement
+/// is empty for stages > 0; `who` starts the message ("gpipe::GPipe",
+/// "train_step").
 void verify_placement(
     const Placement& placement,
     int64_t stages,

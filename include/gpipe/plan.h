@@ -92,8 +92,9 @@ struct Plan {
   /// placement line, `#placement 0 1` say, which is refused; a UTF-8 byte
   /// order mark first is skipped). micro_batches and stages are the largest
   /// indices plus one; lanes are the rows, or the placement line's lanes
-  /// when more. A placement line must place as many stages as the actions
-  /// use (in a plan of 0 micro-batches, the stages it places). Without a
+  /// when more. A placement line must come before the rows of actions and
+  /// place as many stages as the actions use (in a plan of 0 micro-batches,
+  /// the stages it places). Without a
   /// placement line the placement is the one the rows show when each
   /// stage's cells are on one row, else empty. Throws `c10::ValueError`
   /// naming the row, column and text of a malformed action, or a malformed

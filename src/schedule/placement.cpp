@@ -176,6 +176,11 @@ void verify_placement(
     int64_t lanes,
     const std::string& who) {
   TORCH_CHECK_VALUE(
+      lanes >= -1,
+      who,
+      ": expected a number of lanes >= 0 (or -1: any), but got ",
+      lanes);
+  TORCH_CHECK_VALUE(
       !placement.empty() || stages == 0,
       who,
       ": expected a placement of ",

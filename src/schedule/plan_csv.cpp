@@ -266,6 +266,15 @@ Plan Plan::from_csv(const std::string& text) {
       if (trim(line).rfind(kPlacementLine, 0) == 0) {
         TORCH_CHECK_VALUE(
             !placed, "plan CSV: row ", row, ": a second placement line");
+        // (Where blank lines around it would stand for lanes or not.)
+        TORCH_CHECK_VALUE(
+            plan.lanes.empty(),
+            "plan CSV: row ",
+            row,
+            ": the placement line comes after the actions of ",
+            detail::count_of(
+                static_cast<int64_t>(plan.lanes.size()), "lane", "lanes"),
+            "; it must come before them");
         plan.placement = placement_of(
             trim(line).substr(std::string(kPlacementLine).size()), row);
         placed = true;
