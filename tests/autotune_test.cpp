@@ -111,6 +111,23 @@ TEST_F(AutotuneTest, PicksTheFastestThatFitsAndSaysWhatItRejected) {
   EXPECT_NE(line.str().find(to_string(tight.schedule)), std::string::npos);
 }
 
+// Predicted times past 9.2e12 s (a cell cost given far too large): the
+// candidates were ordered by whole microseconds in a long long, which
+// overflowed, and a slower one was chosen.
+TEST_F(AutotuneTest, HugePredictedTimesAreOrderedAsAnyOther) {
+  auto net = model();
+  auto x = torch::randn({16, 32});
+  auto y = torch::randint(0, 10, {16});
+  const auto tuned = autotune(
+      net, x, y, loss_of, quick(2).chunks({1, 4}).cell_overhead_seconds(1e12));
+  ASSERT_FALSE(tuned.candidates.empty());
+  for (const auto& c : tuned.candidates) {
+    EXPECT_GE(c.predicted_step_seconds, tuned.predicted_step_seconds)
+        << to_string(c.schedule) << " at chunks " << c.chunks;
+  }
+  EXPECT_EQ(tuned.chunks, 1);
+}
+
 TEST_F(AutotuneTest, ItsOptionsTrainAsThePlainModel) {
   auto net = model();
   net->to(torch::kFloat64);

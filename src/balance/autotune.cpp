@@ -431,10 +431,12 @@ Autotuned autotune(
       [](const AutotuneCandidate& a, const AutotuneCandidate& b) {
         // Faster first; of two within a microsecond (one lane's schedules,
         // alike but for the order of their sums), the one that holds less.
+        // (Whole microseconds as a double: a long long overflows past
+        // 9.2e12 s, which a large cell_overhead_seconds reaches.)
         const auto us = [](const AutotuneCandidate& c) {
           return std::isfinite(c.predicted_step_seconds)
-                     ? std::llround(c.predicted_step_seconds * 1e6)
-                     : std::numeric_limits<long long>::max();
+                     ? std::nearbyint(c.predicted_step_seconds * 1e6)
+                     : std::numeric_limits<double>::infinity();
         };
         if (us(a) != us(b)) {
           return us(a) < us(b);
