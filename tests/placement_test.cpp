@@ -34,6 +34,13 @@ TEST(PlacementTest, ShapesAndLists) {
   EXPECT_TRUE(v.is_v_shape());
   EXPECT_FALSE(v.is_modulo());
   EXPECT_EQ(to_string(v), "v_shape(3 lanes)");
+  // On one lane the V and modulo's two stages are one list: both named.
+  EXPECT_EQ(
+      to_string(Placement::v_shape(1)),
+      "modulo(1 lane, 2 stages per lane) = v_shape(1 lane)");
+  EXPECT_EQ(
+      to_string(Placement::modulo(1, 2)),
+      "modulo(1 lane, 2 stages per lane) = v_shape(1 lane)");
 
   const Placement listed({1, 0, 0});
   EXPECT_EQ(listed.lanes(), 2);

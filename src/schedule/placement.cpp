@@ -160,6 +160,11 @@ std::string to_string(const Placement& p) {
         << detail::count_of(
                p.stages() / p.lanes(), "stage per lane", "stages per lane")
         << ")";
+    // One lane's V is the same list: said, so that ZB-V on one lane does
+    // not read as running on a placement it refuses.
+    if (p.is_v_shape()) {
+      out << " = v_shape(1 lane)";
+    }
   } else {
     out << list_of(p.lane_of_stage());
   }
