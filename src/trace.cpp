@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -110,13 +111,18 @@ void Trace::record(
     TraceKind kind,
     std::chrono::steady_clock::time_point start,
     std::chrono::steady_clock::time_point end,
-    bool failed) {
+    bool failed,
+    int64_t stage) {
   TORCH_CHECK_INDEX(
       lane >= 0 && lane < kMaxTraceLanes,
       "Trace::record: expected a lane in [0, ",
       kMaxTraceLanes,
       "), got ",
       lane);
+  TORCH_CHECK_INDEX(
+      stage >= -1 && stage <= std::numeric_limits<int32_t>::max(),
+      "Trace::record: expected a stage >= 0 (or -1: none), got ",
+      stage);
   check_kind("Trace::record", kind);
   TORCH_CHECK_VALUE(
       end >= start,
@@ -129,7 +135,8 @@ void Trace::record(
       kind,
       us(start - origin_).count(),
       us(end - origin_).count(),
-      failed});
+      failed,
+      static_cast<int32_t>(stage)});
 }
 
 void Trace::add(const TraceEvent& event) {
@@ -140,6 +147,10 @@ void Trace::add(const TraceEvent& event) {
       "), got ",
       event.lane);
   check_kind("Trace::add", event.kind);
+  TORCH_CHECK_INDEX(
+      event.stage >= -1,
+      "Trace::add: expected a stage >= 0 (or -1: none), got ",
+      event.stage);
   TORCH_CHECK_VALUE(
       std::isfinite(event.start_us) && std::isfinite(event.end_us),
       "Trace::add: expected finite times, got start_us ",
@@ -337,8 +348,11 @@ std::string Trace::chrome_json() const {
         << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.lane
         << ",\"ts\":" << fixed(e.start_us - shift)
         << ",\"dur\":" << fixed(e.end_us - e.start_us)
-        << ",\"args\":{\"micro_batch\":" << e.micro_batch
-        << (e.failed ? ",\"failed\":true" : "") << "}}";
+        << ",\"args\":{\"micro_batch\":" << e.micro_batch;
+    if (e.stage >= 0) {
+      out << ",\"stage\":" << e.stage;
+    }
+    out << (e.failed ? ",\"failed\":true" : "") << "}}";
   }
   out << "\n]}\n";
   return out.str();
@@ -435,6 +449,7 @@ std::string Trace::svg() const {
         << "\" fill=\"" << colour_of(e.kind) << "\""
         << (e.failed ? " stroke=\"#d00000\" stroke-width=\"2\"" : "")
         << "><title>" << to_string(e.kind) << " micro-batch " << e.micro_batch
+        << (e.stage >= 0 ? " of stage " + std::to_string(e.stage) : "")
         << (e.failed ? " (failed)" : "") << ", " << number(e.start_us, 3) << "-"
         << time_text(e.end_us, 3) << "</title></rect>\n";
     if (w > 14 && !beside) {

@@ -9,8 +9,10 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
 #include "common.h"
 
@@ -146,6 +148,13 @@ TEST_F(TraceTest, AddRejectsABadEvent) {
       trace.record(
           0, 0, TraceKind::Forward, now, now - std::chrono::milliseconds(5)),
       c10::ValueError);
+  // A stage is -1 (none) or a stage's number.
+  TraceEvent no_stage{0, 0, TraceKind::Forward, 0, 1};
+  no_stage.stage = -2;
+  EXPECT_THROW(trace.add(no_stage), c10::IndexError);
+  EXPECT_THROW(
+      trace.record(0, 0, TraceKind::Forward, now, now, false, -2),
+      c10::IndexError);
   EXPECT_TRUE(trace.events().empty());
 }
 
@@ -256,6 +265,46 @@ TEST_F(TraceTest, RecordsEveryCellOfATrainingStep) {
     }
     EXPECT_GE(start1, end0) << "micro-batch " << i;
   }
+}
+
+// A lane that holds two stages (interleaved: stages 0 and 2 on lane 0)
+// records each cell with its stage, which tells them apart; the pictures
+// name it.
+TEST_F(TraceTest, EachCellIsRecordedWithItsStage) {
+  torch::nn::Sequential net;
+  for (int k = 0; k < 4; ++k) {
+    net->push_back(torch::nn::Linear(4, 4));
+  }
+  GPipe model(
+      net,
+      GPipeOptions({1, 1, 1, 1})
+          .chunks(4)
+          .stages_per_lane(2)
+          .checkpoint(Checkpoint::Always));
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  model->train_step(
+      torch::randn({8, 4}),
+      torch::randn({8, 4}),
+      [](torch::Tensor y, torch::Tensor t) { return torch::mse_loss(y, t); },
+      Schedule::Interleaved1F1B);
+  std::map<std::tuple<int32_t, int64_t, TraceKind>, int> cells;
+  for (const auto& e : trace->events()) {
+    ASSERT_GE(e.stage, 0) << to_string(e.kind);
+    EXPECT_EQ(e.stage % 2, e.lane) << to_string(e.kind);
+    ++cells[{e.stage, e.micro_batch, e.kind}];
+  }
+  for (int32_t j = 0; j < 4; ++j) {
+    for (int64_t i = 0; i < 4; ++i) {
+      EXPECT_EQ((cells[{j, i, TraceKind::Forward}]), 1) << j << " " << i;
+      EXPECT_EQ((cells[{j, i, TraceKind::Recompute}]), 1) << j << " " << i;
+      EXPECT_EQ((cells[{j, i, TraceKind::Backward}]), 1) << j << " " << i;
+      EXPECT_EQ((cells[{j, i, TraceKind::Loss}]), j == 3 ? 1 : 0);
+    }
+  }
+  EXPECT_NE(
+      trace->svg().find("forward micro-batch 1 of stage 2"), std::string::npos);
+  EXPECT_NE(trace->chrome_json().find("\"stage\":3"), std::string::npos);
 }
 
 // The guide's figures for a trace's growth: 48 bytes an event, and about
@@ -431,10 +480,11 @@ TEST_F(TraceTest, TheCellThatFailedIsMarked) {
   EXPECT_EQ(failed[0].lane, 1);
   EXPECT_EQ(failed[0].micro_batch, 2);
   EXPECT_EQ(failed[0].kind, TraceKind::Forward);
+  EXPECT_EQ(failed[0].stage, 1);
   EXPECT_GE(failed[0].end_us, failed[0].start_us);
   const auto svg = trace->svg();
   EXPECT_NE(svg.find("stroke=\"#d00000\""), std::string::npos);
-  EXPECT_NE(svg.find("micro-batch 2 (failed)"), std::string::npos);
+  EXPECT_NE(svg.find("micro-batch 2 of stage 1 (failed)"), std::string::npos);
   EXPECT_NE(svg.find(">failed</text>"), std::string::npos);  // the legend
   const auto json = nlohmann::json::parse(trace->chrome_json());
   int flagged = 0;

@@ -53,6 +53,11 @@ struct TraceEvent {
   /// The cell threw: the interval ends where it failed (the step's error
   /// names the same partition and micro-batch). Drawn outlined in red.
   bool failed = false;
+  /// The stage (partition) whose cell this is, which tells apart the
+  /// stages of a lane that holds several (interleaved, V-shaped
+  /// placements); -1 for what is no one cell's: waits for other ranks
+  /// (Receive, Send) and all-reduces.
+  int32_t stage = -1;
 };
 
 /// What a trace says about how busy its lanes were, as `gpipe::simulate`
@@ -80,18 +85,19 @@ class Trace {
   Trace();
 
   /// Adds an event (called by the engine's lanes); `failed`: the cell
-  /// threw at `end`.
+  /// threw at `end`; `stage`: as TraceEvent::stage.
   void record(
       int64_t lane,
       int64_t micro_batch,
       TraceKind kind,
       std::chrono::steady_clock::time_point start,
       std::chrono::steady_clock::time_point end,
-      bool failed = false);
+      bool failed = false,
+      int64_t stage = -1);
 
   /// Adds an event whose times are already relative to origin(); throws
-  /// `c10::Error` for a lane outside [0, 2^20), a time that is not finite,
-  /// or an end before the start.
+  /// `c10::Error` for a lane outside [0, 2^20), a stage below -1, a time
+  /// that is not finite, or an end before the start.
   void add(const TraceEvent& event);
   /// When the trace began (times are microseconds since then).
   std::chrono::steady_clock::time_point origin() const;

@@ -59,7 +59,8 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
              static_cast<double>(static_cast<int>(e.kind)),
              e.start_us + origin,
              e.end_us + origin,
-             e.failed ? 1.0 : 0.0});
+             e.failed ? 1.0 : 0.0,
+             static_cast<double>(e.stage)});
       }
       connection.send(
           0,
@@ -91,7 +92,7 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
       auto t = m.tensors[0].contiguous();
       const auto* p = t.data_ptr<double>();
       std::vector<TraceEvent> events;
-      for (int64_t k = 0; k + 6 <= t.numel(); k += 6) {
+      for (int64_t k = 0; k + 7 <= t.numel(); k += 7) {
         TraceEvent e;
         e.lane = static_cast<int64_t>(p[k]);
         e.micro_batch = static_cast<int64_t>(p[k + 1]);
@@ -99,6 +100,7 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
         e.start_us = p[k + 3];
         e.end_us = p[k + 4];
         e.failed = p[k + 5] != 0.0;
+        e.stage = static_cast<int32_t>(p[k + 6]);
         events.push_back(e);
       }
       add(events, 0.0);

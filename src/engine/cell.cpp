@@ -187,11 +187,13 @@ ModeRestore::~ModeRestore() {
 
 void record(
     const CellContext& ctx,
+    int64_t stage,
     TraceKind kind,
     CellClock::time_point start,
     CellClock::time_point end) {
   if (ctx.trace) {
-    ctx.trace->record(ctx.lane, ctx.micro_batch, kind, start, end);
+    ctx.trace->record(
+        ctx.lane, ctx.micro_batch, kind, start, end, /*failed=*/false, stage);
   }
 }
 

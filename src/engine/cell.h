@@ -92,9 +92,11 @@ inline CellClock::time_point stamp(const CellContext& ctx) {
   return ctx.trace ? CellClock::now() : CellClock::time_point();
 }
 
-/// Records [start, end) as the cell's `kind`, when tracing.
+/// Records [start, end) as the `kind` of stage `stage`'s cell, when
+/// tracing.
 void record(
     const CellContext& ctx,
+    int64_t stage,
     TraceKind kind,
     CellClock::time_point start,
     CellClock::time_point end);

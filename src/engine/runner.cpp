@@ -439,7 +439,8 @@ void Pass::run_cell(
           action_info(cell.phase).trace_kind,
           started,
           CellClock::now(),
-          /*failed=*/true);
+          /*failed=*/true,
+          cell.partition);
     }
     auto error = with_context(
         std::current_exception(),

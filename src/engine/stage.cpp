@@ -197,7 +197,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   auto computing = started;
   if (ctx.trace && copied) {
     computing = CellClock::now();
-    record(ctx, TraceKind::Copy, started, computing);
+    record(ctx, index_, TraceKind::Copy, started, computing);
   }
 
   // A cell whose inputs need no gradient on a stage whose parameters need
@@ -289,7 +289,7 @@ Flow Stage::forward(CellState& c, Flow in, const CellContext& ctx) {
   if (ctx.loss_fn != nullptr && !(graph && !c.checkpointed)) {
     c.output = std::move(y);  // for the loss only: without graph
   }
-  record(ctx, TraceKind::Forward, computing, CellClock::now());
+  record(ctx, index_, TraceKind::Forward, computing, CellClock::now());
   return out;
 }
 
@@ -364,7 +364,7 @@ Flow Stage::backward(
     connect_loss(c, y);
     if (ctx.trace) {
       backward_started = CellClock::now();
-      record(ctx, TraceKind::Recompute, started, backward_started);
+      record(ctx, index_, TraceKind::Recompute, started, backward_started);
     }
   } else {
     y = c.output;
@@ -435,7 +435,8 @@ Flow Stage::backward(
     auto weight = std::move(c.weight);
     c = CellState{};
     c.weight = std::move(weight);
-    record(ctx, TraceKind::Backward, backward_started, CellClock::now());
+    record(
+        ctx, index_, TraceKind::Backward, backward_started, CellClock::now());
     return dx;
   }
   if (!roots.empty()) {
@@ -460,7 +461,7 @@ Flow Stage::backward(
   if (!ctx.retain) {
     c = CellState{};
   }
-  record(ctx, TraceKind::Backward, backward_started, CellClock::now());
+  record(ctx, index_, TraceKind::Backward, backward_started, CellClock::now());
   return dx;
 }
 
@@ -473,7 +474,7 @@ void Stage::backward_weight(CellState& c, const CellContext& ctx) {
     detail::backward_weight(*weight, /*retain=*/false);
     weight.reset();
   }
-  record(ctx, TraceKind::Weight, started, CellClock::now());
+  record(ctx, index_, TraceKind::Weight, started, CellClock::now());
 }
 
 void Stage::commit_batch_norms() {

@@ -176,7 +176,7 @@ void Stage::loss(CellState& c, const CellContext& ctx) {
     c.loss_root = std::move(loss);
     c.loss_junction = std::move(junction);
   }
-  record(ctx, TraceKind::Loss, started, CellClock::now());
+  record(ctx, index_, TraceKind::Loss, started, CellClock::now());
 }
 
 namespace {
