@@ -10,7 +10,10 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <set>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "schedule/actions.h"
 #include "schedule/plan_builders.h"
@@ -56,13 +59,14 @@ Simulation simulate_with_lease(
     remaining += lane.size();
   }
   // The earliest start of lane l's next action, or -1 while an input is
-  // not done.
-  const auto earliest = [&](size_t l) {
+  // not done (then `missing` is the first such input).
+  const auto earliest = [&](size_t l, Cell& missing) {
     const auto& c = plan.lanes[l][next[l]];
     double start = free[l];
     for (const auto& d : inputs.of(c)) {
       auto it = done.find(key_of(d));
       if (it == done.end()) {
+        missing = d;
         return -1.0;
       }
       const double arrives =
@@ -71,6 +75,12 @@ Simulation simulate_with_lease(
     }
     return start;
   };
+  // Lanes whose next action waits for an input, by that input; a lane's
+  // next action is looked at again when it is done (only those: sweeping
+  // every lane until each was done cost lanes squared times micro-batches,
+  // a second at 2,048 lanes).
+  std::map<CellKey, std::vector<size_t>> sleeping;
+  std::vector<size_t> woken;  // by commit: lanes whose input it was
   // Actions placed so far that hold the lease: start, end, how.
   std::vector<std::tuple<double, double, Lease>> placed;
   const auto commit = [&](size_t l, double start) {
@@ -100,43 +110,70 @@ Simulation simulate_with_lease(
       placed.emplace_back(start, start + hold, held.how);
     }
     done[key_of(c)] = {start + cost, l};
+    const auto waiting = sleeping.find(key_of(c));
+    if (waiting != sleeping.end()) {
+      woken.insert(woken.end(), waiting->second.begin(), waiting->second.end());
+      sleeping.erase(waiting);
+    }
     free[l] = start + cost;
     sim.busy[l] += cost;
     sim.lanes[l].push_back(SimulatedAction{c, start, start + cost});
     ++next[l];
     --remaining;
   };
-  // validate() proved the plan runs, so every sweep makes progress. With
-  // a lease each sweep places the one ready action that can start first,
-  // so that holders take the lease in the order they would reach it;
-  // without, every ready action in turn (the earliest starts do not depend
-  // on the order).
-  while (remaining > 0) {
-    if (lease) {
-      size_t pick = lanes;
-      double first = 0;
-      for (size_t l = 0; l < lanes; ++l) {
-        if (next[l] < plan.lanes[l].size()) {
-          const double start = earliest(l);
-          if (start >= 0 && (pick == lanes || start < first)) {
-            pick = l;
-            first = start;
-          }
+  // validate() proved the plan runs, so every action is placed. With a
+  // lease each turn places the one ready action that can start first (the
+  // lowest lane of those that tie), so that holders take the lease in the
+  // order they would reach it; a ready action's earliest start stays as it
+  // is until its lane places it. Without, every ready action in turn (the
+  // earliest starts do not depend on the order).
+  if (lease) {
+    std::set<std::pair<double, size_t>> ready;  // earliest start, lane
+    const auto look = [&](size_t l) {
+      if (next[l] < plan.lanes[l].size()) {
+        Cell missing;
+        const double start = earliest(l, missing);
+        if (start < 0) {
+          sleeping[key_of(missing)].push_back(l);
+        } else {
+          ready.emplace(start, l);
         }
       }
-      TORCH_INTERNAL_ASSERT(pick < lanes);
-      commit(pick, first);
-      continue;
-    }
+    };
     for (size_t l = 0; l < lanes; ++l) {
+      look(l);
+    }
+    while (remaining > 0) {
+      TORCH_INTERNAL_ASSERT(!ready.empty());
+      const auto [first, pick] = *ready.begin();
+      ready.erase(ready.begin());
+      commit(pick, first);
+      look(pick);
+      for (const auto l : std::exchange(woken, {})) {
+        look(l);
+      }
+    }
+  } else {
+    std::vector<size_t> awake;
+    for (size_t l = lanes; l-- > 0;) {
+      awake.push_back(l);
+    }
+    while (!awake.empty()) {
+      const auto l = awake.back();
+      awake.pop_back();
       while (next[l] < plan.lanes[l].size()) {
-        const double start = earliest(l);
+        Cell missing;
+        const double start = earliest(l, missing);
         if (start < 0) {
+          sleeping[key_of(missing)].push_back(l);
           break;
         }
         commit(l, start);
       }
+      awake.insert(awake.end(), woken.begin(), woken.end());
+      woken.clear();
     }
+    TORCH_INTERNAL_ASSERT(remaining == 0);
   }
   double first = 0;
   double last = 0;
