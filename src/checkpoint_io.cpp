@@ -44,7 +44,8 @@ c10::ScalarType dtype_named(const std::string& name, const std::string& key) {
       false, "the checkpoint's tensor '", key, "' has unknown dtype ", name);
 }
 
-// `step-<n>` as n, or -1 for any other name.
+}  // namespace
+
 int64_t step_of(const std::string& name) {
   constexpr const char* kPrefix = "step-";
   if (name.rfind(kPrefix, 0) != 0 || name.size() == 5 ||
@@ -57,8 +58,6 @@ int64_t step_of(const std::string& name) {
   }
   return std::stoll(name.substr(5));
 }
-
-}  // namespace
 
 std::string checkpoint_dir_name(int64_t step) {
   std::ostringstream out;
@@ -377,29 +376,39 @@ std::string latest_checkpoint(const std::string& dir) {
   if (fs::is_regular_file(fs::path(dir) / detail::kManifest, error)) {
     return dir;
   }
-  auto all = detail::checkpoints_in(dir);
-  // A `step-<n>` appears by one rename once it is whole (Note [Writing a
-  // checkpoint]): the newest without a manifest was damaged, and going on
-  // from an older one, or from nothing, would redo its steps unsaid.
-  int64_t newest = -1;
-  fs::path newest_path;
-  for (const auto& entry : fs::directory_iterator(dir, error)) {
-    const auto step = detail::step_of(entry.path().filename().string());
-    if (step > newest) {
-      newest = step;
-      newest_path = entry.path();
+  // A `step-<n>` appears by one rename once it is whole, and goes by one
+  // (Note [Writing a checkpoint], Note [Removing a checkpoint beside
+  // readers]): the newest without a manifest was damaged, and going on
+  // from an older one, or from nothing, would redo its steps unsaid. The
+  // names are listed before the whole ones, so that one written in between
+  // is whole; one taken away in between is looked for again.
+  for (int attempt = 0;; ++attempt) {
+    int64_t newest = -1;
+    fs::path newest_path;
+    for (const auto& entry : fs::directory_iterator(dir, error)) {
+      const auto step = detail::step_of(entry.path().filename().string());
+      if (step > newest) {
+        newest = step;
+        newest_path = entry.path();
+      }
     }
+    auto all = detail::checkpoints_in(dir);
+    if (newest < 0 || (!all.empty() && all.back().first >= newest)) {
+      return all.empty() ? std::string() : all.back().second.string();
+    }
+    if (attempt < 8 && !fs::exists(newest_path, error)) {
+      continue;
+    }
+    TORCH_CHECK_VALUE(
+        false,
+        "'",
+        newest_path.string(),
+        "' is not a whole checkpoint (it has no ",
+        detail::kManifest,
+        "): it was damaged after it was written; remove it to go on from ",
+        all.empty() ? std::string("nothing saved")
+                    : "'" + all.back().second.string() + "'");
   }
-  TORCH_CHECK_VALUE(
-      newest < 0 || (!all.empty() && all.back().first >= newest),
-      "'",
-      newest_path.string(),
-      "' is not a whole checkpoint (it has no ",
-      detail::kManifest,
-      "): it was damaged after it was written; remove it to go on from ",
-      all.empty() ? std::string("nothing saved")
-                  : "'" + all.back().second.string() + "'");
-  return all.empty() ? std::string() : all.back().second.string();
 }
 
 }  // namespace gpipe

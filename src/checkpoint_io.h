@@ -69,6 +69,8 @@ bool is_saved_dtype(c10::ScalarType dtype);
 /// The directory name of the checkpoint of `step` (`step-<n>`, n in at
 /// least 8 digits).
 std::string checkpoint_dir_name(int64_t step);
+/// `step-<n>` as n, or -1 for any other name.
+int64_t step_of(const std::string& name);
 
 /// Writes `tensors` (any device) into `dir/name` and flushes it to disk.
 /// Returns the file's manifest entry: its size, checksum and, per tensor,

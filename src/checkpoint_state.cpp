@@ -9,9 +9,11 @@
 #include <gpipe/checkpoint_io.h>
 #include <gpipe/module.h>
 
+#include <filesystem>
 #include <map>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "checkpoint_optimizer.h"
 #include "random.h"
@@ -232,6 +234,27 @@ detail::IndexedLayers layers_of(const GPipe& model) {
   return layers;
 }
 
+// Reads the newest checkpoint in `dir` with `read`; when a writer took it
+// away while it was read (Note [Removing a checkpoint beside readers] in
+// checkpoint_write.cpp), reads the newest again.
+template <typename Read>
+auto read_newest(const std::string& dir, const Read& read) {
+  for (int attempt = 0;; ++attempt) {
+    const auto path = latest_checkpoint(dir);
+    try {
+      detail::CheckpointReader reader(path.empty() ? dir : path);
+      return read(reader);
+    } catch (const c10::Error&) {
+      std::error_code error;
+      if (attempt < 8 && !path.empty() &&
+          !std::filesystem::exists(path, error)) {
+        continue;
+      }
+      throw;
+    }
+  }
+}
+
 }  // namespace
 
 void save_checkpoint(
@@ -285,19 +308,21 @@ TrainingState load_checkpoint(
     const std::string& dir, GPipe& model, torch::optim::Optimizer& optimizer) {
   TORCH_CHECK_VALUE(
       !model.is_empty(), "load_checkpoint expects a non-null GPipe");
-  detail::CheckpointReader reader(dir);
   const auto layers = layers_of(model);
-  auto apply = detail::plan_load(
-      reader, layers, static_cast<int64_t>(layers.size()), &optimizer);
-  auto state = detail::read_state(reader);
+  auto [apply, state] = read_newest(dir, [&](detail::CheckpointReader& reader) {
+    auto apply = detail::plan_load(
+        reader, layers, static_cast<int64_t>(layers.size()), &optimizer);
+    return std::make_pair(std::move(apply), detail::read_state(reader));
+  });
   apply();
   detail::set_cpu_generator_state(state.cpu_generator);
   return state;
 }
 
 TrainingState read_training_state(const std::string& dir) {
-  detail::CheckpointReader reader(dir);
-  return detail::read_state(reader);
+  return read_newest(dir, [](detail::CheckpointReader& reader) {
+    return detail::read_state(reader);
+  });
 }
 
 }  // namespace gpipe

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 
 #include "checkpoint_io.h"
 
@@ -102,6 +104,43 @@ std::string remove_tree(const std::string& path) {
   }
   return error;
 }
+
+namespace {
+
+// Note [Removing a checkpoint beside readers]
+// A checkpoint is removed in two moves: a rename to `.gone-<name>`, which
+// readers never look at, then the removal of that tree. A reader (an
+// evaluator beside the trainer) so never meets a `step-<n>` half removed,
+// which it would call damaged; one that was reading it when it went
+// reads the newest again (load_checkpoint). A tree left by a removal that
+// failed, or by a writer that died, goes with the next save. "" or why
+// the checkpoint is still there.
+std::string remove_checkpoint(const fs::path& root, const fs::path& dir) {
+  if (removals_fail.load()) {
+    return c10::str("cannot remove '", dir.string(), "': a simulated failure");
+  }
+  const auto gone = root / (".gone-" + dir.filename().string());
+  (void)remove_tree(gone.string());  // a leftover of the same name
+  std::error_code error;
+  fs::rename(dir, gone, error);
+  if (error) {
+    return remove_tree(dir.string());
+  }
+  const auto why = remove_tree(gone.string());
+  if (!why.empty()) {
+    TORCH_WARN(
+        "gpipe: '",
+        dir.string(),
+        "' was taken away as '",
+        gone.string(),
+        "', which could not be removed (",
+        why,
+        "); a later save removes it");
+  }
+  return "";
+}
+
+}  // namespace
 
 void fail_checkpoint_after(int64_t writes) {
   writes_left = writes;
@@ -234,7 +273,7 @@ std::string begin_checkpoint(const std::string& root, int64_t step) {
   // unless its successor got there.
   for (const auto& entry : fs::directory_iterator(root, error)) {
     const auto name = entry.path().filename().string();
-    if (name.rfind(".tmp-", 0) == 0) {
+    if (name.rfind(".tmp-", 0) == 0 || name.rfind(".gone-", 0) == 0) {
       remove_tree(entry.path().string());
     } else if (name.rfind(".old-", 0) == 0) {
       const auto in_place = fs::path(root) / name.substr(5);
@@ -302,20 +341,33 @@ void commit_checkpoint(
   // resume would take them. Of the earlier ones the newest stays.
   // A later one that cannot go is an error: the save itself is done, but a
   // load would take the given-up run. An older one that cannot go is left,
-  // with a warning (a load takes the newest, but the disk fills).
+  // with a warning (a load takes the newest, but the disk fills). Every
+  // `step-<n>` counts, whole or not: one without its manifest (damaged, or
+  // left by a removal that died) would stay forever, and a later one would
+  // stop every load.
   bool kept_one = false;
   std::string later_left;
   std::string older_left;
-  auto all = checkpoints_in(root);
+  std::set<int64_t> whole;
+  for (const auto& [n, path] : checkpoints_in(root)) {
+    whole.insert(n);
+  }
+  std::map<int64_t, fs::path> all;
+  for (const auto& entry : fs::directory_iterator(root, error)) {
+    const auto n = step_of(entry.path().filename().string());
+    if (n >= 0) {
+      all.emplace(n, entry.path());
+    }
+  }
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     if (it->first == step) {
       continue;
     }
-    if (it->first < step && !kept_one) {
+    if (it->first < step && !kept_one && whole.count(it->first) > 0) {
       kept_one = true;
       continue;
     }
-    const auto why = remove_tree(it->second.string());
+    const auto why = remove_checkpoint(root, it->second);
     if (it->first > step && !why.empty() && later_left.empty()) {
       later_left = why;
     }

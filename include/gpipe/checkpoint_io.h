@@ -80,7 +80,11 @@ struct TrainingState {
 /// negative); the previous checkpoints stay as they
 /// were. Checkpoints of later steps go (a run resumed from an earlier one
 /// gave them up): one that cannot go is an error naming it, after this
-/// checkpoint was written. One writer per directory at a time.
+/// checkpoint was written; so do `step-<n>` directories without a
+/// manifest. Of the earlier ones the newest whole one stays. One writer
+/// per directory at a time; readers (load_checkpoint, read_training_state
+/// in other threads or processes) may read beside it: they see each
+/// checkpoint whole or not at all.
 void save_checkpoint(
     const std::string& dir,
     const GPipe& model,
