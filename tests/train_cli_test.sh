@@ -410,6 +410,15 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: valid run: $(tail -n 1 "$tmp/out")"
   fi
+  # A --batch-size near 2^63 (one batch of everything) overflowed the
+  # check of how it cuts into micro-batches: SIGFPE.
+  run --data-dir "$data" --epochs 1 --limit 128 --test-limit 64 --json \
+    --batch-size 9223372036854775807
+  if [[ $status -ne 0 ]] || ! grep -q '"steps":1,' "$tmp/out"; then
+    fail "--batch-size 9223372036854775807 exited $status: $(tail -c 300 "$tmp/err")"
+  else
+    echo "ok: --batch-size 9223372036854775807 trains one batch of 128"
+  fi
   # A recording that would cross an epoch's end ends with the epoch: the
   # test passes (a forward of 64 images in 4 micro-batches per lane) are
   # not recorded among the steps; there were 16 forwards for 8.

@@ -13,10 +13,16 @@ namespace gpipe_train {
 
 namespace {
 
+// a / b rounded up, for a >= 0 and b >= 1, without overflow (a
+// --batch-size near 2^63 made `a + b - 1` wrap, and the division by zero
+// that followed killed gpipe-train with SIGFPE).
+int64_t ceil_div(int64_t a, int64_t b) {
+  return a / b + (a % b != 0 ? 1 : 0);
+}
+
 // The micro-batches Tensor::chunk cuts `rows` into when asked for `chunks`.
 int64_t pieces(int64_t rows, int64_t chunks) {
-  const int64_t size = (rows + chunks - 1) / chunks;
-  return (rows + size - 1) / size;
+  return ceil_div(rows, ceil_div(rows, chunks));
 }
 
 // "the pipeline has 2 ranks (...) with 1 partition each", for messages.
@@ -49,7 +55,7 @@ std::string uneven_cut(int64_t rows, int64_t chunks) {
       "cut into ",
       count_of(pieces(rows, chunks), "micro-batch", "micro-batches"),
       " of up to ",
-      (rows + chunks - 1) / chunks,
+      ceil_div(rows, chunks),
       " rows, not ",
       chunks,
       " (Tensor::chunk's pieces); ",

@@ -295,7 +295,7 @@ std::vector<double> profile_sizes_impl(
   // row. A whole micro-batch, not one row: BatchNorm refuses one row in
   // training, and per-forward memory that does not grow with the batch is
   // not multiplied.
-  const int64_t rows = (batch + chunks - 1) / chunks;
+  const int64_t rows = batch / chunks + (batch % chunks != 0 ? 1 : 0);
   const double latent_scale = static_cast<double>(batch) /
                               static_cast<double>(chunks) /
                               static_cast<double>(rows);
