@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "error_of.h"
 
 namespace gpipe {
 namespace {
@@ -523,6 +524,58 @@ TEST_F(TraceTest, TheCellThatFailedIsMarked) {
     EXPECT_FALSE(e.failed);
   }
   EXPECT_EQ(trace->svg().find("d00000"), std::string::npos);
+}
+
+// A backward that failed while it recomputed its forward was marked as a
+// failed backward, and its error said "backward": the recomputation, a
+// kind of its own, is named.
+TEST_F(TraceTest, AFailedRecomputationIsMarkedAsOne) {
+  int calls = 0;
+  auto boom = testing::lambda([&calls](torch::Tensor x) {
+    // Fill-drain: calls 1 and 2 are micro-batches 0 and 1's forwards;
+    // call 3 is the first recomputation (of micro-batch 1).
+    TORCH_CHECK_VALUE(++calls != 3, "the layer broke on purpose");
+    return x;
+  });
+  torch::nn::Sequential net(
+      torch::nn::Linear(4, 4), boom, torch::nn::Linear(4, 4));
+  GPipe model(
+      net, GPipeOptions({1, 2}).chunks(2).checkpoint(Checkpoint::Always));
+  auto trace = std::make_shared<Trace>();
+  model->set_trace(trace);
+  const auto message = testing::error_of([&] {
+    model->train_step(
+        torch::randn({4, 4}),
+        torch::randn({4, 4}),
+        [](torch::Tensor y, torch::Tensor t) { return torch::mse_loss(y, t); },
+        Schedule::FillDrain);
+  });
+  EXPECT_NE(message.find("recomputing its forward"), std::string::npos)
+      << message;
+  std::vector<TraceEvent> failed;
+  for (const auto& e : trace->events()) {
+    if (e.failed) {
+      failed.push_back(e);
+    }
+  }
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].kind, TraceKind::Recompute);
+  EXPECT_EQ(failed[0].stage, 1);
+  // A failure after it in a forward is a forward's again.
+  calls = 2;
+  trace->clear();
+  const auto again = testing::error_of([&] {
+    model->forward(torch::randn({4, 4}));
+  });
+  EXPECT_EQ(again.find("recomputing"), std::string::npos) << again;
+  failed.clear();
+  for (const auto& e : trace->events()) {
+    if (e.failed) {
+      failed.push_back(e);
+    }
+  }
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].kind, TraceKind::Forward);
 }
 
 }  // namespace

@@ -56,6 +56,11 @@ torch::Tensor sendable(const torch::Tensor& t, bool grad) {
   return out;
 }
 
+bool& failed_in_recomputation() {
+  thread_local bool failed = false;
+  return failed;
+}
+
 BufferRestore::~BufferRestore() {
   try {
     restore();

@@ -85,6 +85,11 @@ class ModeRestore {
   std::vector<bool> own_found_;  // each module's own flag found
 };
 
+/// On this thread: the cell that threw last threw in its recomputation
+/// (set by Stage::backward as the error leaves it; read and cleared by the
+/// runner, which names the recomputation in the error and the trace).
+bool& failed_in_recomputation();
+
 using CellClock = std::chrono::steady_clock;
 
 /// Now, when tracing; a stage pays only this test otherwise.

@@ -370,6 +370,7 @@ void Pass::gradients_final(int64_t stage, bool before) {
 void Pass::run_cell(
     const Cell& cell, int64_t lane, const ComputeOn* compute_on) {
   const auto started = trace_ ? CellClock::now() : CellClock::time_point();
+  failed_in_recomputation() = false;
   try {
     if (transport_->aborted()) {
       return;  // a cell that depends on a failed one never starts
@@ -432,11 +433,14 @@ void Pass::run_cell(
     error_.set(std::current_exception());
     transport_->relay(e.origin());
   } catch (...) {
+    // A backward that failed while it recomputed the forward: named so.
+    const bool recomputing = std::exchange(failed_in_recomputation(), false);
     if (trace_) {  // the cell that failed, outlined in the pictures
       trace_->record(
           lane,
           cell.micro_batch,
-          action_info(cell.phase).trace_kind,
+          recomputing ? TraceKind::Recompute
+                      : action_info(cell.phase).trace_kind,
           started,
           CellClock::now(),
           /*failed=*/true,
@@ -445,7 +449,8 @@ void Pass::run_cell(
     auto error = with_context(
         std::current_exception(),
         "partition " + std::to_string(cell.partition) + ", micro-batch " +
-            std::to_string(cell.micro_batch) + phase_name(cell.phase));
+            std::to_string(cell.micro_batch) + phase_name(cell.phase) +
+            (recomputing ? ", recomputing its forward" : ""));
     error_.set(error);
     std::string why;
     try {

@@ -354,11 +354,14 @@ Flow Stage::backward(
     for (const auto k : c10::irange(skips_in_.size())) {
       incoming.emplace(skips_in_[k], c.skip_inputs[k]);
     }
-    {
+    try {
       ModeRestore modes(c.modes.get());
       replay_seeded(device_, c.seed, c.random, [&] {
         run(c.input, incoming, y, skip_outputs);
       });
+    } catch (...) {
+      failed_in_recomputation() = true;
+      throw;
     }
     note_parameters_left(checked);
     connect_loss(c, y);
