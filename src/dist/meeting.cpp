@@ -6,6 +6,7 @@
 #include <c10/util/Logging.h>
 #include <c10/util/StringUtil.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <thread>
@@ -20,6 +21,12 @@ namespace {
 
 std::vector<uint8_t> bytes_of(const std::string& text) {
   return std::vector<uint8_t>(text.begin(), text.end());
+}
+
+std::string host_name() {
+  char name[256] = {};
+  return ::gethostname(name, sizeof(name) - 1) == 0 ? std::string(name)
+                                                    : std::string("?");
 }
 
 // Note [Meeting within the timeout]
@@ -76,8 +83,29 @@ class Meeting {
           "-n and --nnodes on every host)"));
     }
     int64_t came = 0;
-    ask("count its RANK",
-        [&] { came = store_->add("rank_" + std::to_string(rank_), 1); });
+    // Who came first as this RANK: a process that comes to the same store
+    // again (a second World on the port of one whose store rank 0 still
+    // holds) is told so, not that another process took its RANK.
+    const auto me = bytes_of(c10::str(host_name(), ":", ::getpid()));
+    std::vector<uint8_t> first_here;
+    ask("count its RANK", [&] {
+      first_here =
+          store_->compareSet("rank_" + std::to_string(rank_) + "_by", {}, me);
+      came = store_->add("rank_" + std::to_string(rank_), 1);
+    });
+    if (came > 1 && first_here == me) {
+      refuse(c10::str(
+          "this process came as RANK ",
+          rank_,
+          " of ",
+          size_,
+          " to the store at ",
+          where_,
+          " before: that store (of a World made earlier on this port) is "
+          "still held by rank 0's process, so this World met it instead of a "
+          "new one; give each new World another MASTER_PORT, on every rank "
+          "(gpipe-run --master-port)"));
+    }
     if (came > 1) {
       refuse(c10::str(
           "two processes came as RANK ",

@@ -15,8 +15,12 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "../error_of.h"
 #include "dist/connection.h"
+#include "dist/meeting.h"
 
 namespace gpipe {
 namespace {
@@ -113,6 +117,64 @@ TEST(JoinTest, AMalformedVariableIsAValueErrorWithoutABacktrace) {
         << e.what();
     expect_no_backtrace(e);
   }
+}
+
+// Variables were read with strtoll and strtod: a leading space or '+' was
+// taken and a trailing space refused, an empty variable read as "not set"
+// (GPIPE_DIST_TIMEOUT's as its default), and an exponent was a timeout.
+TEST(JoinTest, VariablesAreReadAsPlainNumbersAndEmptyOnesRefused) {
+  auto error_with = [](const std::map<std::string, std::string>& vars) {
+    std::map<std::string, std::string> all{
+        {"MASTER_ADDR", "127.0.0.1"},
+        {"MASTER_PORT", "29x"},
+        {"RANK", "0"},
+        {"WORLD_SIZE", "2"}};
+    for (const auto& [k, v] : vars) {
+      all[k] = v;
+    }
+    Environment env(all);
+    try {
+      dist::init_from_env(std::chrono::milliseconds(1500));
+    } catch (const c10::ValueError& e) {
+      return std::string(e.what());
+    } catch (const c10::Error& e) {
+      return "not a ValueError: " + std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  for (const auto* port : {" 29701", "+29701", "29701 "}) {
+    EXPECT_NE(
+        error_with({{"MASTER_PORT", port}})
+            .find(
+                "expects MASTER_PORT to be an integer in [1, 65535], but got "
+                "'" +
+                std::string(port) + "'"),
+        std::string::npos)
+        << port;
+  }
+  EXPECT_NE(
+      error_with({{"MASTER_PORT", "1"}, {"RANK", " 0"}})
+          .find("expects RANK to be an integer in [0, 1], but got ' 0'"),
+      std::string::npos);
+  EXPECT_NE(
+      error_with({{"MASTER_PORT", ""}})
+          .find("MASTER_PORT is set but empty; give it a value or unset it"),
+      std::string::npos);
+  EXPECT_NE(
+      error_with({{"MASTER_PORT", "1"}, {"LOCAL_RANK", ""}})
+          .find("LOCAL_RANK is set but empty"),
+      std::string::npos);
+  for (const auto* timeout : {"", " 5", "1e3", "5s"}) {
+    Environment env(
+        std::map<std::string, std::string>{{"GPIPE_DIST_TIMEOUT", timeout}});
+    const auto message =
+        gpipe::testing::error_of([] { dist::default_timeout(); });
+    EXPECT_NE(message.find("GPIPE_DIST_TIMEOUT"), std::string::npos)
+        << "'" << timeout << "': " << message;
+  }
+  Environment fraction(
+      std::map<std::string, std::string>{{"GPIPE_DIST_TIMEOUT", "2.5"}});
+  EXPECT_EQ(dist::default_timeout(), std::chrono::milliseconds(2500));
 }
 
 // A port that accepts connections and never answers (another service, or
@@ -249,6 +311,36 @@ TEST(JoinTest, ANewWorldOnThePortOfAFailedWorldOfThisProcessSaysSo) {
     EXPECT_EQ(what.find("two processes came as RANK 0"), std::string::npos)
         << what;
     expect_no_backtrace(e);
+  }
+}
+
+// A process that comes as the same RANK to a store it met before (a second
+// World on the port of a first whose store rank 0's process still holds)
+// was told that "two processes came as RANK 1".
+TEST(JoinTest, AProcessThatComesToTheSameStoreAgainIsToldSo) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const auto deadline = [] {
+    return std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  };
+  std::thread rank0([&] {
+    dist::detail::meet(
+        store, 0, 2, "here:1", deadline(), std::chrono::seconds(10), true);
+  });
+  dist::detail::meet(
+      store, 1, 2, "here:1", deadline(), std::chrono::seconds(10), false);
+  rank0.join();
+  try {
+    dist::detail::meet(
+        store, 1, 2, "here:1", deadline(), std::chrono::seconds(10), false);
+    ADD_FAILURE() << "rank 1 met the old store again";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(
+        what.find("this process came as RANK 1 of 2 to the store at here:1 "
+                  "before"),
+        std::string::npos)
+        << what;
+    EXPECT_EQ(what.find("two processes"), std::string::npos) << what;
   }
 }
 
