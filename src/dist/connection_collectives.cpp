@@ -188,7 +188,6 @@ void Connection::wait_collective(
       rank_name(rank),
       ": ",
       who,
-      ", or the ranks passed tensors of other sizes",
       store_gone_note(),
       " [c10d: ",
       error.substr(0, 300),

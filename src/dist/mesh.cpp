@@ -154,7 +154,8 @@ Mesh::Mesh(World world, int64_t pipeline_size)
         detail::FirstCollective::Mesh,
         {pipeline_size, 0, 0, 0},
         0,
-        "Mesh (its agreement on the pipeline size)");
+        "Mesh (its agreement on the pipeline size, which "
+        "PipelineStage(net, options, world) makes too)");
     // The largest size and the largest of their negatives.
     const std::array<int64_t, 2> w{words[1], words[5]};
     TORCH_CHECK_VALUE(
