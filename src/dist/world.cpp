@@ -28,81 +28,16 @@
 #include "dist/connection.h"
 #include "dist/meeting.h"
 #include "dist/store_client.h"
+#include "dist/world_env.h"
 #include "engine/lane.h"
 #include "text.h"
 
 namespace gpipe::dist {
 
+using detail::env;
+using detail::env_int;
+
 namespace {
-
-const char* env(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && *value != '\0' ? value : nullptr;
-}
-
-// Whether `text` is a plain number: digits, with one '.' among them when
-// `decimal` (no sign, spaces or exponent, which strtoll and strtod would
-// take at one end and not the other).
-bool plain_number(const char* text, bool decimal) {
-  bool digit = false;
-  bool point = false;
-  for (const char* c = text; *c != '\0'; ++c) {
-    if (*c >= '0' && *c <= '9') {
-      digit = true;
-    } else if (decimal && *c == '.' && !point) {
-      point = true;
-    } else {
-      return false;
-    }
-  }
-  return digit;
-}
-
-// A variable set to nothing is refused as set to nothing (it read as "not
-// set", or as unset where a default applies).
-void refuse_empty(const char* name) {
-  const char* value = std::getenv(name);
-  TORCH_CHECK_VALUE(
-      value == nullptr || *value != '\0',
-      "gpipe::dist::init_from_env: ",
-      name,
-      " is set but empty; give it a value or unset it");
-}
-
-// The integer in variable `name`, in [low, high]; `fallback` when unset and
-// a fallback is given.
-int64_t env_int(
-    const char* name,
-    int64_t low,
-    int64_t high,
-    std::optional<int64_t> fallback = std::nullopt) {
-  refuse_empty(name);
-  const char* value = env(name);
-  if (value == nullptr) {
-    TORCH_CHECK_VALUE(
-        fallback.has_value(),
-        "gpipe::dist::init_from_env needs the environment variable ",
-        name,
-        " (set by torchrun or gpipe-run), but it is not set");
-    return *fallback;
-  }
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(value, &end, 10);
-  TORCH_CHECK_VALUE(
-      plain_number(value, false) && errno == 0 && end != value &&
-          *end == '\0' && v >= low && v <= high,
-      "gpipe::dist::init_from_env expects ",
-      name,
-      " to be an integer in [",
-      low,
-      ", ",
-      high,
-      "], but got '",
-      value,
-      "'");
-  return v;
-}
 
 // Note [Resolving MASTER_ADDR first]
 // LibTorch 1.13's TCPStore client retries a host name that does not resolve
@@ -172,25 +107,6 @@ void ignore_sigpipe() {
 
 bool is_available() {
   return true;
-}
-
-std::chrono::milliseconds default_timeout() {
-  refuse_empty("GPIPE_DIST_TIMEOUT");
-  const char* value = env("GPIPE_DIST_TIMEOUT");
-  if (value == nullptr) {
-    return std::chrono::seconds(120);
-  }
-  errno = 0;
-  char* end = nullptr;
-  const double seconds = std::strtod(value, &end);
-  TORCH_CHECK_VALUE(
-      plain_number(value, true) && errno == 0 && end != value && *end == '\0' &&
-          seconds >= 1 && seconds <= 7 * 24 * 3600,
-      "GPIPE_DIST_TIMEOUT expects a number of seconds in [1, 604800], but got "
-      "'",
-      value,
-      "' (digits, and a '.' for a fraction: 30, 2.5)");
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
 World init_from_env() {
