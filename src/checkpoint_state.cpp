@@ -8,6 +8,7 @@
 #include <c10/util/irange.h>
 #include <gpipe/checkpoint_io.h>
 #include <gpipe/module.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <map>
@@ -234,20 +235,36 @@ detail::IndexedLayers layers_of(const GPipe& model) {
   return layers;
 }
 
+// The manifest file of checkpoint `path` as the file system knows it (its
+// inode and change time), or zeros when it has none: a checkpoint written
+// again in its place has another.
+std::pair<uint64_t, int64_t> manifest_identity(const std::string& path) {
+  struct stat status {};
+  const auto manifest =
+      (std::filesystem::path(path) / detail::kManifest).string();
+  if (::stat(manifest.c_str(), &status) != 0) {
+    return {0, 0};
+  }
+  return {
+      static_cast<uint64_t>(status.st_ino),
+      static_cast<int64_t>(status.st_ctim.tv_sec) * 1000000000 +
+          status.st_ctim.tv_nsec};
+}
+
 // Reads the newest checkpoint in `dir` with `read`; when a writer took it
-// away while it was read (Note [Removing a checkpoint beside readers] in
-// checkpoint_write.cpp), reads the newest again.
+// away, or wrote that step again, while it was read (Note [Removing a
+// checkpoint beside readers] in checkpoint_write.cpp), reads the newest
+// again.
 template <typename Read>
 auto read_newest(const std::string& dir, const Read& read) {
   for (int attempt = 0;; ++attempt) {
     const auto path = latest_checkpoint(dir);
+    const auto identity = manifest_identity(path);
     try {
       detail::CheckpointReader reader(path.empty() ? dir : path);
       return read(reader);
     } catch (const c10::Error&) {
-      std::error_code error;
-      if (attempt < 8 && !path.empty() &&
-          !std::filesystem::exists(path, error)) {
+      if (attempt < 8 && !path.empty() && manifest_identity(path) != identity) {
         continue;
       }
       throw;

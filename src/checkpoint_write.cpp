@@ -278,7 +278,7 @@ std::string begin_checkpoint(const std::string& root, int64_t step) {
     } else if (name.rfind(".old-", 0) == 0) {
       const auto in_place = fs::path(root) / name.substr(5);
       if (fs::exists(in_place, error)) {
-        remove_tree(entry.path().string());
+        (void)remove_checkpoint(root, entry.path());
       } else {
         fs::rename(entry.path(), in_place, error);
       }
@@ -335,7 +335,9 @@ void commit_checkpoint(
       "': ",
       error.message());
   sync_path(root);
-  remove_tree(old.string());
+  // (A reader may be reading it: Note [Removing a checkpoint beside
+  // readers].)
+  (void)remove_checkpoint(root, old);
   // Checkpoints of later steps are of a run that went on from an older one
   // and was given up (this one resumed from before them): they go, or a
   // resume would take them. Of the earlier ones the newest stays.

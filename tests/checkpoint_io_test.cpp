@@ -522,7 +522,8 @@ TEST(CheckpointIoTest, CheckpointsWithoutTheirManifestGoWithTheNextSave) {
 // A reader beside the writer (an evaluator loading the newest checkpoint
 // while training saves): a checkpoint being removed was half there, and
 // the reader was told it was damaged and to remove it, or that a file was
-// missing (52 loads of 6,376 over 300 saves).
+// missing (52 loads of 6,376 over 300 saves); one written again in its
+// place was read with the old manifest and the new files.
 TEST(CheckpointIoTest, AReaderBesideTheWriterAlwaysReadsAWholeCheckpoint) {
   TempDir dir;
   auto model = make_model(kLayouts[1]);
@@ -548,8 +549,19 @@ TEST(CheckpointIoTest, AReaderBesideTheWriterAlwaysReadsAWholeCheckpoint) {
       }
     }
   });
-  for (int64_t step = 2; step <= 80; ++step) {
+  for (int64_t step = 2; step <= 60; ++step) {
     state.step = step;
+    save_checkpoint(dir.path, model, *opt, state);
+  }
+  // A step written again (a run resumed from it) replaces the checkpoint
+  // in its place: a reader of the old manifest met the new files.
+  for (int k = 0; k < 20; ++k) {
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) {
+        p.add_(0.01);
+      }
+    }
     save_checkpoint(dir.path, model, *opt, state);
   }
   writing = false;
