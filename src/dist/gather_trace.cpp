@@ -90,6 +90,13 @@ std::shared_ptr<Trace> gather_trace(const PipelineStage& stage) {
           "gpipe::dist: a malformed trace message came from rank ",
           r);
       auto t = m.tensors[0].contiguous();
+      TORCH_CHECK(
+          t.dim() == 1 && t.numel() % 7 == 0,
+          "gpipe::dist: a malformed trace message came from rank ",
+          r,
+          " (",
+          t.numel(),
+          " numbers, not 7 per event: a rank of another gpipe?)");
       const auto* p = t.data_ptr<double>();
       std::vector<TraceEvent> events;
       for (int64_t k = 0; k + 7 <= t.numel(); k += 7) {

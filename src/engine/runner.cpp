@@ -444,7 +444,8 @@ void Pass::run_cell(
           started,
           CellClock::now(),
           /*failed=*/true,
-          cell.partition);
+          // (A transfer is no one stage's cell: TraceEvent::stage.)
+          is_transfer(cell.phase) ? -1 : cell.partition);
     }
     auto error = with_context(
         std::current_exception(),

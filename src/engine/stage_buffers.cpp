@@ -27,12 +27,13 @@ namespace gpipe::detail {
 // counters (bumped by every in-place LibTorch op, under NoGradGuard too):
 // a buffer not seen yet is kept for the cell that first sees it, one seen
 // changed is kept by every checkpointed forward after it, and one seen
-// unchanged is kept no longer. Kernels that write a buffer without a
-// version bump (BatchNorm's running statistics, which its training
-// forward does not read) are not seen: the values such a buffer has when
-// recomputed are the ones it has then, as before. A buffer that a forward
-// first changes after others left it unchanged is kept from then on; the
-// recomputation of a cell before that reads it as it is then.
+// unchanged is kept no longer. Writes without a version bump (a kernel's
+// own, as BatchNorm's running statistics, which its training forward does
+// not read; writes through `.data()` or `data_ptr`) are not seen: such a
+// buffer is recomputed as it is then, as before. A buffer that a forward
+// first changes after others left it unchanged is kept from the next
+// forward on; the recomputations of that cell and those before it read it
+// as it is then.
 
 void Stage::refresh_buffers(
     std::shared_ptr<const std::vector<torch::Tensor>> buffers) {

@@ -1,7 +1,9 @@
 #include "engine/wide_cells.h"
 
 #include <exception>
+#include <utility>
 
+#include "engine/cell.h"
 #include "engine/pipeline.h"
 
 namespace gpipe::detail {
@@ -40,11 +42,14 @@ void Countdown::done() {
 
 void Countdown::run_on_caller(const std::function<void()>& task) {
   std::exception_ptr error;
+  bool recomputing = false;
   const std::function<void()> caught = [&] {
     try {
       task();
     } catch (...) {
       error = std::current_exception();
+      // Where it failed, as the calling thread noted it: the lane names it.
+      recomputing = std::exchange(failed_in_recomputation(), false);
     }
   };
   bool finished = false;
@@ -55,6 +60,7 @@ void Countdown::run_on_caller(const std::function<void()>& task) {
     cv_.wait(lock, [&] { return finished; });
   }
   if (error) {
+    failed_in_recomputation() = recomputing;
     std::rethrow_exception(error);
   }
 }
