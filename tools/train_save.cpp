@@ -393,18 +393,37 @@ bool resume_is_finished(
   // Rank 0's reading decides for every rank (a rank on another host may
   // see other files); resume_training loads what it found.
   std::optional<gpipe::TrainingState> saved;
+  std::string why;  // rank 0 could not read it (taken away since, say)
   if (world == nullptr || world->rank() == 0) {
-    if (!newest_checkpoint(args).empty()) {
-      saved = gpipe::read_training_state(args.save_path);
+    try {
+      if (!newest_checkpoint(args).empty()) {
+        saved = gpipe::read_training_state(args.save_path);
+      }
+    } catch (const std::exception& e) {
+      why = e.what();
+      if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+        why = error->what_without_backtrace();
+      }
     }
   }
   const int64_t epochs = args.epochs;
   bool finished = saved && saved->epoch >= epochs;
   if (world != nullptr) {
-    auto flag = torch::tensor({finished ? 1 : 0}, torch::kLong);
+    // (Told to every rank before rank 0 fails: the others would wait.)
+    auto flag = torch::tensor(
+        {!why.empty() ? 2
+         : finished   ? 1
+                      : 0},
+        torch::kLong);
     world->broadcast(flag, 0);
-    finished = flag.item<int64_t>() != 0;
+    usage_check(
+        flag.item<int64_t>() != 2 || world->rank() == 0,
+        "--resume: rank 0 could not read the newest checkpoint in --save '",
+        args.save_path,
+        "' (its message says why)");
+    finished = flag.item<int64_t>() == 1;
   }
+  usage_check(why.empty(), "--resume: ", why);
   if (!finished || !lead) {
     return finished;
   }

@@ -435,7 +435,7 @@ Autotuned autotune(
         // 9.2e12 s, which a large cell_overhead_seconds reaches.)
         const auto us = [](const AutotuneCandidate& c) {
           return std::isfinite(c.predicted_step_seconds)
-                     ? std::nearbyint(c.predicted_step_seconds * 1e6)
+                     ? std::round(c.predicted_step_seconds * 1e6)
                      : std::numeric_limits<double>::infinity();
         };
         if (us(a) != us(b)) {

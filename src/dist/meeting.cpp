@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -23,10 +24,18 @@ std::vector<uint8_t> bytes_of(const std::string& text) {
   return std::vector<uint8_t>(text.begin(), text.end());
 }
 
-std::string host_name() {
-  char name[256] = {};
-  return ::gethostname(name, sizeof(name) - 1) == 0 ? std::string(name)
-                                                    : std::string("?");
+// This process, told apart from any other that comes to a store: a
+// random word drawn once (host and pid repeat across containers that
+// share a host name, each pid 1).
+const std::string& process_id() {
+  static const std::string id = [] {
+    std::random_device device;
+    const uint64_t high = device();
+    const uint64_t low = device();
+    return std::to_string(
+        (high << 32) ^ low ^ static_cast<uint64_t>(::getpid()));
+  }();
+  return id;
 }
 
 // Note [Meeting within the timeout]
@@ -86,7 +95,7 @@ class Meeting {
     // Who came first as this RANK: a process that comes to the same store
     // again (a second World on the port of one whose store rank 0 still
     // holds) is told so, not that another process took its RANK.
-    const auto me = bytes_of(c10::str(host_name(), ":", ::getpid()));
+    const auto me = bytes_of(process_id());
     std::vector<uint8_t> first_here;
     ask("count its RANK", [&] {
       first_here =
