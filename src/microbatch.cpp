@@ -101,6 +101,41 @@ Batch gather(const std::vector<Batch>& micro_batches) {
           " but defined in others; it must be undefined in every "
           "micro-batch or in none");
     }
+    // What cat would promote or refuse without saying which micro-batch.
+    const auto& first = pieces[0];
+    for (const auto i : c10::irange(pieces.size())) {
+      const auto& t = pieces[i];
+      TORCH_CHECK_VALUE(
+          t.dim() > 0,
+          "gather: tensor ",
+          k,
+          " of micro-batch ",
+          i,
+          " has no dimensions; micro-batches are joined along dim 0 (the "
+          "batch)");
+      TORCH_CHECK_VALUE(
+          t.scalar_type() == first.scalar_type(),
+          "gather: tensor ",
+          k,
+          " of micro-batch ",
+          i,
+          " is ",
+          t.scalar_type(),
+          ", but micro-batch 0's is ",
+          first.scalar_type());
+      TORCH_CHECK_VALUE(
+          t.dim() == first.dim() &&
+              t.sizes().slice(1) == first.sizes().slice(1),
+          "gather: tensor ",
+          k,
+          " of micro-batch ",
+          i,
+          " has shape ",
+          t.sizes(),
+          ", but micro-batch 0's has ",
+          first.sizes(),
+          "; they may differ only in dim 0 (the rows)");
+    }
     out.push_back(torch::cat(pieces, /*dim=*/0));
   }
   return out;

@@ -54,6 +54,10 @@ void verify_chunks(int64_t chunks) {
 
 void verify_devices(
     const std::vector<torch::Device>& devices, int64_t num_partitions) {
+  TORCH_CHECK_VALUE(
+      num_partitions >= 0,
+      "verify_devices expects a number of partitions >= 0, but got ",
+      num_partitions);
   TORCH_CHECK_INDEX(
       static_cast<int64_t>(devices.size()) >= num_partitions,
       "too few devices to hold the partitions: expected at least ",

@@ -216,6 +216,15 @@ TEST_F(GPipeTest, ABalanceWhoseSumOverflowsIsRefused) {
   EXPECT_THROW(gpipe::verify_balance({huge, huge, 4}, 2), c10::ValueError);
 }
 
+// verify_devices took a negative number of partitions as nothing to check.
+TEST_F(GPipeTest, VerifyDevicesRefusesANegativeNumberOfPartitions) {
+  auto msg = message_of([] { gpipe::verify_devices({torch::kCPU}, -1); });
+  EXPECT_TRUE(contains(
+      msg, "verify_devices expects a number of partitions >= 0, but got -1"))
+      << msg;
+  EXPECT_NO_THROW(gpipe::verify_devices({torch::kCPU}, 0));
+}
+
 // Chunks near INT64_MAX: the first forward divided by zero (SIGFPE) on an
 // input without grad, and failed in Tensor::chunk on one with grad; any
 // chunks above the batch's rows cut one row a micro-batch.

@@ -74,4 +74,33 @@ TEST_F(MicrobatchTest, BadBatchesAreRefused) {
   }
 }
 
+// gather joined micro-batches of other dtypes by promoting them, and
+// passed LibTorch's cat errors on without saying which micro-batch.
+TEST_F(MicrobatchTest, GatherNamesTheMicroBatchThatDoesNotFit) {
+  auto error_of = [](const std::vector<gpipe::Batch>& batches) {
+    try {
+      gpipe::gather(batches);
+    } catch (const c10::ValueError& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no ValueError");
+  };
+  const auto x = torch::zeros({5, 3});
+  EXPECT_NE(
+      error_of({{x}, {torch::zeros({2, 3}, torch::kLong)}})
+          .find("gather: tensor 0 of micro-batch 1 is Long, but micro-batch "
+                "0's is Float"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of({{x}, {torch::zeros({2, 4})}})
+          .find("gather: tensor 0 of micro-batch 1 has shape [2, 4], but "
+                "micro-batch 0's has [5, 3]; they may differ only in dim 0"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of({{torch::tensor(1.0)}, {torch::tensor(2.0)}})
+          .find("gather: tensor 0 of micro-batch 0 has no dimensions"),
+      std::string::npos);
+  EXPECT_EQ(gpipe::gather({{x}, {torch::ones({2, 3})}})[0].size(0), 7);
+}
+
 }  // namespace
