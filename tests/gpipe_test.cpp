@@ -622,7 +622,8 @@ TEST_F(GPipeTest, ATensorInATupleOutRunsThroughForwardTuple) {
       "forward(torch::Tensor), or forward_tuple(torch::Tensor)"))
       << msg;
   EXPECT_THROW(model->forward(std::vector<torch::Tensor>{x}), c10::TypeError);
-  // And the other way: a tuple-taking first layer given one tensor.
+  // And the other way: a tuple-taking first layer given one tensor (by
+  // forward_tuple, which the message named as forward(torch::Tensor)).
   struct PairImpl : torch::nn::Module {
     std::vector<torch::Tensor> forward(std::vector<torch::Tensor> xs) {
       return xs;
@@ -636,8 +637,8 @@ TEST_F(GPipeTest, ATensorInATupleOutRunsThroughForwardTuple) {
   EXPECT_TRUE(contains(
       msg,
       "the first layer does not take a torch::Tensor, which "
-      "forward(torch::Tensor) gives it; call "
-      "forward(std::vector<torch::Tensor>)"))
+      "forward(torch::Tensor) and forward_tuple(torch::Tensor) give it; "
+      "call forward(std::vector<torch::Tensor>)"))
       << msg;
 }
 

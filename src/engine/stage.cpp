@@ -113,10 +113,11 @@ torch::nn::AnyValue first_layer(
     TORCH_CHECK_TYPE(
         false,
         "the first layer does not take ",
-        input.atomic ? "a torch::Tensor, which forward(torch::Tensor)"
+        input.atomic ? "a torch::Tensor, which forward(torch::Tensor) and "
+                       "forward_tuple(torch::Tensor) give it"
                      : "a std::vector<torch::Tensor>, which "
-                       "forward(std::vector<torch::Tensor>)",
-        " gives it; call ",
+                       "forward(std::vector<torch::Tensor>) gives it",
+        "; call ",
         input.atomic
             ? "forward(std::vector<torch::Tensor>)"
             : "forward(torch::Tensor), or forward_tuple(torch::Tensor) "
