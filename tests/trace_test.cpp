@@ -456,6 +456,17 @@ struct ThrowOnMarkImpl : torch::nn::Module {
 };
 TORCH_MODULE(ThrowOnMark);
 
+// The events of `trace` marked failed.
+std::vector<TraceEvent> failed_events(const Trace& trace) {
+  std::vector<TraceEvent> failed;
+  for (const auto& e : trace.events()) {
+    if (e.failed) {
+      failed.push_back(e);
+    }
+  }
+  return failed;
+}
+
 // A step that failed used to leave a trace of the cells that ran and
 // nothing of the one that threw: it is recorded where it failed, marked as
 // failed (and only it), outlined in red in the SVG, flagged in the JSON; the
@@ -471,12 +482,7 @@ TEST_F(TraceTest, TheCellThatFailedIsMarked) {
   marked[5][0] = std::numeric_limits<float>::quiet_NaN();  // micro-batch 2
   // A NaN stays NaN through Linear and Tanh.
   EXPECT_THROW(model->forward(marked), c10::ValueError);
-  std::vector<TraceEvent> failed;
-  for (const auto& e : trace->events()) {
-    if (e.failed) {
-      failed.push_back(e);
-    }
-  }
+  auto failed = failed_events(*trace);
   ASSERT_EQ(failed.size(), 1u);
   EXPECT_EQ(failed[0].lane, 1);
   EXPECT_EQ(failed[0].micro_batch, 2);
@@ -508,12 +514,7 @@ TEST_F(TraceTest, TheCellThatFailedIsMarked) {
           },
           Schedule::OneFOneB),
       c10::ValueError);
-  failed.clear();
-  for (const auto& e : trace->events()) {
-    if (e.failed) {
-      failed.push_back(e);
-    }
-  }
+  failed = failed_events(*trace);
   ASSERT_EQ(failed.size(), 1u);
   EXPECT_EQ(failed[0].kind, TraceKind::Loss);
   EXPECT_EQ(failed[0].micro_batch, 0);
@@ -552,12 +553,7 @@ TEST_F(TraceTest, AFailedRecomputationIsMarkedAsOne) {
   });
   EXPECT_NE(message.find("recomputing its forward"), std::string::npos)
       << message;
-  std::vector<TraceEvent> failed;
-  for (const auto& e : trace->events()) {
-    if (e.failed) {
-      failed.push_back(e);
-    }
-  }
+  auto failed = failed_events(*trace);
   ASSERT_EQ(failed.size(), 1u);
   EXPECT_EQ(failed[0].kind, TraceKind::Recompute);
   EXPECT_EQ(failed[0].stage, 1);
@@ -568,12 +564,7 @@ TEST_F(TraceTest, AFailedRecomputationIsMarkedAsOne) {
     model->forward(torch::randn({4, 4}));
   });
   EXPECT_EQ(again.find("recomputing"), std::string::npos) << again;
-  failed.clear();
-  for (const auto& e : trace->events()) {
-    if (e.failed) {
-      failed.push_back(e);
-    }
-  }
+  failed = failed_events(*trace);
   ASSERT_EQ(failed.size(), 1u);
   EXPECT_EQ(failed[0].kind, TraceKind::Forward);
 }

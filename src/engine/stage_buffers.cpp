@@ -38,6 +38,22 @@ namespace gpipe::detail {
 void Stage::refresh_buffers(
     std::shared_ptr<const std::vector<torch::Tensor>> buffers) {
   std::lock_guard<std::mutex> lock(buffers_mutex_);
+  // The same buffers as at the last pass (every pass but the first,
+  // usually): nothing to redo.
+  const auto same = [&] {
+    if (!buffers_ || buffers_->size() != buffers->size()) {
+      return false;
+    }
+    for (const auto k : c10::irange(buffers->size())) {
+      if (!(*buffers_)[k].is_same((*buffers)[k])) {
+        return false;
+      }
+    }
+    return true;
+  };
+  if (same()) {
+    return;
+  }
   // Only the buffers of the list: none that is gone is kept alive by its
   // address (a new one at the same address would be taken for it).
   std::unordered_map<const c10::TensorImpl*, BufferSeen> seen;
