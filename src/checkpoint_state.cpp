@@ -264,7 +264,10 @@ auto read_newest(const std::string& dir, const Read& read) {
       detail::CheckpointReader reader(path.empty() ? dir : path);
       return read(reader);
     } catch (const c10::Error&) {
-      if (attempt < 8 && !path.empty() && manifest_identity(path) != identity) {
+      // (No manifest at the start: it went between the listing and then.)
+      const bool went = identity == std::pair<uint64_t, int64_t>{0, 0};
+      if (attempt < 8 && !path.empty() &&
+          (went || manifest_identity(path) != identity)) {
         continue;
       }
       throw;
