@@ -356,6 +356,18 @@ TEST(PlacementTest, CsvRoundTripKeepsThePlacement) {
           .find("row 3: the placement line comes after the actions of 2 lanes; "
                 "it must come before them"),
       std::string::npos);
+  // Blank rows above it are not lanes (the format puts it first).
+  EXPECT_EQ(
+      Plan::from_csv("\n \n# placement: 1 0\n1F0,1B0\n0F0,0B0\n").to_csv(),
+      Plan::from_csv("# placement: 1 0\n1F0,1B0\n0F0,0B0\n").to_csv());
+  EXPECT_EQ(
+      Plan::from_csv("\n\n# placement: 1 0\n1F0,1B0\n0F0,0B0\n").lanes.size(),
+      2u);
+  EXPECT_NE(
+      error_of([] {
+        Plan::from_csv("0F0,0B0\n\n# placement: 0\n");
+      }).find("row 3: the placement line comes after the actions of 2 lanes"),
+      std::string::npos);
   // A placement line of another length than the actions' stages.
   EXPECT_NE(
       error_of([] {

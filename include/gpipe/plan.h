@@ -87,12 +87,12 @@ struct Plan {
   std::string to_csv() const;
   /// Reads `to_csv()`'s format (also `I` for an input part, as newer
   /// PyTorch writes it; empty columns are skipped; blank lines at the end
-  /// are not lanes, a blank line between rows is an empty lane; other lines
-  /// starting with `#` are comments, except one that starts like a
-  /// placement line, `#placement 0 1` say, which is refused; a UTF-8 byte
-  /// order mark first is skipped). micro_batches and stages are the largest
-  /// indices plus one; lanes are the rows, or the placement line's lanes
-  /// when more. A placement line must come before the rows of actions and
+  /// or above a placement line are not lanes, a blank line between rows is an
+  /// empty lane; other lines starting with `#` are comments, except one that
+  /// starts like a placement line, `#placement 0 1` say, which is refused; a
+  /// UTF-8 byte order mark first is skipped). micro_batches and stages are the
+  /// largest indices plus one; lanes are the rows, or the placement line's
+  /// lanes when more. A placement line must come before the rows of actions and
   /// place as many stages as the actions use (in a plan of 0 micro-batches,
   /// the stages it places). Without a
   /// placement line the placement is the one the rows show when each

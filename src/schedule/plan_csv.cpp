@@ -266,6 +266,14 @@ Plan Plan::from_csv(const std::string& text) {
       if (trim(line).rfind(kPlacementLine, 0) == 0) {
         TORCH_CHECK_VALUE(
             !placed, "plan CSV: row ", row, ": a second placement line");
+        // Blank rows above it are the file's top margin, not idle lanes: a
+        // plan written by to_csv has its placement line first.
+        if (std::all_of(
+                plan.lanes.begin(), plan.lanes.end(), [](const auto& lane) {
+                  return lane.empty();
+                })) {
+          plan.lanes.clear();
+        }
         // (Where blank lines around it would stand for lanes or not.)
         TORCH_CHECK_VALUE(
             plan.lanes.empty(),
