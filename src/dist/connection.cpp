@@ -68,6 +68,9 @@ Connection::~Connection() {
     listener_.join();
   }
   take_back_note();
+  if (!failure_) {
+    say_leaving();
+  }
   if (failure_) {
     // Receives may still be posted into the group: leave it alone.
     keep_forever(std::move(groups.group));

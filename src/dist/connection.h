@@ -258,6 +258,11 @@ struct Connection : std::enable_shared_from_this<Connection> {
   // store cannot tell).
   void mark_arrival(int64_t collective);
   std::string absent_from(int64_t collective) const;
+  // Note [A rank that left]: said on the store when the connection goes
+  // without a failure; "rank 2 had left (...)" for those of the others
+  // that said so, else "".
+  void say_leaving();
+  std::string who_left() const;
   // Note [What a rank waits for]: the listener says (or takes back) under
   // this rank's key of the job's store what this rank has long waited for.
   void note_long_waits();

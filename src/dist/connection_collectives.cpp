@@ -31,11 +31,58 @@ namespace gpipe::dist::detail {
 // too: the message says what the store shows. Reading happens only on that
 // failure path; a store that is gone leaves the message as it was.
 
+// Note [A rank that left]
+// A rank whose World goes (its process returned, or let it go) while the
+// others still call collectives on it closes its connections, and of more
+// than two ranks the others' Gloo errors cannot say whose: a closed pair
+// names an address, not a rank. So a connection that goes without a
+// failure says so under its own key of the store first (before its group,
+// and so its sockets, close), and a collective that failed names the ranks
+// that said so. A process killed outright says nothing: then the message
+// stays "a rank died".
+
 namespace {
 
 constexpr const char* kArrivedKey = "arrived/";
+constexpr const char* kLeftKey = "left/";
 
 }  // namespace
+
+void Connection::say_leaving() {
+  if (size < 2 || store_gone_) {
+    return;
+  }
+  try {
+    store->set(kLeftKey + std::to_string(rank), std::vector<uint8_t>{1});
+  } catch (...) {
+    // The store is gone: the others' messages name nobody.
+  }
+}
+
+std::string Connection::who_left() const {
+  std::vector<int64_t> left;
+  try {
+    for (const auto r : c10::irange(size)) {
+      if (r != rank && store->check({kLeftKey + std::to_string(r)})) {
+        left.push_back(r);
+      }
+    }
+  } catch (...) {
+    return {};
+  }
+  std::string names;
+  for (const auto k : c10::irange(left.size())) {
+    names += (k == 0                 ? ""
+              : k + 1 == left.size() ? " and "
+                                     : ", ") +
+             rank_name(left[k]);
+  }
+  return left.empty()
+             ? std::string()
+             : names + " had left (" +
+                   (left.size() == 1 ? "its World was" : "their Worlds were") +
+                   " let go: the process returned, or let it go)";
+}
 
 void Connection::mark_arrival(int64_t collective) {
   try {
@@ -173,14 +220,17 @@ void Connection::wait_collective(
   }
   await_failure_notice();
   check();
-  // Of two ranks, the other is the one to name.
-  const auto who = size == 2 ? rank_name(1 - rank) +
-                                   " died, closed its "
-                                   "connections or stopped "
-                                   "answering"
-                             : std::string(
-                                   "a rank died, closed its connections or "
-                                   "stopped answering");
+  // A rank that said it left is named (Note [A rank that left]); else, of
+  // two ranks, the other.
+  const auto left = who_left();
+  const auto who = !left.empty() ? left
+                   : size == 2   ? rank_name(1 - rank) +
+                                     " died, closed its "
+                                     "connections or stopped "
+                                     "answering"
+                               : std::string(
+                                     "a rank died, closed its connections or "
+                                     "stopped answering");
   gpipe::detail::fail_without_backtrace(c10::str(
       "gpipe::dist: the ",
       what,

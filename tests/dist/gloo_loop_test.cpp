@@ -169,6 +169,37 @@ TEST(GlooErrorsTest, ACollectiveWhosePeerIsGoneIsAC10Error) {
   EXPECT_LT(took.count(), 20.0) << message;
 }
 
+// Of three ranks, the one whose World went before the collective is named
+// (a process that returned, or let its World go, says so on the store).
+TEST(GlooErrorsTest, OfThreeRanksTheOneWhoseWorldWentIsNamed) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::atomic<bool> closed{false};
+  std::vector<std::string> messages(3, "not run");
+  gpipe::dist::testing::run_threads(3, [&](int64_t r) {
+    std::optional<gpipe::dist::World> world =
+        gpipe::dist::init_from_store(store, r, 3, std::chrono::seconds(30));
+    if (r == 2) {
+      world.reset();
+      closed = true;
+      return;
+    }
+    while (!closed) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    auto t = torch::ones({4});
+    try {
+      world->all_reduce(t);
+      messages[r] = "no error";
+    } catch (const c10::Error& e) {
+      messages[r] = e.what_without_backtrace();
+    }
+  });
+  for (const auto r : {0, 1}) {
+    EXPECT_NE(messages[r].find("rank 2 had left"), std::string::npos)
+        << messages[r];
+  }
+}
+
 // Ranks that pass tensors of other sizes or dtypes to one collective are
 // refused alike (Gloo itself would abort the process), and the World works
 // on afterwards.
