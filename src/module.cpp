@@ -183,6 +183,31 @@ std::vector<detail::Packet> micro_packets(
   return packets;
 }
 
+// Runs a pass; an error of a pass whose batch is one 1-D tensor says how
+// gpipe read it: a newcomer's one sample of features is cut into
+// micro-batches of a few features each, and the first layer's error
+// ("mat1 and mat2 shapes cannot be multiplied (1x4 and 8x4)") does not say
+// why.
+template <typename Run>
+auto with_batch_hint(
+    const std::vector<torch::Tensor>& inputs, int64_t chunks, Run run) {
+  try {
+    return run();
+  } catch (c10::Error& e) {
+    if (inputs.size() == 1 && inputs[0].dim() == 1 && chunks > 1 &&
+        inputs[0].size(0) > 1) {
+      e.add_context(c10::str(
+          "the input is 1-D, of shape ",
+          inputs[0].sizes(),
+          ": gpipe takes dimension 0 as the batch and cut it into "
+          "micro-batches of its elements; if it is one sample of ",
+          inputs[0].size(0),
+          " features, pass input.unsqueeze(0)"));
+    }
+    throw;
+  }
+}
+
 }  // namespace
 
 void GPipeImpl::train(bool on) {
@@ -199,8 +224,10 @@ torch::Tensor GPipeImpl::forward(torch::Tensor input) {
     return input;
   }
   auto packets = micro_packets({input}, options.chunks(), /*atomic=*/true);
-  auto out = pipeline_->forward(
-      std::move(packets), {input}, pass_options(training(*this), options));
+  auto out = with_batch_hint({input}, options.chunks(), [&] {
+    return pipeline_->forward(
+        std::move(packets), {input}, pass_options(training(*this), options));
+  });
   TORCH_CHECK_TYPE(
       out.atomic && out.tensors.size() == 1,
       "the last layer returned a std::vector<torch::Tensor> of ",
@@ -218,10 +245,12 @@ std::vector<torch::Tensor> GPipeImpl::forward_tuple(torch::Tensor input) {
     return {input};
   }
   auto packets = micro_packets({input}, options.chunks(), /*atomic=*/true);
-  return pipeline_
-      ->forward(
-          std::move(packets), {input}, pass_options(training(*this), options))
-      .tensors;
+  return with_batch_hint({input}, options.chunks(), [&] {
+    return pipeline_
+        ->forward(
+            std::move(packets), {input}, pass_options(training(*this), options))
+        .tensors;
+  });
 }
 
 std::vector<torch::Tensor> GPipeImpl::forward(
@@ -301,13 +330,15 @@ torch::Tensor GPipeImpl::run_train_step(
     made = pipeline_->training_plan(*schedule, m);
     plan = made.get();
   }
-  return pipeline_->train(
-      std::move(packets),
-      std::move(target_pieces),
-      {input},
-      loss_fn,
-      *plan,
-      pass_options(training(*this), options));
+  return with_batch_hint({input}, options.chunks(), [&] {
+    return pipeline_->train(
+        std::move(packets),
+        std::move(target_pieces),
+        {input},
+        loss_fn,
+        *plan,
+        pass_options(training(*this), options));
+  });
 }
 
 int64_t GPipeImpl::lanes() const {

@@ -833,6 +833,7 @@ bad_host --nnodes "'two'" -n 2 --nnodes two
 bad_host --master-port "--nnodes 2" -n 2 --nnodes 2 --node-rank 1 \
   --master-addr 127.0.0.1
 bad_host --master-addr "--nnodes 2" -n 2 --nnodes 2 --master-port 12345
+bad_host "needs --master-addr and --master-port" "--nnodes 2" -n 2 --nnodes 2
 
 run --help
 if [[ $status -ne 0 ]] || ! grep -qF -- --master-port "$tmp/out"; then

@@ -221,6 +221,28 @@ TEST_F(TrainStepTest, MessagesReadWell) {
   EXPECT_NE(msg.find("layer refused (in gpipe partition 1"), std::string::npos)
       << msg;
   EXPECT_EQ(msg.find("(("), std::string::npos) << msg;
+  // A 1-D batch (one sample, a newcomer's mistake) is read as 8 rows: the
+  // first layer's error says how gpipe read it, in every pass.
+  torch::nn::Sequential linear(torch::nn::Linear(8, 4));
+  GPipe flat(linear, GPipeOptions({1}).chunks(2));
+  const auto one_sample = torch::randn({8});
+  for (const auto& pass : std::vector<std::function<void()>>{
+           [&] { flat->forward(one_sample); },
+           [&] { flat->forward_tuple(one_sample); },
+           [&] {
+             flat->train_step(
+                 one_sample,
+                 torch::zeros({8}),
+                 [](torch::Tensor y, torch::Tensor t) { return y.sum(); },
+                 Schedule::FillDrain);
+           }}) {
+    EXPECT_NE(
+        testing::error_of(pass).find(
+            "the input is 1-D, of shape [8]: gpipe takes "
+            "dimension 0 as the batch"),
+        std::string::npos)
+        << testing::error_of(pass);
+  }
   // Counts agree with their nouns.
   GPipe one_lane(
       model_of(false), GPipeOptions({2, 2, 4}).chunks(1).stages_per_lane(3));

@@ -283,6 +283,13 @@ bool parse_args(int argc, const char* const* argv, Args& args) {
   // cannot agree on by themselves: a free port found here is free only
   // here, and 127.0.0.1 names each host itself.
   usage_check(
+      args.nnodes == 1 || app.count("--master-port") > 0 ||
+          app.count("--master-addr") > 0,
+      "--nnodes ",
+      args.nnodes,
+      " needs --master-addr and --master-port: host 0's address and a port, "
+      "the same on every host");
+  usage_check(
       args.nnodes == 1 || app.count("--master-port") > 0,
       "--nnodes ",
       args.nnodes,
