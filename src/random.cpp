@@ -303,7 +303,8 @@ void replay_seeded(
     torch::Device device,
     uint64_t seed,
     const RandomOutcome& forward,
-    const std::function<void()>& body) {
+    const std::function<void()>& body,
+    const std::function<void()>& rerun) {
   if (forward.drew && forward.own) {
     const auto run = run_own(seed, body);
     TORCH_CHECK(
@@ -324,14 +325,54 @@ void replay_seeded(
         "when gpipe::is_recomputing()?); its gradients would be wrong");
     return;
   }
-  Shared hold;
-  const GeneratorSnapshot before(device);
-  body();
+  {
+    Shared hold;
+    const GeneratorSnapshot before(device);
+    body();
+    if (GeneratorSnapshot(device) == before) {
+      return;
+    }
+  }
+  // Note [A recomputation that saw the generators move]
+  // The forward drew nothing, and the default generators moved while its
+  // recomputation ran: the cell drew now (its randomness changed between
+  // forward and backward, and its gradients would be wrong), or another
+  // thread drew meanwhile (a user's thread; the cells of other pipelines
+  // draw under the lease, and profiling on its own generator). Run again
+  // where the cell's own draws can be told apart: on a generator of its
+  // own (CPU), whose moving means the cell drew, up to kTries times until
+  // the default generators stay still; else exclusively, seeded, where
+  // any move counts. Only a move in every run is an error that may not be
+  // the cell's.
+  constexpr int kTries = 3;
+  for (int t = 0; t < kTries; ++t) {
+    bool drew = false;
+    bool moved = false;
+    if (own_generators(device)) {
+      const auto run = run_own(seed, rerun);
+      drew = run.outcome.drew;
+      moved = run.moved;
+    } else {
+      moved = run_exclusive(device, seed, rerun).drew;
+    }
+    TORCH_CHECK(
+        !drew,
+        "the recomputation of a checkpointed cell drew random numbers "
+        "although its forward drew none (did a layer's randomness change "
+        "between forward and backward?); its gradients would be wrong");
+    if (!moved) {
+      return;
+    }
+  }
   TORCH_CHECK(
-      GeneratorSnapshot(device) == before,
-      "the recomputation of a checkpointed cell drew random numbers although "
-      "its forward drew none (did a layer's randomness change between "
-      "forward and backward?); its gradients would be wrong");
+      false,
+      "the recomputation of a checkpointed cell saw the default random "
+      "generator move in each of its ",
+      kTries + 1,
+      " runs although its forward drew none: a layer draws from it by name "
+      "now (its randomness changed between forward and backward), or "
+      "another thread draws from it all the while; its gradients could be "
+      "wrong");
 }
 
 uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage) {
@@ -382,13 +423,18 @@ uint64_t aside_seed() {
 
 }  // namespace
 
-CpuGeneratorAside::CpuGeneratorAside() {
+CpuGeneratorAside::CpuGeneratorAside(torch::Device device) {
   // A cell holds the lease: waiting for it here would wait for itself.
   TORCH_CHECK(
       !inside_cell(),
       "gpipe: profiling (balance_by_time, balance_by_size, autotune) cannot "
       "run inside a pipeline's cell (a layer's forward or backward, or a "
       "loss); run it outside the pipeline");
+  if (own_generators(device)) {
+    own_ = std::make_unique<CellGeneratorScope>(
+        at::make_generator<at::CPUGeneratorImpl>(aside_seed()));
+    return;
+  }
   auto& aside = the_aside();
   std::lock_guard<std::mutex> lock(aside.mutex);
   if (aside.holders++ > 0) {
@@ -402,6 +448,9 @@ CpuGeneratorAside::CpuGeneratorAside() {
 }
 
 CpuGeneratorAside::~CpuGeneratorAside() {
+  if (own_) {
+    return;
+  }
   auto& aside = the_aside();
   std::lock_guard<std::mutex> lock(aside.mutex);
   if (--aside.holders > 0) {

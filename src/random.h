@@ -192,11 +192,17 @@ RandomOutcome run_seeded(
 
 /// Runs `body` (a recomputation) drawing what the forward whose outcome is
 /// `forward` drew. Throws `c10::Error` when it cannot: the numbers differ.
+/// When the forward drew nothing and the default generators moved while
+/// `body` ran, `rerun` (which must redo `body`'s work, replacing its
+/// results) runs on a generator of its own to tell whether the cell drew
+/// or another thread did (Note [A recomputation that saw the generators
+/// move] in random.cpp).
 void replay_seeded(
     torch::Device device,
     uint64_t seed,
     const RandomOutcome& forward,
-    const std::function<void()>& body);
+    const std::function<void()>& body,
+    const std::function<void()>& rerun);
 
 /// Mixes a step seed with a cell's coordinates.
 uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage);
@@ -210,20 +216,29 @@ void set_cpu_generator_state(const torch::Tensor& state);
 /// lease (see the Note above).
 uint64_t draw_step_seed();
 
-/// While alive: the default CPU generator runs on a stream of its own,
-/// seeded with a seed no other use in this process gets, and the user's
-/// state comes back when it goes (both under the exclusive lease). What
-/// runs meanwhile (balance's profiling) draws nothing of the user's
-/// stream, so putting the state back hands out no number twice, whatever
-/// other threads draw meanwhile. Nested and overlapping ones (two threads
-/// profiling) share one aside: the first sets it, the last puts the user's
-/// state back. Refused inside a cell, which holds the lease.
+class CellGeneratorScope;  // cell_generator.h
+
+/// While alive, profiling (balance's and autotune's) on this thread draws
+/// from a stream of its own, seeded with a seed no other use in this process
+/// gets, and nothing of the user's stream. Profiling on the CPU takes a
+/// generator of its own for this thread's random operators (as a cell
+/// does, cell_generator.h), so the default generator does not move and
+/// pipelines on other threads, which watch it, are undisturbed. Elsewhere
+/// (a CUDA device, or no generators of its own) the default CPU generator
+/// is set aside instead: reseeded, and the user's state put back when it
+/// goes (both under the exclusive lease), which hands out no number twice
+/// whatever other threads draw meanwhile; nested and overlapping ones (two
+/// threads profiling) share one aside, the first sets it, the last puts the
+/// user's state back. Refused inside a cell, which holds the lease.
 class CpuGeneratorAside {
  public:
-  CpuGeneratorAside();
+  explicit CpuGeneratorAside(torch::Device device);
   ~CpuGeneratorAside();
   CpuGeneratorAside(const CpuGeneratorAside&) = delete;
   CpuGeneratorAside& operator=(const CpuGeneratorAside&) = delete;
+
+ private:
+  std::unique_ptr<CellGeneratorScope> own_;  // set: no aside was taken
 };
 
 }  // namespace gpipe::detail

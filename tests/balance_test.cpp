@@ -827,6 +827,39 @@ TEST_F(BalanceTest, WhatAnotherThreadDrawsWhileBalancingStaysDrawn) {
       << "a number was drawn twice among " << drawn.size();
 }
 
+TEST_F(BalanceTest, ProfilingOnTheCpuLeavesTheDefaultGeneratorStill) {
+  // Profiling set the default generator aside (reseeded it) and drew its
+  // masks and initial values from it, so a pipeline training on another
+  // thread saw it move under a checkpointed cell's recomputation and
+  // failed: 'drew random numbers although its forward drew none' (82 of
+  // 1,043 steps, measured from outside). Now the profiling thread draws
+  // from a generator of its own: the default one stands still throughout,
+  // as every layer of the profiled model sees it.
+  torch::Tensor state;  // once the model and sample are made
+  std::atomic<int64_t> checked{0};
+  std::atomic<int64_t> moved{0};
+  auto watch = gpipe::testing::lambda([&](torch::Tensor x) {
+    ++checked;
+    if (!at::detail::getDefaultCPUGenerator().get_state().equal(state)) {
+      ++moved;
+    }
+    return x;
+  });
+  torch::nn::Sequential model(
+      torch::nn::Linear(4, 4),
+      torch::nn::Dropout(0.5),
+      watch,
+      torch::nn::Linear(4, 4),
+      torch::nn::Dropout(0.5));
+  const auto sample = torch::rand({4, 4});
+  state = at::detail::getDefaultCPUGenerator().get_state();
+  gpipe::balance_by_time(2, model, sample, 0);
+  gpipe::balance_by_size(2, model, sample);
+  EXPECT_GT(checked.load(), 0);
+  EXPECT_EQ(moved.load(), 0) << "of " << checked.load();
+  EXPECT_TRUE(at::detail::getDefaultCPUGenerator().get_state().equal(state));
+}
+
 TEST_F(BalanceTest, OverlappingProfilesPutTheUsersStreamBack) {
   // Each profile set the generator aside and put back what it had found:
   // one that began inside another's and ended after it put back the other's

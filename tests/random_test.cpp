@@ -346,6 +346,69 @@ namespace {
 // A stage seen drawing by name takes turns for a while, then tries its own
 // generator again: a move of the default generator by another stage's
 // first unseeded draw does not hold it back for good.
+// A recomputation during which another thread drew from the default
+// generator (a user's thread, here made to from inside the layer on the
+// recomputation's first run) runs again on a generator of its own, and the
+// gradients are the plain model's. It was an error: 'drew random numbers
+// although its forward drew none'.
+TEST_F(RandomTest, AnotherThreadsDrawDuringARecomputationIsNotTheCells) {
+  std::atomic<int64_t> runs{0};
+  auto sometimes_elsewhere = gpipe::testing::lambda([&](torch::Tensor x) {
+    if (gpipe::is_recomputing() && runs++ % 2 == 0) {
+      std::thread other([] { torch::rand({1}); });
+      other.join();
+    }
+    return x;
+  });
+  // The same layers twice (the lambda does not clone).
+  auto layers = [](torch::nn::AnyModule middle) {
+    torch::manual_seed(3);
+    torch::nn::Sequential net(torch::nn::Linear(4, 4));
+    net->push_back(std::move(middle));
+    net->push_back(torch::nn::Tanh());
+    net->push_back(torch::nn::Linear(4, 2));
+    net->to(torch::kFloat64);
+    return net;
+  };
+  auto net = layers(torch::nn::AnyModule(sometimes_elsewhere));
+  auto plain = layers(torch::nn::AnyModule(torch::nn::Identity()));
+  gpipe::GPipe model(
+      net, gpipe::GPipeOptions({4}).chunks(2).checkpoint(Checkpoint::Always));
+  const auto x = torch::randn({4, 4}, torch::kFloat64);
+  const auto y = torch::randn({4, 2}, torch::kFloat64);
+  torch::mse_loss(model->forward(x), y).backward();
+  torch::mse_loss(plain->forward(x), y).backward();
+  EXPECT_EQ(runs.load(), 4);  // two recomputations, each run twice
+  const auto a = gpipe::testing::grads_of(*model);
+  const auto b = gpipe::testing::grads_of(*plain);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    EXPECT_TRUE(torch::allclose(a[k], b[k], 1e-12, 1e-12)) << k;
+  }
+}
+
+// A layer that draws only when recomputed: an error, on a generator of its
+// own as on the default one.
+TEST_F(RandomTest, ALayerThatDrawsOnlyInRecomputationIsAnError) {
+  auto drawing_late = gpipe::testing::lambda([](torch::Tensor x) {
+    return gpipe::is_recomputing() ? x + 0 * torch::rand_like(x) : x;
+  });
+  torch::nn::Sequential net(torch::nn::Linear(4, 4), drawing_late);
+  gpipe::GPipe model(
+      net, gpipe::GPipeOptions({2}).chunks(2).checkpoint(Checkpoint::Always));
+  const auto out = model->forward(torch::randn({4, 4}));
+  try {
+    out.sum().backward();
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "drew random numbers although its forward drew none"),
+        std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(RandomTest, DrawingByNameIsRetriedAfterAWhile) {
   gpipe::detail::RandomUse use;
   EXPECT_FALSE(use.draws_by_name(true));

@@ -244,7 +244,7 @@ LayerCosts profile_layer_costs(
   verify_skippables(module);
   c10::InferenceMode no_inference(/*enabled=*/false);
   torch::AutoGradMode grad_mode(/*enabled=*/true);
-  CpuGeneratorAside rng;
+  CpuGeneratorAside rng(torch::kCPU);
   ThreadsGuard threads_guard(threads);
 
   Packet start{{input.narrow(0, 0, rows).detach().clone()}, true};

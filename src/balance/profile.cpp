@@ -175,7 +175,7 @@ std::vector<double> profile_times_impl(
   if (!device.is_cpu()) {
     device_guard.reset_device(device);
   }
-  CpuGeneratorAside rng;
+  CpuGeneratorAside rng(device);
 
   const Packet start = prepared(sample, device);
   Sandbox sandbox(module, device);
@@ -302,7 +302,7 @@ std::vector<double> profile_sizes_impl(
 
   c10::InferenceMode no_inference(/*enabled=*/false);
   torch::AutoGradMode grad_mode(/*enabled=*/true);
-  CpuGeneratorAside rng;
+  CpuGeneratorAside rng(device);
 
   Packet micro{{}, input.atomic};
   for (const auto& t : input.tensors) {

@@ -134,8 +134,10 @@ class ProfiledLayer {
 // Profiling draws random numbers (dropout, and Cloneable::clone() calls
 // reset(), which initialises parameters afresh before copying the values),
 // so the profilers hold a CpuGeneratorAside (random.h) while they run: the
-// numbers come from a stream of their own and the CPU generator is put back
-// afterwards, so balancing changes nothing the program draws later, and
-// what other threads draw meanwhile is not handed out twice.
+// numbers come from a stream of their own (on the CPU, a generator of the
+// profiling thread's own, so the default generator, which pipelines on
+// other threads watch, does not move), so balancing changes nothing the
+// program draws later, and what other threads draw meanwhile is not handed
+// out twice.
 
 }  // namespace gpipe::detail

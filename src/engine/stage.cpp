@@ -357,9 +357,16 @@ Flow Stage::backward(
     }
     try {
       ModeRestore modes(c.modes.get());
-      replay_seeded(device_, c.seed, c.random, [&] {
-        run(c.input, incoming, y, skip_outputs);
-      });
+      replay_seeded(
+          device_,
+          c.seed,
+          c.random,
+          [&] { run(c.input, incoming, y, skip_outputs); },
+          [&] {
+            // Again, from the buffers as the forward read them.
+            put_forward_buffers(c);
+            run(c.input, incoming, y, skip_outputs);
+          });
     } catch (...) {
       failed_in_recomputation() = true;
       throw;
