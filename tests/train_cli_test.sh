@@ -348,6 +348,11 @@ if [[ $mode == bad ]]; then
   bad --stages-per-lane "${d[@]}" --stages-per-lane 0
   bad --devices "${d[@]}" --schedule 1f1b --devices cpu,cpu
   bad "for 2 micro-batches, but --chunks is 8" "${d[@]}" --plan "$tmp/two.csv" --chunks 8
+  # A plan with partition 0 off lane 0 (rank 0 reads the images): refused
+  # here, where it was refused by every rank, exit 1, after balancing.
+  printf '# placement: 1 0\n1F0,1B0\n0F0,0B0\n' >"$tmp/off.csv"
+  bad "so partition 0 must be on lane 0, but its placement [1, 0] puts it on lane 1" \
+    "${d[@]}" --plan "$tmp/off.csv" --chunks 1
   # With replicas, each cuts its own shard: checked against the shard.
   export WORLD_SIZE=4
   bad "--chunks 8 is more than each replica's shard of 4 rows (--batch-size 8 over 2 replicas)" \
@@ -528,6 +533,18 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --autotune --resume: $(grep '^autotune: ' "$tmp/err")"
   fi
+  # Resumed with an explicit --threads-per-lane: tuned for it, not the
+  # saved choice's threads (which overrode the flag, 'shared by the plan').
+  cp -r "$tmp/tuned" "$tmp/tuned1"
+  run --data-dir "$data" --epochs 3 --limit 256 --test-limit 100 --json --autotune \
+    --threads-per-lane 1 --save "$tmp/tuned1" --resume
+  if [[ $status -ne 0 ]] ||
+    ! grep -q "^autotune: the choice saved in $tmp/tuned1 was for --threads-per-lane 0; tuning for 1" "$tmp/err" ||
+    ! grep -q '"threads_per_lane":1[,}]' "$tmp/out"; then
+    fail "--autotune --resume --threads-per-lane 1 exited $status: $(head -c 800 "$tmp/err") $(tail -1 "$tmp/out")"
+  else
+    echo "ok: --autotune --resume --threads-per-lane 1 tunes again"
+  fi
   # Resumed on other lanes (any layout resumes): tuned for them.
   run --data-dir "$data" --epochs 3 --limit 256 --test-limit 100 --json --autotune --partitions 3 \
     --save "$tmp/tuned" --resume
@@ -628,6 +645,19 @@ elif [[ $mode == run ]]; then
     fail "--lr-schedule cosine --deferred-batch-norm exited $status, last rate '$lr': $(cat "$tmp/err") $(tail -1 "$tmp/out")"
   else
     echo "ok: --lr-schedule cosine (last step's rate $lr) --deferred-batch-norm"
+  fi
+  # A short last batch left out (3 rows cut into 3 micro-batches, the plan
+  # has 4) is no step of the schedule: the last rate is the same as above.
+  # The schedule counted it, and ended at 0.0173.
+  printf '0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n' >"$tmp/four.csv"
+  run --data-dir "$data" --epochs 1 --limit 259 --test-limit 1000 --json --balance 6,7 \
+    --lr-schedule cosine --plan "$tmp/four.csv"
+  lr=$(grep -o '"final_lr":[0-9.e-]*' "$tmp/out" | cut -d: -f2)
+  if [[ $status -ne 0 ]] || ! grep -q 'left out 1 short batch' "$tmp/err" ||
+    ! awk -v a="$lr" 'BEGIN { exit !(a > 0.0073 && a < 0.0074) }'; then
+    fail "--lr-schedule cosine with a short batch left out exited $status, last rate '$lr': $(cat "$tmp/err") $(tail -1 "$tmp/out")"
+  else
+    echo "ok: --lr-schedule cosine with a short batch left out (last step's rate $lr)"
   fi
   # --save after each epoch (a checkpoint directory), and --load of it into
   # another balance goes on from those weights (a lower loss than from

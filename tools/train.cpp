@@ -176,6 +176,31 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
     return torch::nn::functional::cross_entropy(out, target);
   };
 
+  // Whether a batch of `rows` trains, alike on every rank (each reads the
+  // same batches). A short last batch is left out where it does not split
+  // into equal shards of the replicas, leaves a replica nothing, or cuts
+  // into fewer micro-batches than the plan has (rather than run by another
+  // plan). The learning-rate schedule counts the steps that train.
+  enum class Trained { Yes, Uneven, Short };
+  auto left_out = [&](int64_t rows) {
+    if (rows % replicas != 0) {
+      return Trained::Uneven;
+    }
+    // The smallest shard decides, alike on every replica.
+    const auto fewest = rows / replicas;
+    if (fewest == 0 ||
+        (args.schedule == "plan" &&
+         gpipe::scatter({torch::empty({fewest})}, args.chunks).size() !=
+             static_cast<size_t>(plan.micro_batches))) {
+      return Trained::Short;
+    }
+    return Trained::Yes;
+  };
+  const int64_t trained_per_epoch =
+      (steps_per_epoch - 1) * (left_out(batch_size) == Trained::Yes ? 1 : 0) +
+      (left_out(n - (steps_per_epoch - 1) * batch_size) == Trained::Yes ? 1
+                                                                        : 0);
+
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   int64_t step = resumed.step;
@@ -256,22 +281,8 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
       }
       optimizer.zero_grad();
       torch::Tensor loss;
-      // The smallest shard decides, alike on every replica.
-      const auto fewest = idx.size(0) / replicas;
-      if (idx.size(0) % replicas != 0) {
-        // A short last batch that does not split into equal shards.
-        ++uneven_batches;
-        continue;
-      }
-      if (fewest == 0 ||
-          (args.schedule == "plan" &&
-           gpipe::scatter({x.narrow(0, 0, fewest)}, args.chunks).size() !=
-               static_cast<size_t>(plan.micro_batches))) {
-        // A short last batch cuts into fewer micro-batches than the plan
-        // has (or leaves a replica nothing); it is left out rather than run
-        // by another plan (on every rank alike: each reads the same
-        // batches).
-        ++skipped_batches;
+      if (const auto why = left_out(idx.size(0)); why != Trained::Yes) {
+        ++(why == Trained::Uneven ? uneven_batches : skipped_batches);
         continue;
       }
       if (world && args.schedule == "plan") {
@@ -295,7 +306,7 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
         loss = model->train_step(
             x, y, loss_fn, gpipe::schedule_from_string(args.schedule));
       }
-      lr = lr_at(args, step, epochs * steps_per_epoch);
+      lr = lr_at(args, step, epochs * trained_per_epoch);
       for (auto& group : optimizer.param_groups()) {
         static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
       }

@@ -92,6 +92,8 @@ struct Args {
   std::string lr_schedule = "constant";
   bool deferred_batch_norm = false;
   int64_t threads_per_lane = 0;
+  // --threads-per-lane as given, before --autotune chose (-1: not yet).
+  int64_t threads_per_lane_asked = -1;
   int64_t limit = 0;
   // --test-limit: evaluate on the first N test images only (0: all).
   int64_t test_limit = 0;

@@ -217,7 +217,9 @@ std::string autotune_choice_text(const Args& args) {
           : args.partitions / std::max<int64_t>(1, args.stages_per_lane);
   text << "lanes=" << lanes << " chunks=" << args.chunks
        << " schedule=" << args.schedule << " checkpoint=" << args.checkpoint
-       << " threads=" << args.threads_per_lane
+       << " threads=" << args.threads_per_lane << " threads_asked="
+       << (args.threads_per_lane_asked >= 0 ? args.threads_per_lane_asked
+                                            : args.threads_per_lane)
        << " memory_limit=" << args.memory_limit << " balance=";
   for (size_t k = 0; k < args.balance.size(); ++k) {
     text << (k == 0 ? "" : ",") << args.balance[k];
@@ -242,6 +244,7 @@ void autotune_args(
   const int64_t lanes = world != nullptr ? args.pipeline_size : args.partitions;
   auto words = torch::zeros({kWords}, torch::kLong);
   int64_t chosen_threads = args.threads_per_lane;
+  args.threads_per_lane_asked = args.threads_per_lane;
   auto resumed = world == nullptr || world->rank() == 0 ? saved_choice(args)
                                                         : std::nullopt;
   if (resumed && field_of(*resumed, "lanes") != std::to_string(lanes)) {
@@ -266,6 +269,27 @@ void autotune_args(
         args.save_path.c_str(),
         limit_text(field_of(*resumed, "memory_limit")).c_str(),
         limit_text(std::to_string(args.memory_limit)).c_str());
+    resumed.reset();
+  }
+  // The threads the choice was made for: as asked then (a choice saved
+  // before that was kept says what it chose, which a later run asking for
+  // 0, the tuner's choice, takes).
+  const auto asked_then =
+      field_of(resumed.value_or(std::string()), "threads_asked");
+  if (resumed && (asked_then.empty()
+                      ? args.threads_per_lane != 0 &&
+                            field_of(*resumed, "threads") !=
+                                std::to_string(args.threads_per_lane)
+                      : asked_then != std::to_string(args.threads_per_lane))) {
+    // An explicit --threads-per-lane is the user's, not the saved choice's.
+    std::fprintf(
+        out,
+        "autotune: the choice saved in %s was for --threads-per-lane %s; "
+        "tuning for %lld\n",
+        args.save_path.c_str(),
+        (asked_then.empty() ? field_of(*resumed, "threads") : asked_then)
+            .c_str(),
+        static_cast<long long>(args.threads_per_lane));
     resumed.reset();
   }
   if (resumed) {

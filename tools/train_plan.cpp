@@ -51,6 +51,17 @@ void read_plan(const CLI::App& app, Args& args) {
         count_of(args.partitions, "partition", "partitions"),
         " on ",
         count_of(lanes, "lane", "lanes"));
+    // Under a launcher lane l is pipeline rank l, and rank 0 reads the
+    // images: PipelineStage would refuse another placement once the model
+    // is built and balanced.
+    TORCH_CHECK_VALUE(
+        args.world_size <= 1 || args.plan.placement.empty() ||
+            args.plan.placement.lane_of(0) == 0,
+        "under a launcher pipeline rank 0 reads the images, so partition 0 "
+        "must be on lane 0, but its placement ",
+        gpipe::to_string(args.plan.placement),
+        " puts it on lane ",
+        args.plan.placement.empty() ? 0 : args.plan.placement.lane_of(0));
     // validate() takes a forward-only plan (inference); train_step would
     // refuse it after the model is built.
     int64_t forwards = 0;
