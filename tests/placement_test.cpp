@@ -77,6 +77,16 @@ TEST(PlacementTest, ShapesTooLargeAreRefusedNotOverflowed) {
       << error_of([&] { Placement::v_shape(huge); });
   EXPECT_EQ(Placement::modulo(1024, 1024).stages(), 1048576);
   EXPECT_EQ(Placement::v_shape(524288).stages(), 1048576);
+  // A list as long: it was taken, and then printing it or is_modulo() said
+  // 'Placement::modulo: expected at most 1048576 stages'.
+  EXPECT_NE(
+      error_of([&] {
+        Placement(std::vector<int64_t>(1048577, 0));
+      }).find("placement: expected at most 1048576 stages, but got 1048577"),
+      std::string::npos);
+  const Placement longest(std::vector<int64_t>(1048576, 0));
+  EXPECT_TRUE(longest.is_modulo());
+  EXPECT_EQ(to_string(longest), "modulo(1 lane, 1048576 stages per lane)");
 }
 
 TEST(PlacementTest, BadListsAreRefused) {

@@ -27,7 +27,8 @@ class Placement {
   /// that lists its cells.
   Placement() = default;
   /// `lane_of_stage[j]` is stage j's lane. Throws `c10::ValueError` for a
-  /// negative lane or a lane below the largest that holds no stage.
+  /// negative lane, a lane below the largest that holds no stage, or more
+  /// than 2^20 stages.
   explicit Placement(std::vector<int64_t> lane_of_stage);
 
   /// Stage j on lane j % lanes, `lanes * stages_per_lane` stages: the

@@ -32,6 +32,14 @@ constexpr int64_t kMaxShapedStages = int64_t{1} << 20;
 
 Placement::Placement(std::vector<int64_t> lane_of_stage)
     : lane_of_stage_(std::move(lane_of_stage)) {
+  // Every placement has a name as modulo's, v_shape's or a list's, and
+  // checking which (is_modulo, printing) makes the shapes of its size.
+  TORCH_CHECK_VALUE(
+      static_cast<int64_t>(lane_of_stage_.size()) <= kMaxShapedStages,
+      "placement: expected at most ",
+      kMaxShapedStages,
+      " stages, but got ",
+      lane_of_stage_.size());
   std::vector<bool> used;
   for (size_t j = 0; j < lane_of_stage_.size(); ++j) {
     const auto l = lane_of_stage_[j];
