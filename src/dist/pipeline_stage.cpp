@@ -487,7 +487,10 @@ void PipelineStageImpl::pretty_print(std::ostream& stream) const {
   if (mesh_.data_size() > 1) {
     stream << ", replica=" << mesh_.data_rank() << "/" << mesh_.data_size();
   }
-  if (built_.stages_per_lane() > 1) {
+  // As GPipe prints it.
+  if (!built_.placement().empty()) {
+    stream << ", placement=" << to_string(built_.placement());
+  } else if (built_.stages_per_lane() > 1) {
     stream << ", stages_per_lane=" << built_.stages_per_lane();
   }
   stream << ", checkpoint=" << to_string(options.checkpoint())

@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -322,6 +323,28 @@ void expect_equal_to_one_pipeline(const MeshLayout& layout) {
     const bool first = mesh.pipeline_rank() == placement.lane_of(0);
     const bool last = mesh.pipeline_rank() == placement.lane_of(stages - 1);
     std::vector<std::string> mine;
+    // It prints its placement as GPipe does, last there and before the
+    // checkpoint here (it left it out).
+    std::ostringstream printed;
+    std::ostringstream expected;
+    stage->pretty_print(printed);
+    ref->pretty_print(expected);
+    const auto at = printed.str().find("placement=");
+    const auto ref_at = expected.str().find("placement=");
+    const auto mine_placed =
+        at == std::string::npos
+            ? std::string()
+            : printed.str().substr(
+                  at, printed.str().find(", checkpoint=") - at);
+    const auto ref_placed =
+        ref_at == std::string::npos
+            ? std::string()
+            : expected.str().substr(ref_at, expected.str().size() - 1 - ref_at);
+    if (mine_placed != ref_placed) {
+      mine.push_back(
+          "rank " + std::to_string(r) + " prints '" + printed.str() +
+          "', GPipe '" + expected.str() + "'");
+    }
     for (int step = 0; step < 2; ++step) {
       auto loss = stage->train_step(
           first ? x.narrow(0, d * shard, shard) : torch::Tensor(),
