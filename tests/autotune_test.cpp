@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 
+#include "balance/autotune_verify.h"
 #include "common.h"
 #include "device.h"
 
@@ -109,6 +110,38 @@ TEST_F(AutotuneTest, PicksTheFastestThatFitsAndSaysWhatItRejected) {
   line << tight;
   EXPECT_NE(line.str().find("predicted"), std::string::npos);
   EXPECT_NE(line.str().find(to_string(tight.schedule)), std::string::npos);
+}
+
+// A balance of 13 partitions (29 characters) ran into the next column of
+// the report: '[1,1,1,1,1,1,1,1,1,1,1,1,1]1'.
+TEST_F(AutotuneTest, TheReportKeepsItsColumnsApartForLongBalances) {
+  torch::nn::Sequential net;
+  for (int k = 0; k < 13; ++k) {
+    net->push_back(torch::nn::Linear(4, 4));
+  }
+  const auto tuned = autotune(
+      net,
+      torch::randn({4, 4}),
+      torch::randn({4, 4}),
+      [](torch::Tensor y, torch::Tensor t) { return torch::mse_loss(y, t); },
+      quick(13).chunks({1}));
+  const auto report = tuned.report();
+  std::istringstream lines(report);
+  std::string line;
+  std::getline(lines, line);  // the choice
+  std::getline(lines, line);  // the header
+  const auto threads_at = line.find("threads");
+  int rows = 0;
+  while (std::getline(lines, line)) {
+    const auto end = line.find(']');
+    if (end == std::string::npos) {
+      continue;  // the count
+    }
+    ++rows;
+    EXPECT_LT(end + 2, threads_at) << report;
+    EXPECT_EQ(line.find_first_not_of(' ', end + 1), threads_at) << report;
+  }
+  EXPECT_GT(rows, 0) << report;
 }
 
 // Predicted times past 9.2e12 s (a cell cost given far too large): the
@@ -331,6 +364,17 @@ TEST_F(AutotuneTest, AMemoryLimitNothingFitsIsAClearError) {
     EXPECT_NE(what.find("the smallest peak found is"), std::string::npos)
         << what;
   }
+  // A limit a byte below the smallest peak: both in bytes too, where the
+  // rounded figures read alike (it said '9.2 KiB per lane; the smallest
+  // peak found is 9.2 KiB').
+  EXPECT_EQ(
+      detail::limit_and_peak_text(9471, 9472.0),
+      std::make_pair(
+          std::string("9.2 KiB (9471 bytes)"),
+          std::string("9.2 KiB (9472 bytes)")));
+  EXPECT_EQ(
+      detail::limit_and_peak_text(9471, 20000.0),
+      std::make_pair(std::string("9.2 KiB"), std::string("19.5 KiB")));
 }
 
 TEST_F(AutotuneTest, BadOptionsAreRefused) {

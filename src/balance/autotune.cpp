@@ -119,8 +119,14 @@ GPipeOptions Autotuned::options() const {
 std::string Autotuned::report(size_t rows) const {
   std::ostringstream out;
   out << *this << "\n";
+  // As wide as the longest balance (of 13 partitions, 29 characters).
+  size_t balance_width = 22;
+  for (const auto& c : candidates) {
+    balance_width = std::max(balance_width, balance_text(c.balance).size() + 2);
+  }
+  const auto bw = static_cast<int>(balance_width);
   out << std::left << std::setw(14) << "schedule" << std::setw(7) << "chunks"
-      << std::setw(12) << "checkpoint" << std::setw(22) << "balance"
+      << std::setw(12) << "checkpoint" << std::setw(bw) << "balance"
       << std::setw(8) << "threads" << std::right << std::setw(10) << "step_ms"
       << std::setw(14) << "peak"
       << "  verdict\n";
@@ -132,7 +138,7 @@ std::string Autotuned::report(size_t rows) const {
       continue;
     }
     out << std::left << std::setw(14) << to_string(c.schedule) << std::setw(7)
-        << c.chunks << std::setw(12) << to_string(c.checkpoint) << std::setw(22)
+        << c.chunks << std::setw(12) << to_string(c.checkpoint) << std::setw(bw)
         << balance_text(c.balance) << std::setw(8)
         << threads_text(c.threads_per_lane) << std::right << std::fixed;
     if (c.predicted_peak_bytes.empty()) {
@@ -464,12 +470,14 @@ Autotuned autotune(
       " (chunks ",
       tuned.candidates.front().chunks,
       "); try other chunks");
+  const auto [limit_text, peak_text] = detail::limit_and_peak_text(
+      options.memory_limit(), most(smallest->predicted_peak_bytes));
   TORCH_CHECK_VALUE(
       best != nullptr,
       "autotune: no candidate fits the memory limit of ",
-      mib(static_cast<double>(options.memory_limit())),
+      limit_text,
       " per lane; the smallest peak found is ",
-      mib(most(smallest->predicted_peak_bytes)),
+      peak_text,
       " (",
       to_string(smallest->schedule),
       ", chunks ",
@@ -490,5 +498,20 @@ Autotuned autotune(
   tuned.plan = make_plan(tuned.schedule, tuned.chunks, tuned.placement);
   return tuned;
 }
+
+namespace detail {
+
+std::pair<std::string, std::string> limit_and_peak_text(
+    int64_t limit, double peak) {
+  auto limit_text = mib(static_cast<double>(limit));
+  auto peak_text = mib(peak);
+  if (limit_text == peak_text) {
+    limit_text += c10::str(" (", limit, " bytes)");
+    peak_text += c10::str(" (", static_cast<int64_t>(peak), " bytes)");
+  }
+  return {limit_text, peak_text};
+}
+
+}  // namespace detail
 
 }  // namespace gpipe
