@@ -399,6 +399,18 @@ std::string latest_checkpoint(const std::string& dir) {
     if (attempt < 8 && !fs::exists(newest_path, error)) {
       continue;
     }
+    const auto going_on = all.empty() ? std::string("nothing saved")
+                                      : "'" + all.back().second.string() + "'";
+    // A file of a checkpoint's name (a stray `touch`, a copy gone wrong)
+    // was never one.
+    TORCH_CHECK_VALUE(
+        fs::is_directory(newest_path, error) || !fs::exists(newest_path, error),
+        "'",
+        newest_path.string(),
+        "' is a file, not a checkpoint (a directory, with a ",
+        detail::kManifest,
+        "); remove it to go on from ",
+        going_on);
     TORCH_CHECK_VALUE(
         false,
         "'",
@@ -406,8 +418,7 @@ std::string latest_checkpoint(const std::string& dir) {
         "' is not a whole checkpoint (it has no ",
         detail::kManifest,
         "): it was damaged after it was written; remove it to go on from ",
-        all.empty() ? std::string("nothing saved")
-                    : "'" + all.back().second.string() + "'");
+        going_on);
   }
 }
 

@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include "error_of.h"
+
 namespace gpipe {
 namespace {
 
@@ -466,6 +468,18 @@ TEST(CheckpointIoTest, ABrokenNewestCheckpointAndASaveIntoOneAreRefused) {
           << e.what();
     }
   }
+  // A file of that name is no damaged checkpoint: it is said to be a file.
+  ASSERT_EQ(detail::remove_tree(broken), "");
+  std::ofstream(broken) << "stray";
+  EXPECT_NE(
+      testing::error_of([&] { latest_checkpoint(dir.path); })
+          .find(
+              "'" + broken +
+              "' is a file, not a checkpoint (a directory, with a "
+              "manifest.json); remove it to go on from '" +
+              ckpt + "'"),
+      std::string::npos)
+      << testing::error_of([&] { latest_checkpoint(dir.path); });
   // Older ones broken do not matter while a newer one is whole.
   ASSERT_EQ(detail::remove_tree(broken), "");
   fs::create_directory(fs::path(dir.path) / "step-00000001");

@@ -15,9 +15,10 @@
 // auto resumed = gpipe::load_checkpoint("ckpt", model, optimizer);
 // ```
 //
-// `dir` holds checkpoints, one directory each (`dir/step-<step>`): a
-// manifest (`manifest.json`: the layers, the layout that wrote it, the
-// training state, a checksum per file) and files of tensors keyed by global
+// `dir` holds checkpoints, one directory each (`dir/step-<step>`, the step
+// in at least 8 digits: `dir/step-00000003`): a manifest (`manifest.json`:
+// the layers, the layout that wrote it, the training state, a checksum per
+// file) and files of tensors keyed by global
 // layer index and name (`layers.<i>.<name>`, the optimizer's
 // `optimizer.layers.<i>.<name>.<field>`). A checkpoint is written into a
 // temporary directory, every file flushed to disk, the manifest last, and
