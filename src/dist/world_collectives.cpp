@@ -7,10 +7,13 @@
 #include <c10/util/Exception.h>
 #include <gpipe/dist.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <iterator>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
@@ -64,6 +67,82 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
       " view (call resolve_conj() or resolve_neg() first)");
 }
 
+// Every rank's tensor in words, for an agreement that found the ranks'
+// tensors unlike (every rank found it, so every rank comes): "rank 0: 6 of
+// Float, shape [2, 3]; ranks 1 and 2: 6 of Float, shape [3, 2]". One more
+// collective, on this failure path only.
+std::string tensors_of_every_rank(
+    detail::Connection& connection, const torch::Tensor& tensor) {
+  constexpr int64_t kDims = 8;  // sizes told; more are '...'
+  constexpr int64_t kWords = kDims + 2;
+  const auto n = connection.size;
+  auto words = torch::zeros({n, kWords}, torch::kLong);
+  auto* mine = words.data_ptr<int64_t>() + connection.rank * kWords;
+  mine[0] = static_cast<int64_t>(tensor.scalar_type());
+  mine[1] = tensor.dim();
+  for (int64_t d = 0; d < std::min<int64_t>(tensor.dim(), kDims); ++d) {
+    mine[2 + d] = tensor.size(d);
+  }
+  auto staged = detail::on_group_device(connection.groups, words);
+  std::vector<torch::Tensor> tensors{staged};
+  connection.closing_on_failure([&] {
+    connection.all_reduce(
+        tensors,
+        c10d::ReduceOp::SUM,
+        "World (telling the ranks' tensors apart)");
+  });
+  words = staged.cpu();
+  // Ranks of alike tensors together, in the order they first come.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> kinds;
+  for (int64_t r = 0; r < n; ++r) {
+    const auto* w = words.data_ptr<int64_t>() + r * kWords;
+    std::ostringstream shape;
+    int64_t numel = 1;
+    shape << "[";
+    for (int64_t d = 0; d < w[1]; ++d) {
+      if (d == kDims) {
+        shape << ", ...";
+        numel = -1;
+        break;
+      }
+      shape << (d == 0 ? "" : ", ") << w[2 + d];
+      numel *= w[2 + d];
+    }
+    shape << "]";
+    const auto text = c10::str(
+        numel < 0 ? std::string("many") : std::to_string(numel),
+        " of ",
+        static_cast<c10::ScalarType>(w[0]),
+        ", shape ",
+        shape.str());
+    auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) {
+      return k.first == text;
+    });
+    if (kind == kinds.end()) {
+      kinds.emplace_back(text, std::vector<int64_t>{});
+      kind = std::prev(kinds.end());
+    }
+    kind->second.push_back(r);
+  }
+  std::string out;
+  for (const auto& [text, ranks] : kinds) {
+    std::string names;
+    for (size_t k = 0; k < ranks.size(); ++k) {
+      names += (k == 0                  ? ""
+                : k + 1 == ranks.size() ? " and "
+                                        : ", ") +
+               std::to_string(connection.global_rank(ranks[k]));
+    }
+    out += c10::str(
+        out.empty() ? "" : "; ",
+        ranks.size() == 1 ? "rank " : "ranks ",
+        names,
+        ": ",
+        text);
+  }
+  return out;
+}
+
 // Gloo aborts the process (an enforce in its event-loop thread, which no
 // caller can catch) when a rank receives more bytes than it posted: ranks
 // that pass tensors of other sizes to one collective would end the job
@@ -115,16 +194,10 @@ void agree_on_tensor(
       "refuses this ",
       what,
       "; the World stays usable");
-  const auto here = c10::str(
-      " (",
-      connection.rank_name(connection.rank),
-      ": ",
-      n,
-      " of ",
-      tensor.scalar_type(),
-      ", shape ",
-      tensor.sizes(),
-      ")");
+  const bool alike = w[0] == -w[4] && w[1] == -w[5] && w[2] == -w[6];
+  const auto here =
+      alike ? std::string()
+            : " (" + tensors_of_every_rank(connection, tensor) + ")";
   TORCH_CHECK_VALUE(
       w[0] == -w[4] && w[1] == -w[5],
       "gpipe::dist::World::",

@@ -282,7 +282,10 @@ TEST(GlooErrorsTest, ShapesRootsDtypesAndColorsAreRefusedOnEveryRank) {
   EXPECT_LT(took.count(), 10.0);
   ASSERT_EQ(errors.size(), 8u);
   const std::vector<std::string> expected{
-      "same shape on every rank",
+      // Each rank's tensor, not only its own.
+      "same shape on every rank, but the ranks passed tensors of other "
+      "shapes (rank 0: 6 of Float, shape [2, 3]; rank 1: 6 of Float, shape "
+      "[3, 2])",
       "same root on every rank, but the ranks passed roots from 0 to 1",
       "expects a tensor of real numbers, but got Bool",
       "split expects a color >= 0 on every rank, but rank 0 gave -1"};
