@@ -49,7 +49,10 @@
 // when the forward drew (and then checks that the generators end where the
 // forward's ended, so another thread drawing from the default generator in
 // the middle is an error, not a silently wrong gradient), shared otherwise
-// (and then it is an error if it draws).
+// (and then it is an error if it draws: where the default generators moved
+// meanwhile, it runs again on a generator of its own to tell its draws
+// from another thread's, Note [A recomputation that saw the generators
+// move] in random.cpp).
 //
 // The user's random stream advances by the step seeds, and gpipe never
 // puts it back: what other threads draw from it while a pipeline runs stays
