@@ -229,6 +229,11 @@ TEST(PlanTest, ValidateNamesTheProblem) {
         << csv << " -> " << message;
   };
   check("0F0,0B0,0F0\n", "listed twice");
+  // A B written twice beside a W reads as the input part twice: said so.
+  check(
+      "0F0,0B0,0W0,0B0\n",
+      "I(0,0) (an input part: I, or B where the cell also has a W) is listed "
+      "twice");
   check("0F0,0I0\n", "has no weight part W(0,0)");
   check("0F0,0W0\n", "has no input part I(0,0)");
   // (B beside a W reads as the input part, so build this one directly.)

@@ -67,6 +67,10 @@ void Plan::validate() const {
           seen.insert(key_of(c)).second,
           "plan: ",
           to_string(c),
+          // (From CSV, as PyTorch 2.3 writes it, a B is one too.)
+          c.phase == Phase::BackwardInput
+              ? " (an input part: I, or B where the cell also has a W)"
+              : "",
           " is listed twice (second time on lane ",
           l,
           ")");
