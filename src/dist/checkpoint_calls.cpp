@@ -147,6 +147,30 @@ std::string read_within_timeout(
     } catch (const std::exception&) {
     }
   }
+  // Of the ranks that had not, every one (not only the first waited for).
+  std::string absent = connection.rank_name(from);
+  if (!reached) {
+    std::vector<int64_t> ranks;
+    for (const auto r : c10::irange(world.size())) {
+      try {
+        if (r == from ||
+            (r != world.rank() &&
+             !store.check({prefix + "call" + std::to_string(r)}))) {
+          ranks.push_back(r);
+        }
+      } catch (const std::exception&) {
+        ranks = {from};
+        break;
+      }
+    }
+    absent.clear();
+    for (const auto k : c10::irange(ranks.size())) {
+      absent += (k == 0                  ? ""
+                 : k + 1 == ranks.size() ? " and "
+                                         : ", ") +
+                connection.rank_name(ranks[k]);
+    }
+  }
   const auto message =
       reached
           ? c10::str(
@@ -164,7 +188,7 @@ std::string read_within_timeout(
                 " waited ",
                 (connection.timeout + grace).count() / 1000.0,
                 " s for ",
-                connection.rank_name(from),
+                absent,
                 ", which had not reached it (every rank calls ",
                 what,
                 " together, between steps)");

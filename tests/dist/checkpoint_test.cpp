@@ -517,18 +517,25 @@ TEST(DistCheckpointTest, EveryReplicaLoadsItsOwnBatchNormStatistics) {
 // Each rank's message (or "ok"; "ValueError: " before a ValueError's) from
 // `call(rank, stage, optimizer)` on two ranks of a 2-stage pipeline whose World
 // times out after `timeout`, and the longest a rank took.
-std::pair<std::vector<std::string>, double> on_two_ranks(
-    std::chrono::milliseconds timeout,
-    const std::function<
-        void(int64_t, dist::PipelineStage&, torch::optim::Optimizer&)>& call) {
-  std::vector<torch::nn::Sequential> nets{make_net(), make_net()};
-  std::vector<std::string> errors(2, "ok");
-  std::vector<double> seconds(2, 0.0);
+using RankCall = std::function<void(
+    int64_t, dist::PipelineStage&, torch::optim::Optimizer&)>;
+
+// As on_two_ranks, on `n` ranks (2 or 3) of 6 layers in all.
+std::pair<std::vector<std::string>, double> on_ranks(
+    int64_t n, std::chrono::milliseconds timeout, const RankCall& call) {
+  std::vector<torch::nn::Sequential> nets;
+  for (int64_t r = 0; r < n; ++r) {
+    nets.push_back(make_net());
+  }
+  const std::vector<int64_t> balance(
+      static_cast<size_t>(n), 6 / std::max<int64_t>(n, 1));
+  std::vector<std::string> errors(static_cast<size_t>(n), "ok");
+  std::vector<double> seconds(static_cast<size_t>(n), 0.0);
   auto store = c10::make_intrusive<c10d::HashStore>();
-  dist::testing::run_threads(2, [&](int64_t r) {
-    auto world = dist::init_from_store(store, r, 2, timeout);
+  dist::testing::run_threads(n, [&](int64_t r) {
+    auto world = dist::init_from_store(store, r, n, timeout);
     dist::PipelineStage stage(
-        nets[r], GPipeOptions({3, 3}).chunks(2).threads_per_lane(1), world);
+        nets[r], GPipeOptions(balance).chunks(2).threads_per_lane(1), world);
     const auto opt = make_optimizer(Opt::SGDMomentum, stage->parameters());
     const auto began = std::chrono::steady_clock::now();
     try {
@@ -542,7 +549,12 @@ std::pair<std::vector<std::string>, double> on_two_ranks(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - began)
             .count();
   });
-  return {errors, std::max(seconds[0], seconds[1])};
+  return {errors, *std::max_element(seconds.begin(), seconds.end())};
+}
+
+std::pair<std::vector<std::string>, double> on_two_ranks(
+    std::chrono::milliseconds timeout, const RankCall& call) {
+  return on_ranks(2, timeout, call);
 }
 
 // Ranks that do not make the same checkpoint call at once waited on the
@@ -617,6 +629,21 @@ TEST(DistCheckpointTest, ARankThatNeverSavesIsNamedWithinTheTimeout) {
       std::string::npos)
       << errors[0];
   EXPECT_EQ(errors[1], "ok");
+  // Of three ranks, every one that had not reached it (only the first was
+  // named).
+  std::tie(errors, seconds) = on_ranks(
+      3,
+      std::chrono::seconds(2),
+      [&](int64_t r, dist::PipelineStage& stage, torch::optim::Optimizer& o) {
+        if (r == 0) {
+          dist::save_checkpoint(dir.path, stage, o, TrainingState{});
+        }
+      });
+  EXPECT_NE(
+      errors[0].find("save_checkpoint: rank 0 waited 2 s for rank 1 and rank "
+                     "2, which had not reached it"),
+      std::string::npos)
+      << errors[0];
 
   std::vector<double> took(2, 0.0);
   std::tie(errors, seconds) = on_two_ranks(
