@@ -341,20 +341,24 @@ void replay_seeded(
   // draw under the lease, and profiling on its own generator). Run again
   // where the cell's own draws can be told apart: on a generator of its
   // own (CPU), whose moving means the cell drew, up to kTries times until
-  // the default generators stay still; else exclusively, seeded, where
-  // any move counts. Only a move in every run is an error that may not be
-  // the cell's.
+  // the default generators stay still: only a move in every run is an
+  // error that may not be the cell's. Where cells have no generators of
+  // their own (a GPU), once more, exclusively and seeded, where any move
+  // counts as the cell's.
+  if (!own_generators(device)) {
+    TORCH_CHECK(
+        !run_exclusive(device, seed, rerun).drew,
+        "the recomputation of a checkpointed cell drew random numbers "
+        "although its forward drew none (did a layer's randomness change "
+        "between forward and backward, or did another thread draw from the "
+        "default generator meanwhile?); its gradients would be wrong");
+    return;
+  }
   constexpr int kTries = 3;
   for (int t = 0; t < kTries; ++t) {
-    bool drew = false;
-    bool moved = false;
-    if (own_generators(device)) {
-      const auto run = run_own(seed, rerun);
-      drew = run.outcome.drew;
-      moved = run.moved;
-    } else {
-      moved = run_exclusive(device, seed, rerun).drew;
-    }
+    const auto run = run_own(seed, rerun);
+    const bool drew = run.outcome.drew;
+    const bool moved = run.moved;
     TORCH_CHECK(
         !drew,
         "the recomputation of a checkpointed cell drew random numbers "

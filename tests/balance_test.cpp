@@ -1,5 +1,6 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/irange.h>
+#include <gpipe/autotune.h>
 #include <gpipe/balance.h>
 #include <gpipe/gpipe.h>
 #include <gtest/gtest.h>
@@ -857,6 +858,23 @@ TEST_F(BalanceTest, ProfilingOnTheCpuLeavesTheDefaultGeneratorStill) {
   gpipe::balance_by_size(2, model, sample);
   EXPECT_GT(checked.load(), 0);
   EXPECT_EQ(moved.load(), 0) << "of " << checked.load();
+  EXPECT_TRUE(at::detail::getDefaultCPUGenerator().get_state().equal(state));
+  // autotune too, with the threads that load the other lanes while it
+  // times one (they drew their masks from the default generator). They
+  // train copies, so the model clones: no watching layer.
+  torch::nn::Sequential cloneable(
+      torch::nn::Linear(4, 4),
+      torch::nn::Dropout(0.5),
+      torch::nn::Linear(4, 4),
+      torch::nn::Dropout(0.5));
+  const auto target = torch::rand({4, 4});
+  state = at::detail::getDefaultCPUGenerator().get_state();
+  gpipe::autotune(
+      cloneable,
+      sample,
+      target,
+      [](torch::Tensor y, torch::Tensor t) { return torch::mse_loss(y, t); },
+      gpipe::AutotuneOptions(2).profile_seconds(0.05).threads_per_lane(1));
   EXPECT_TRUE(at::detail::getDefaultCPUGenerator().get_state().equal(state));
 }
 

@@ -343,9 +343,6 @@ TEST_F(RandomTest, CellGeneratorScopeGivesTheOperatorsTheCellsGenerator) {
 
 namespace {
 
-// A stage seen drawing by name takes turns for a while, then tries its own
-// generator again: a move of the default generator by another stage's
-// first unseeded draw does not hold it back for good.
 // A recomputation during which another thread drew from the default
 // generator (a user's thread, here made to from inside the layer on the
 // recomputation's first run) runs again on a generator of its own, and the
@@ -409,6 +406,9 @@ TEST_F(RandomTest, ALayerThatDrawsOnlyInRecomputationIsAnError) {
   }
 }
 
+// A stage seen drawing by name takes turns for a while, then tries its own
+// generator again: a move of the default generator by another stage's
+// first unseeded draw does not hold it back for good.
 TEST_F(RandomTest, DrawingByNameIsRetriedAfterAWhile) {
   gpipe::detail::RandomUse use;
   EXPECT_FALSE(use.draws_by_name(true));

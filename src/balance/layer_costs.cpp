@@ -267,8 +267,8 @@ LayerCosts profile_layer_costs(
     CountingAllocatorScope counting;
     one_pass(sandbox, start, micro_target, loss_fn, /*timed=*/false, costs);
   }
-  // The other lanes at work meanwhile, as in the pipeline; joined before
-  // the random numbers are put back.
+  // The other lanes at work meanwhile, as in the pipeline, each drawing
+  // from a stream of its own; joined before this one's is let go.
   BusyLanes others(module, start.tensors[0], busy_lanes, threads);
   int64_t passes = 0;
   const auto begun = Clock::now();
@@ -310,6 +310,9 @@ BusyLanes::BusyLanes(
       c10::InferenceMode no_inference(/*enabled=*/false);
       torch::AutoGradMode grad_mode(/*enabled=*/true);
       try {
+        // Its draws (dropout) from a stream of its own, as the profiling
+        // thread's: the default generator stays still.
+        CpuGeneratorAside rng(torch::kCPU);
         while (!stop_.load()) {
           auto y = copy->forward(x);
           y.sum().backward();

@@ -65,8 +65,8 @@ LayerCosts profile_layer_costs(
 /// layers are profiled under the load of the pipeline's other lanes, which
 /// run at the same time (on a CPU they share its caches, memory bandwidth
 /// and, with hyper-threads, its cores). A module that does not clone gets
-/// no companions. The program's random numbers are the caller's to keep
-/// (profile_layer_costs puts them back).
+/// no companions. Each thread draws from a stream of its own
+/// (CpuGeneratorAside), not the program's.
 class BusyLanes {
  public:
   BusyLanes(
