@@ -81,7 +81,8 @@ std::string Connection::who_left() const {
              ? std::string()
              : names + " had left (" +
                    (left.size() == 1 ? "its World was" : "their Worlds were") +
-                   " let go: the process returned, or let it go)";
+                   " let go: the process ended, after an error of its own or "
+                   "not; see its own output)";
 }
 
 void Connection::mark_arrival(int64_t collective) {
