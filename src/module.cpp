@@ -183,19 +183,28 @@ std::vector<detail::Packet> micro_packets(
   return packets;
 }
 
-// Runs a pass; an error of a pass whose batch is one 1-D tensor says how
-// gpipe read it: a newcomer's one sample of features is cut into
-// micro-batches of a few features each, and the first layer's error
-// ("mat1 and mat2 shapes cannot be multiplied (1x4 and 8x4)") does not say
-// why.
+// Runs a pass; an error of the first partition's forward in a pass whose
+// batch is one 1-D tensor says how gpipe read it: a newcomer's one sample
+// of features is cut into micro-batches of a few features each, and the
+// first layer's error ("mat1 and mat2 shapes cannot be multiplied (1x4 and
+// 8x4)") does not say why. (Other errors, of a batch of token ids say, are
+// left as they are.)
 template <typename Run>
 auto with_batch_hint(
     const std::vector<torch::Tensor>& inputs, int64_t chunks, Run run) {
   try {
     return run();
   } catch (c10::Error& e) {
-    if (inputs.size() == 1 && inputs[0].dim() == 1 && chunks > 1 &&
-        inputs[0].size(0) > 1) {
+    const auto& where = e.context();
+    const bool first_forward =
+        std::any_of(where.begin(), where.end(), [](const std::string& c) {
+          const std::string end = ", forward";
+          return c.rfind("in gpipe partition 0, ", 0) == 0 &&
+                 c.size() >= end.size() &&
+                 c.compare(c.size() - end.size(), end.size(), end) == 0;
+        });
+    if (first_forward && inputs.size() == 1 && inputs[0].dim() == 1 &&
+        chunks > 1 && inputs[0].size(0) > 1) {
       e.add_context(c10::str(
           "the input is 1-D, of shape ",
           inputs[0].sizes(),

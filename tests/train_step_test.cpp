@@ -243,6 +243,21 @@ TEST_F(TrainStepTest, MessagesReadWell) {
         std::string::npos)
         << testing::error_of(pass);
   }
+  // Other errors of a 1-D batch (token ids, which an Embedding takes) are
+  // left as they are.
+  torch::nn::Sequential embed(torch::nn::Embedding(10, 4));
+  GPipe ids(embed, GPipeOptions({1}).chunks(2));
+  const auto no_hint = testing::error_of([&] {
+    ids->train_step(
+        torch::arange(8),
+        torch::zeros({8}),
+        [](torch::Tensor, torch::Tensor) -> torch::Tensor {
+          TORCH_CHECK_VALUE(false, "loss refused");
+        },
+        Schedule::FillDrain);
+  });
+  EXPECT_NE(no_hint.find("loss refused"), std::string::npos) << no_hint;
+  EXPECT_EQ(no_hint.find("the input is 1-D"), std::string::npos) << no_hint;
   // Counts agree with their nouns.
   GPipe one_lane(
       model_of(false), GPipeOptions({2, 2, 4}).chunks(1).stages_per_lane(3));

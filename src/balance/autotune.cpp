@@ -385,9 +385,10 @@ Autotuned autotune(
               const auto lane =
                   std::max_element(e.peaks.begin(), e.peaks.end()) -
                   e.peaks.begin();
+              const auto [limit_text, peak_text] =
+                  detail::limit_and_peak_text(options.memory_limit(), peak);
               c.rejected = "lane " + std::to_string(lane) + " peaks at " +
-                           mib(peak) + ", over the limit of " +
-                           mib(static_cast<double>(options.memory_limit()));
+                           peak_text + ", over the limit of " + limit_text;
             }
             tuned.candidates.push_back(std::move(c));
           }
@@ -507,7 +508,9 @@ std::pair<std::string, std::string> limit_and_peak_text(
   auto peak_text = mib(peak);
   if (limit_text == peak_text) {
     limit_text += c10::str(" (", limit, " bytes)");
-    peak_text += c10::str(" (", static_cast<int64_t>(peak), " bytes)");
+    // Up: a peak of 9471.4 bytes is over a limit of 9471.
+    peak_text +=
+        c10::str(" (", static_cast<int64_t>(std::ceil(peak)), " bytes)");
   }
   return {limit_text, peak_text};
 }

@@ -74,14 +74,15 @@ void check_collective_tensor(const torch::Tensor& tensor, const char* what) {
 std::string tensors_of_every_rank(
     detail::Connection& connection, const torch::Tensor& tensor) {
   constexpr int64_t kDims = 8;  // sizes told; more are '...'
-  constexpr int64_t kWords = kDims + 2;
+  constexpr int64_t kWords = kDims + 3;
   const auto n = connection.size;
   auto words = torch::zeros({n, kWords}, torch::kLong);
   auto* mine = words.data_ptr<int64_t>() + connection.rank * kWords;
   mine[0] = static_cast<int64_t>(tensor.scalar_type());
   mine[1] = tensor.dim();
+  mine[2] = tensor.numel();
   for (int64_t d = 0; d < std::min<int64_t>(tensor.dim(), kDims); ++d) {
-    mine[2 + d] = tensor.size(d);
+    mine[3 + d] = tensor.size(d);
   }
   auto staged = detail::on_group_device(connection.groups, words);
   std::vector<torch::Tensor> tensors{staged};
@@ -97,20 +98,16 @@ std::string tensors_of_every_rank(
   for (int64_t r = 0; r < n; ++r) {
     const auto* w = words.data_ptr<int64_t>() + r * kWords;
     std::ostringstream shape;
-    int64_t numel = 1;
     shape << "[";
-    for (int64_t d = 0; d < w[1]; ++d) {
-      if (d == kDims) {
-        shape << ", ...";
-        numel = -1;
-        break;
-      }
-      shape << (d == 0 ? "" : ", ") << w[2 + d];
-      numel *= w[2 + d];
+    for (int64_t d = 0; d < std::min(w[1], kDims); ++d) {
+      shape << (d == 0 ? "" : ", ") << w[3 + d];
+    }
+    if (w[1] > kDims) {
+      shape << ", ... (" << w[1] << " dimensions)";
     }
     shape << "]";
     const auto text = c10::str(
-        numel < 0 ? std::string("many") : std::to_string(numel),
+        w[2],
         " of ",
         static_cast<c10::ScalarType>(w[0]),
         ", shape ",

@@ -214,6 +214,9 @@ Placement placement_of_rows(const Plan& plan) {
   if (plan.stages < 0 || static_cast<size_t>(plan.stages) > cells) {
     return {};  // a stage without cells
   }
+  if (plan.stages > (int64_t{1} << 20)) {
+    return {};  // more than a Placement holds: none is made up
+  }
   std::vector<int64_t> lane_of(static_cast<size_t>(plan.stages), -1);
   for (size_t l = 0; l < plan.lanes.size(); ++l) {
     if (plan.lanes[l].empty()) {
