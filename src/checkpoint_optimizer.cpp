@@ -191,7 +191,9 @@ const std::string& key_of(
       key != keys.end(),
       "the optimizer holds a parameter of shape ",
       p.sizes(),
-      " that is not one of the model's (here): give ",
+      " that is not one of the model's parameters (a PipelineStage's are its "
+      "own partitions': build its optimizer from stage->parameters(), not "
+      "from the whole Sequential's): give ",
       call,
       " the optimizer of the model's parameters");
   return key->second;

@@ -193,7 +193,10 @@ void save_on_ranks(
               "part" + std::to_string(r),
               r,
               c10::str(
-                  "pipeline rank ", r, " could not write its partitions")));
+                  world.connection()->rank_name(r),
+                  " (pipeline rank ",
+                  r,
+                  " of the first replica) could not write its partitions")));
           for (const auto& item : part.at("layers").items()) {
             names.at(std::stoll(item.key())) = item.value().get<std::string>();
           }
