@@ -18,7 +18,7 @@
 #include <string>
 #include <thread>
 
-#include "balance/autotune_verify.h"
+#include "balance/autotune_text.h"
 #include "common.h"
 #include "device.h"
 

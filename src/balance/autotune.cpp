@@ -20,6 +20,7 @@
 #include <set>
 #include <sstream>
 
+#include "balance/autotune_text.h"
 #include "balance/autotune_verify.h"
 #include "balance/layer_costs.h"
 #include "balance/step_model.h"
@@ -66,44 +67,10 @@ std::vector<std::vector<int64_t>> balances_for(
   return out;
 }
 
-// "1.5 MiB", "12.0 KiB" below a MiB, "10 bytes" below a KiB.
-std::string mib(double bytes) {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(1);
-  if (bytes < 1024.0) {
-    out << std::setprecision(0) << bytes << (bytes == 1.0 ? " byte" : " bytes");
-  } else if (bytes < 1024.0 * 1024.0) {
-    out << bytes / 1024.0 << " KiB";
-  } else {
-    out << bytes / (1024.0 * 1024.0) << " MiB";
-  }
-  return out.str();
-}
-
-std::string balance_text(const std::vector<int64_t>& b) {
-  std::ostringstream out;
-  out << "[";
-  for (const auto k : c10::irange(b.size())) {
-    out << (k == 0 ? "" : ",") << b[k];
-  }
-  out << "]";
-  return out.str();
-}
-
-// "plan" for threads_per_lane 0 (the lanes share the cores by the plan),
-// else the count.
-std::string threads_text(int64_t threads_per_lane) {
-  return threads_per_lane == 0 ? "plan" : std::to_string(threads_per_lane);
-}
-
 // The first line of an error's message, for a table's cell.
 std::string first_line(const std::string& text) {
   const auto line = text.substr(0, text.find('\n'));
   return line.size() > 200 ? line.substr(0, 200) + "..." : line;
-}
-
-double most(const std::vector<double>& v) {
-  return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end());
 }
 
 }  // namespace
@@ -114,58 +81,6 @@ GPipeOptions Autotuned::options() const {
       .checkpoint(checkpoint)
       .placement(placement)
       .threads_per_lane(threads_per_lane);
-}
-
-std::string Autotuned::report(size_t rows) const {
-  std::ostringstream out;
-  out << *this << "\n";
-  // As wide as the longest balance (of 13 partitions, 29 characters).
-  size_t balance_width = 22;
-  for (const auto& c : candidates) {
-    balance_width = std::max(balance_width, balance_text(c.balance).size() + 2);
-  }
-  const auto bw = static_cast<int>(balance_width);
-  out << std::left << std::setw(14) << "schedule" << std::setw(7) << "chunks"
-      << std::setw(12) << "checkpoint" << std::setw(bw) << "balance"
-      << std::setw(8) << "threads" << std::right << std::setw(10) << "step_ms"
-      << std::setw(14) << "peak"
-      << "  verdict\n";
-  size_t fitting = 0;
-  size_t rejected = 0;
-  for (const auto& c : candidates) {
-    const bool fits = c.rejected.empty();
-    if ((fits && fitting++ >= rows) || (!fits && rejected++ >= rows)) {
-      continue;
-    }
-    out << std::left << std::setw(14) << to_string(c.schedule) << std::setw(7)
-        << c.chunks << std::setw(12) << to_string(c.checkpoint) << std::setw(bw)
-        << balance_text(c.balance) << std::setw(8)
-        << threads_text(c.threads_per_lane) << std::right << std::fixed;
-    if (c.predicted_peak_bytes.empty()) {
-      // Not simulated: its micro-batches do not run.
-      out << std::setw(10) << "-" << std::setw(14) << "-";
-    } else {
-      out << std::setprecision(2) << std::setw(10)
-          << c.predicted_step_seconds * 1e3 << std::setw(14)
-          << mib(most(c.predicted_peak_bytes));
-    }
-    out << "  " << (fits ? "fits" : c.rejected) << "\n";
-  }
-  out << candidates.size() << " candidates, " << fitting << " fit";
-  return out.str();
-}
-
-std::ostream& operator<<(std::ostream& out, const Autotuned& t) {
-  // Formatted apart, so that the caller's stream keeps its own format.
-  std::ostringstream text;
-  text << "balance " << balance_text(t.balance) << ", chunks " << t.chunks
-       << ", schedule " << to_string(t.schedule) << " on "
-       << to_string(t.placement) << ", checkpoint " << to_string(t.checkpoint)
-       << ", threads per lane " << threads_text(t.threads_per_lane)
-       << ": predicted " << std::fixed << std::setprecision(2)
-       << t.predicted_step_seconds * 1e3 << " ms per step, peak "
-       << mib(most(t.predicted_peak_bytes)) << " on the most loaded lane";
-  return out << text.str();
 }
 
 Autotuned autotune(
@@ -379,7 +294,7 @@ Autotuned autotune(
             c.threads_per_lane = threads_option;
             c.predicted_step_seconds = e.seconds;
             c.predicted_peak_bytes = e.peaks;
-            const auto peak = most(e.peaks);
+            const auto peak = detail::most(e.peaks);
             if (options.memory_limit() > 0 &&
                 peak > static_cast<double>(options.memory_limit())) {
               const auto lane =
@@ -448,7 +363,8 @@ Autotuned autotune(
         if (us(a) != us(b)) {
           return us(a) < us(b);
         }
-        return most(a.predicted_peak_bytes) < most(b.predicted_peak_bytes);
+        return detail::most(a.predicted_peak_bytes) <
+               detail::most(b.predicted_peak_bytes);
       });
   const AutotuneCandidate* best = nullptr;
   const AutotuneCandidate* smallest = nullptr;
@@ -460,7 +376,8 @@ Autotuned autotune(
       continue;  // not simulated: its micro-batches do not run
     }
     if (smallest == nullptr ||
-        most(c.predicted_peak_bytes) < most(smallest->predicted_peak_bytes)) {
+        detail::most(c.predicted_peak_bytes) <
+            detail::most(smallest->predicted_peak_bytes)) {
       smallest = &c;
     }
   }
@@ -472,7 +389,7 @@ Autotuned autotune(
       tuned.candidates.front().chunks,
       "); try other chunks");
   const auto [limit_text, peak_text] = detail::limit_and_peak_text(
-      options.memory_limit(), most(smallest->predicted_peak_bytes));
+      options.memory_limit(), detail::most(smallest->predicted_peak_bytes));
   TORCH_CHECK_VALUE(
       best != nullptr,
       "autotune: no candidate fits the memory limit of ",
@@ -486,7 +403,7 @@ Autotuned autotune(
       ", checkpoint ",
       to_string(smallest->checkpoint),
       ", balance ",
-      balance_text(smallest->balance),
+      detail::balance_text(smallest->balance),
       "): raise the limit, use more lanes, or try more chunks");
   tuned.balance = best->balance;
   tuned.chunks = best->chunks;
@@ -499,22 +416,5 @@ Autotuned autotune(
   tuned.plan = make_plan(tuned.schedule, tuned.chunks, tuned.placement);
   return tuned;
 }
-
-namespace detail {
-
-std::pair<std::string, std::string> limit_and_peak_text(
-    int64_t limit, double peak) {
-  auto limit_text = mib(static_cast<double>(limit));
-  auto peak_text = mib(peak);
-  if (limit_text == peak_text) {
-    limit_text += c10::str(" (", limit, " bytes)");
-    // Up: a peak of 9471.4 bytes is over a limit of 9471.
-    peak_text +=
-        c10::str(" (", static_cast<int64_t>(std::ceil(peak)), " bytes)");
-  }
-  return {limit_text, peak_text};
-}
-
-}  // namespace detail
 
 }  // namespace gpipe

@@ -6,10 +6,6 @@
 #include <gpipe/autotune.h>
 #include <torch/torch.h>
 
-#include <cstdint>
-#include <string>
-#include <utility>
-
 namespace gpipe::detail {
 
 /// Throws a c10::Error (ValueError or TypeError) saying what was expected
@@ -22,11 +18,5 @@ void verify_autotune(
     const torch::Tensor& sample_target,
     const LossFunction& loss_fn,
     const AutotuneOptions& options);
-
-/// A memory limit and the smallest peak found, as the error of a limit
-/// nothing fits names them: rounded ("9.2 KiB"), and in bytes too where
-/// the rounded figures read alike ("9.2 KiB (9471 bytes)").
-std::pair<std::string, std::string> limit_and_peak_text(
-    int64_t limit, double peak);
 
 }  // namespace gpipe::detail
