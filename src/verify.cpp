@@ -52,16 +52,15 @@ void verify_chunks(int64_t chunks) {
       chunks);
 }
 
-void verify_devices(
-    const std::vector<torch::Device>& devices, int64_t num_partitions) {
+void verify_devices(const std::vector<torch::Device>& devices, int64_t lanes) {
   TORCH_CHECK_VALUE(
-      num_partitions >= 0,
-      "verify_devices expects a number of partitions >= 0, but got ",
-      num_partitions);
+      lanes >= 0,
+      "verify_devices expects a number of lanes >= 0, but got ",
+      lanes);
   TORCH_CHECK_INDEX(
-      static_cast<int64_t>(devices.size()) >= num_partitions,
+      static_cast<int64_t>(devices.size()) >= lanes,
       "too few devices to hold the partitions: expected at least ",
-      detail::count_of(num_partitions, "device", "devices"),
+      detail::count_of(lanes, "device", "devices"),
       " (one per lane; a lane holds one partition, or more with "
       "stages_per_lane or a placement), but got ",
       devices.size(),
@@ -69,7 +68,7 @@ void verify_devices(
   // Before anything is placed: LibTorch's own error for a CUDA device it
   // cannot reach is a dispatcher dump that names neither the option nor the
   // way out. Devices past the partitions' are dropped unused.
-  for (const auto k : c10::irange(num_partitions)) {
+  for (const auto k : c10::irange(lanes)) {
     const auto& device = devices[k];
     // As balance_by_time: a meta device (or another backend) failed only
     // when the first parameter moved, with autograd's set_data message.

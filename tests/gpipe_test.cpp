@@ -220,9 +220,23 @@ TEST_F(GPipeTest, ABalanceWhoseSumOverflowsIsRefused) {
 TEST_F(GPipeTest, VerifyDevicesRefusesANegativeNumberOfPartitions) {
   auto msg = message_of([] { gpipe::verify_devices({torch::kCPU}, -1); });
   EXPECT_TRUE(contains(
-      msg, "verify_devices expects a number of partitions >= 0, but got -1"))
+      msg, "verify_devices expects a number of lanes >= 0, but got -1"))
       << msg;
   EXPECT_NO_THROW(gpipe::verify_devices({torch::kCPU}, 0));
+  // It counts lanes, as the constructor does: a placement of 4 partitions
+  // on 2 lanes needs 2 devices.
+  const auto placement = gpipe::Placement({0, 0, 1, 1});
+  EXPECT_NO_THROW(
+      gpipe::verify_devices({torch::kCPU, torch::kCPU}, placement.lanes()));
+  EXPECT_NO_THROW(GPipe(
+      copy_of(torch::nn::Sequential(
+          torch::nn::Linear(2, 2),
+          torch::nn::Linear(2, 2),
+          torch::nn::Linear(2, 2),
+          torch::nn::Linear(2, 2))),
+      GPipeOptions({1, 1, 1, 1})
+          .placement(placement)
+          .devices({torch::kCPU, torch::kCPU})));
 }
 
 // Chunks near INT64_MAX: the first forward divided by zero (SIGFPE) on an

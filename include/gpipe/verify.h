@@ -19,13 +19,12 @@ void verify_balance(const std::vector<int64_t>& balance, int64_t num_layers);
 /// `chunks` is at least 1.
 void verify_chunks(int64_t chunks);
 
-/// There is a device for each of the `num_partitions` lanes that hold the
-/// partitions (one per partition unless stages_per_lane or a placement
-/// puts several on a lane), each used one is the CPU or a CUDA device, and
-/// every CUDA device among them exists (a LibTorch built without CUDA has
-/// none).
-void verify_devices(
-    const std::vector<torch::Device>& devices, int64_t num_partitions);
+/// There is a device for each of the `lanes` lanes that hold the
+/// partitions, each used one is the CPU or a CUDA device, and every CUDA
+/// device among them exists (a LibTorch built without CUDA has none). The
+/// lanes are what the constructor counts: the partitions, over
+/// stages_per_lane, or `placement.lanes()` (2 for Placement({0, 0, 1, 1})).
+void verify_devices(const std::vector<torch::Device>& devices, int64_t lanes);
 
 /// No module appears twice and no parameter is shared between children.
 void verify_module(const torch::nn::Sequential& module);
