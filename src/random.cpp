@@ -303,8 +303,7 @@ void replay_seeded(
     torch::Device device,
     uint64_t seed,
     const RandomOutcome& forward,
-    const std::function<void()>& body,
-    const std::function<void()>& rerun) {
+    const std::function<void()>& body) {
   if (forward.drew && forward.own) {
     const auto run = run_own(seed, body);
     TORCH_CHECK(
@@ -347,7 +346,7 @@ void replay_seeded(
   // counts as the cell's.
   if (!own_generators(device)) {
     TORCH_CHECK(
-        !run_exclusive(device, seed, rerun).drew,
+        !run_exclusive(device, seed, body).drew,
         "the recomputation of a checkpointed cell drew random numbers "
         "although its forward drew none (did a layer's randomness change "
         "between forward and backward, or did another thread draw from the "
@@ -356,7 +355,7 @@ void replay_seeded(
   }
   constexpr int kTries = 3;
   for (int t = 0; t < kTries; ++t) {
-    const auto run = run_own(seed, rerun);
+    const auto run = run_own(seed, body);
     const bool drew = run.outcome.drew;
     const bool moved = run.moved;
     TORCH_CHECK(

@@ -196,16 +196,15 @@ RandomOutcome run_seeded(
 /// Runs `body` (a recomputation) drawing what the forward whose outcome is
 /// `forward` drew. Throws `c10::Error` when it cannot: the numbers differ.
 /// When the forward drew nothing and the default generators moved while
-/// `body` ran, `rerun` (which must redo `body`'s work, replacing its
-/// results) runs on a generator of its own to tell whether the cell drew
-/// or another thread did (Note [A recomputation that saw the generators
-/// move] in random.cpp).
+/// `body` ran, it runs again (so it must redo its work from the start,
+/// replacing its results) on a generator of its own, to tell whether the
+/// cell drew or another thread did (Note [A recomputation that saw the
+/// generators move] in random.cpp).
 void replay_seeded(
     torch::Device device,
     uint64_t seed,
     const RandomOutcome& forward,
-    const std::function<void()>& body,
-    const std::function<void()>& rerun);
+    const std::function<void()>& body);
 
 /// Mixes a step seed with a cell's coordinates.
 uint64_t cell_seed(uint64_t step_seed, int64_t micro_batch, int64_t stage);

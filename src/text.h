@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace gpipe::detail {
 
@@ -65,6 +66,15 @@ class RelayedFailure : public c10::Error {
 /// "1 lane", "3 lanes": `n` and the noun that agrees with it.
 inline std::string count_of(int64_t n, const char* one, const char* many) {
   return c10::str(n, ' ', n == 1 ? one : many);
+}
+
+/// "a", "a and b", "a, b and c".
+inline std::string listed(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t k = 0; k < items.size(); ++k) {
+    out += (k == 0 ? "" : k + 1 == items.size() ? " and " : ", ") + items[k];
+  }
+  return out;
 }
 
 // `text` as XML character data or an attribute's value.

@@ -163,13 +163,7 @@ std::string read_within_timeout(
         break;
       }
     }
-    absent.clear();
-    for (const auto k : c10::irange(ranks.size())) {
-      absent += (k == 0                  ? ""
-                 : k + 1 == ranks.size() ? " and "
-                                         : ", ") +
-                connection.rank_name(ranks[k]);
-    }
+    absent = connection.rank_names(ranks);
   }
   const auto message =
       reached

@@ -194,6 +194,8 @@ struct Connection : std::enable_shared_from_this<Connection> {
   std::string rank_name(int64_t r) const {
     return "rank " + std::to_string(global_rank(r));
   }
+  // "rank 1, rank 2 and rank 3".
+  std::string rank_names(const std::vector<int64_t>& ranks) const;
 
   /// A number for the next PipelineStage, the same on every rank when they
   /// build their stages in the same order.

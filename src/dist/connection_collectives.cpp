@@ -48,6 +48,14 @@ constexpr const char* kLeftKey = "left/";
 
 }  // namespace
 
+std::string Connection::rank_names(const std::vector<int64_t>& ranks) const {
+  std::vector<std::string> names;
+  for (const auto r : ranks) {
+    names.push_back(rank_name(r));
+  }
+  return gpipe::detail::listed(names);
+}
+
 void Connection::say_leaving() {
   if (size < 2 || store_gone_) {
     return;
@@ -70,16 +78,9 @@ std::string Connection::who_left() const {
   } catch (...) {
     return {};
   }
-  std::string names;
-  for (const auto k : c10::irange(left.size())) {
-    names += (k == 0                 ? ""
-              : k + 1 == left.size() ? " and "
-                                     : ", ") +
-             rank_name(left[k]);
-  }
   return left.empty()
              ? std::string()
-             : names + " had left (" +
+             : rank_names(left) + " had left (" +
                    (left.size() == 1 ? "its World was" : "their Worlds were") +
                    " let go: the process ended, after an error of its own or "
                    "not; see its own output)";
@@ -119,13 +120,7 @@ std::string Connection::absent_from(int64_t collective) const {
   if (absent.empty()) {
     return "every rank had reached it, and one stopped answering in it";
   }
-  std::string names;
-  for (const auto k : c10::irange(absent.size())) {
-    names += (k == 0                   ? ""
-              : k + 1 == absent.size() ? " and "
-                                       : ", ") +
-             rank_name(absent[k]);
-  }
+  const auto names = rank_names(absent);
   // Note [What a rank waits for] in connection.cpp.
   std::string waits;
   for (const auto r : absent) {

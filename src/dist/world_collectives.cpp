@@ -20,6 +20,7 @@
 
 #include "dist/backend.h"
 #include "dist/connection.h"
+#include "text.h"
 
 namespace gpipe::dist {
 
@@ -123,13 +124,11 @@ std::string tensors_of_every_rank(
   }
   std::string out;
   for (const auto& [text, ranks] : kinds) {
-    std::string names;
-    for (size_t k = 0; k < ranks.size(); ++k) {
-      names += (k == 0                  ? ""
-                : k + 1 == ranks.size() ? " and "
-                                        : ", ") +
-               std::to_string(connection.global_rank(ranks[k]));
+    std::vector<std::string> numbers;
+    for (const auto r : ranks) {
+      numbers.push_back(std::to_string(connection.global_rank(r)));
     }
+    const auto names = gpipe::detail::listed(numbers);
     out += c10::str(
         out.empty() ? "" : "; ",
         ranks.size() == 1 ? "rank " : "ranks ",

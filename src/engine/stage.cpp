@@ -350,23 +350,17 @@ Flow Stage::backward(
     const AutocastScope autocast(ctx.autocast);  // the forward's
     RecomputingGuard recomputing;
     buffers.save(module_->buffers());
-    put_forward_buffers(c);
     std::map<SkipKey, torch::Tensor> incoming;
     for (const auto k : c10::irange(skips_in_.size())) {
       incoming.emplace(skips_in_[k], c.skip_inputs[k]);
     }
     try {
       ModeRestore modes(c.modes.get());
-      replay_seeded(
-          device_,
-          c.seed,
-          c.random,
-          [&] { run(c.input, incoming, y, skip_outputs); },
-          [&] {
-            // Again, from the buffers as the forward read them.
-            put_forward_buffers(c);
-            run(c.input, incoming, y, skip_outputs);
-          });
+      // From the buffers as the forward read them, each time it runs.
+      replay_seeded(device_, c.seed, c.random, [&] {
+        put_forward_buffers(c);
+        run(c.input, incoming, y, skip_outputs);
+      });
     } catch (...) {
       failed_in_recomputation() = true;
       throw;

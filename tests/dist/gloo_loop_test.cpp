@@ -20,6 +20,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "dist/backend.h"
@@ -134,19 +135,19 @@ TEST(GlooLoopTest, OnlyTheEventLoopRunsLower) {
   EXPECT_EQ(rest, 0);
 }
 
-// A collective whose peer has closed its connections fails with a
-// c10::Error naming the collective and the rank (Gloo's own is a
-// gloo::IoException, which code that catches c10::Error would miss), and
-// without waiting for the timeout.
-TEST(GlooErrorsTest, ACollectiveWhosePeerIsGoneIsAC10Error) {
+// Each rank's error (or "no error") from an all_reduce of the first n - 1
+// ranks after the last rank let its World go, and the longest of them in
+// seconds.
+std::pair<std::vector<std::string>, double> all_reduce_after_the_last_rank_left(
+    int64_t n) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::atomic<bool> closed{false};
-  std::string message = "not run";
-  std::chrono::duration<double> took{};
-  gpipe::dist::testing::run_threads(2, [&](int64_t r) {
+  std::vector<std::string> messages(static_cast<size_t>(n), "not run");
+  std::vector<double> took(static_cast<size_t>(n), 0.0);
+  gpipe::dist::testing::run_threads(n, [&](int64_t r) {
     std::optional<gpipe::dist::World> world =
-        gpipe::dist::init_from_store(store, r, 2, std::chrono::seconds(30));
-    if (r == 1) {
+        gpipe::dist::init_from_store(store, r, n, std::chrono::seconds(30));
+    if (r == n - 1) {
       world.reset();
       closed = true;
       return;
@@ -158,42 +159,33 @@ TEST(GlooErrorsTest, ACollectiveWhosePeerIsGoneIsAC10Error) {
     const auto start = std::chrono::steady_clock::now();
     try {
       world->all_reduce(t);
-      message = "no error";
+      messages[r] = "no error";
     } catch (const c10::Error& e) {
-      message = e.what_without_backtrace();
+      messages[r] = e.what_without_backtrace();
     }
-    took = std::chrono::steady_clock::now() - start;
+    took[r] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count();
   });
+  return {messages, *std::max_element(took.begin(), took.end())};
+}
+
+// A collective whose peer has closed its connections fails with a
+// c10::Error naming the collective and the rank (Gloo's own is a
+// gloo::IoException, which code that catches c10::Error would miss), and
+// without waiting for the timeout.
+TEST(GlooErrorsTest, ACollectiveWhosePeerIsGoneIsAC10Error) {
+  const auto [messages, took] = all_reduce_after_the_last_rank_left(2);
+  const auto& message = messages[0];
   EXPECT_NE(message.find("all_reduce"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 0"), std::string::npos) << message;
-  EXPECT_LT(took.count(), 20.0) << message;
+  EXPECT_LT(took, 20.0) << message;
 }
 
 // Of three ranks, the one whose World went before the collective is named
 // (a process that returned, or let its World go, says so on the store).
 TEST(GlooErrorsTest, OfThreeRanksTheOneWhoseWorldWentIsNamed) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::atomic<bool> closed{false};
-  std::vector<std::string> messages(3, "not run");
-  gpipe::dist::testing::run_threads(3, [&](int64_t r) {
-    std::optional<gpipe::dist::World> world =
-        gpipe::dist::init_from_store(store, r, 3, std::chrono::seconds(30));
-    if (r == 2) {
-      world.reset();
-      closed = true;
-      return;
-    }
-    while (!closed) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    auto t = torch::ones({4});
-    try {
-      world->all_reduce(t);
-      messages[r] = "no error";
-    } catch (const c10::Error& e) {
-      messages[r] = e.what_without_backtrace();
-    }
-  });
+  const auto messages = all_reduce_after_the_last_rank_left(3).first;
   for (const auto r : {0, 1}) {
     EXPECT_NE(messages[r].find("rank 2 had left"), std::string::npos)
         << messages[r];
