@@ -151,7 +151,10 @@ World init_from_env();
 /// `rank` of `size`, on GPIPE_DIST_BACKEND's backend. Gloo ranks talk over
 /// GLOO_SOCKET_IFNAME when it is set, else over loopback when MASTER_ADDR
 /// is unset or local, else over this host's interface. local_rank() is
-/// `rank` and local_size() is `size`.
+/// `rank` and local_size() is `size`. A store may serve several Worlds one
+/// after another (a job that makes its World again after an error): each
+/// rank's nth World on it meets the other ranks' nth, so every rank makes
+/// them in the same order, as with c10d's new_group.
 World init_from_store(
     c10::intrusive_ptr<c10d::Store> store,
     int64_t rank,

@@ -402,7 +402,18 @@ World join_store(
   // Every rank of the store is a thread of this process.
   auto make_group = detail::backend_from_env(
       addr != nullptr ? addr : "127.0.0.1", rank, size, timeout);
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("gpipe/", store);
+  // Note [Worlds one after another on one store]
+  // A job may make a World again on the store of an earlier one (after an
+  // error, or a test of several Worlds). Under the same keys, the new
+  // World's Gloo groups met the old addresses and hung for the timeout, and
+  // its failure notices named the ranks that had left the old one. So each
+  // World's keys are apart: a rank's nth World on a store takes the nth
+  // prefix, counted in the store itself, as every rank makes its Worlds in
+  // the same order.
+  const auto nth =
+      store->add("gpipe/worlds_of_rank_" + std::to_string(rank), 1);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+      "gpipe/world_" + std::to_string(nth) + "/", store);
   auto groups = make_group(prefixed, rank, size);
   return World(std::make_shared<detail::Connection>(
       prefixed,

@@ -192,6 +192,52 @@ TEST(GlooErrorsTest, OfThreeRanksTheOneWhoseWorldWentIsNamed) {
   }
 }
 
+// A second World on the store of an earlier one (a job that makes its World
+// again after an error, or a test of several Worlds): it starts clean, and
+// a failure in it names the rank that left it, not those that let the first
+// World go.
+TEST(GlooErrorsTest, ASecondWorldOnOneStoreNamesOnlyItsOwnRanks) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const int64_t n = 3;
+  auto sum_of_ones = [](gpipe::dist::World& world) {
+    auto t = torch::ones({4});
+    world.all_reduce(t);
+    return t[0].item<double>();
+  };
+  gpipe::dist::testing::run_threads(n, [&](int64_t r) {
+    auto world =
+        gpipe::dist::init_from_store(store, r, n, std::chrono::seconds(30));
+    EXPECT_EQ(sum_of_ones(world), 3.0);
+  });
+  std::atomic<bool> closed{false};
+  std::vector<std::string> messages(static_cast<size_t>(n), "not run");
+  gpipe::dist::testing::run_threads(n, [&](int64_t r) {
+    std::optional<gpipe::dist::World> world =
+        gpipe::dist::init_from_store(store, r, n, std::chrono::seconds(30));
+    EXPECT_EQ(sum_of_ones(*world), 3.0);
+    if (r == 1) {
+      world.reset();
+      closed = true;
+      return;
+    }
+    while (!closed) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    try {
+      sum_of_ones(*world);
+      messages[r] = "no error";
+    } catch (const c10::Error& e) {
+      messages[r] = e.what_without_backtrace();
+    }
+  });
+  for (const auto r : {0, 2}) {
+    const auto& message = messages[r];
+    EXPECT_NE(message.find("rank 1 had left"), std::string::npos) << message;
+    EXPECT_EQ(message.find("rank 0 and rank 1"), std::string::npos) << message;
+    EXPECT_EQ(message.find("rank 1 and rank 2"), std::string::npos) << message;
+  }
+}
+
 // Ranks that pass tensors of other sizes or dtypes to one collective are
 // refused alike (Gloo itself would abort the process), and the World works
 // on afterwards.
