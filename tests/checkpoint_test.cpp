@@ -365,6 +365,49 @@ TEST_F(
   }
 }
 
+// LibTorch's SGD writes its step through p.data(), whose version counter is
+// not the parameter's: an optimizer.step() between the forward and the
+// backward left every counter as it was, and the checkpointed cells
+// recomputed with the new weights (gradients 0.2 off the plain model's)
+// without a word. Refused too; a step after the backward, as every
+// training loop does it, is not.
+TEST_F(CheckpointTest, AnSgdStepBeforeTheBackwardIsRefused) {
+  for (const auto mode : {Checkpoint::Always, Checkpoint::ExceptLast}) {
+    torch::manual_seed(0);
+    auto net = torch::nn::Sequential(
+        torch::nn::Linear(6, 5),
+        torch::nn::Tanh(),
+        torch::nn::Linear(5, 4),
+        torch::nn::Tanh());
+    net->to(torch::kFloat64);
+    gpipe::GPipe model(
+        net, gpipe::GPipeOptions({2, 2}).chunks(2).checkpoint(mode));
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    const auto x = torch::randn({4, 6}, torch::kFloat64);
+    for (int step = 0; step < 3; ++step) {
+      sgd.zero_grad();
+      model->forward(x).pow(2).sum().backward();
+      sgd.step();
+    }
+    sgd.zero_grad();
+    auto loss = model->forward(x).pow(2).sum();
+    model->forward(x).sum().backward();  // gradients for the step
+    sgd.step();
+    try {
+      loss.backward();
+      ADD_FAILURE() << "no error, mode " << static_cast<int>(mode);
+    } catch (const c10::ValueError& e) {
+      const std::string what = e.what_without_backtrace();
+      EXPECT_NE(
+          what.find("a parameter of a checkpointed partition ('2.weight', of "
+                    "shape [4, 5]) was changed after the partition's forward "
+                    "(its values changed, its version did not:"),
+          std::string::npos)
+          << what;
+    }
+  }
+}
+
 // A layer that changes its own weights as it runs (an Embedding with
 // max_norm renormalises them in place in every forward) is not refused: its
 // changes are the layers' own, and recomputation reads what it left; with

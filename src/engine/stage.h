@@ -245,6 +245,10 @@ class Stage {
   std::mutex left_mutex_;
   std::shared_ptr<const std::vector<torch::Tensor>> left_parameters_;
   std::vector<int64_t> left_versions_;
+  // A few values of each CPU parameter, as bytes, and where each one's end
+  // (Note [Parameters written through .data()]).
+  std::vector<uint8_t> left_samples_;
+  std::vector<size_t> left_sample_ends_;
   std::atomic<bool> noted_{false};  // a note was taken
   // Records the versions of `parameters` now, as the layers leave them.
   void note_parameters_left(

@@ -3,6 +3,10 @@
 
 #include <c10/util/irange.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
 #include "engine/stage.h"
 
 namespace gpipe::detail {
@@ -30,6 +34,42 @@ namespace gpipe::detail {
 // Embedding with max_norm renormalises them in place in every forward),
 // and compared before each recomputation: a change since the layers last
 // ran came from outside.
+// Note [Parameters written through .data()]
+// LibTorch's SGD (torch::optim::SGD, in 1.13 and 2.x) writes its step into
+// p.data(), a tensor whose version counter is not the parameter's: an
+// optimizer.step() between the forward and the backward left every counter
+// as it was, and the checkpointed cells recomputed with the new weights
+// (gradients 0.2 off the plain model's in a small MLP) without a word. So
+// the note also keeps a few values of each parameter on the CPU (kSampled,
+// evenly spaced: a step moves every weight that has a gradient), read in
+// place, and the check compares them bit for bit. On other devices reading
+// them would wait for the device: there the counters alone are checked, and
+// such a step goes unseen.
+
+namespace {
+
+constexpr int64_t kSampled = 8;
+
+// Appends the bytes of up to kSampled evenly spaced values of `p`, where
+// they can be read in place (a dense CPU tensor).
+void append_samples(const torch::Tensor& p, std::vector<uint8_t>& out) {
+  if (!p.defined() || !p.is_cpu() || p.layout() != c10::kStrided ||
+      p.is_quantized() || !p.has_storage() || !p.is_contiguous() ||
+      p.numel() == 0) {
+    return;
+  }
+  const auto n = p.numel();
+  const auto count = std::min(n, kSampled);
+  const auto size = static_cast<int64_t>(p.element_size());
+  const auto* base = static_cast<const uint8_t*>(p.data_ptr());
+  for (const auto k : c10::irange(count)) {
+    const auto at = count == 1 ? 0 : k * (n - 1) / (count - 1);
+    out.insert(out.end(), base + at * size, base + (at + 1) * size);
+  }
+}
+
+}  // namespace
+
 void Stage::note_parameters_left(
     const std::shared_ptr<const std::vector<torch::Tensor>>& parameters) {
   if (!parameters) {
@@ -37,10 +77,15 @@ void Stage::note_parameters_left(
   }
   std::lock_guard<std::mutex> lock(left_mutex_);
   left_parameters_ = parameters;
-  left_versions_.resize(parameters->size());  // kept: no allocation a cell
+  // Kept: no allocation a cell.
+  left_versions_.resize(parameters->size());
+  left_samples_.clear();
+  left_sample_ends_.clear();
   for (const auto k : c10::irange(parameters->size())) {
     const auto& p = (*parameters)[k];
     left_versions_[k] = p.is_inference() ? -1 : int64_t(p._version());
+    append_samples(p, left_samples_);
+    left_sample_ends_.push_back(left_samples_.size());
   }
   noted_.store(true, std::memory_order_relaxed);
 }
@@ -49,10 +94,14 @@ std::shared_ptr<const std::vector<torch::Tensor>>
 Stage::check_parameters_unchanged() {
   std::shared_ptr<const std::vector<torch::Tensor>> parameters;
   std::vector<int64_t> before;
+  std::vector<uint8_t> samples;
+  std::vector<size_t> ends;
   {
     std::lock_guard<std::mutex> lock(left_mutex_);
     parameters = left_parameters_;
     before = left_versions_;
+    samples = left_samples_;
+    ends = left_sample_ends_;
   }
   if (!parameters) {
     return parameters;
@@ -72,6 +121,28 @@ Stage::check_parameters_unchanged() {
         "are now, so the gradients would be wrong. Change parameters after "
         "the backward (optimizer.step() after loss.backward()), or do not "
         "checkpoint (Checkpoint::Never)");
+  }
+  std::vector<uint8_t> now_samples;
+  for (const auto k : c10::irange(parameters->size())) {
+    const auto& p = (*parameters)[k];
+    now_samples.clear();
+    append_samples(p, now_samples);
+    const size_t begin = k == 0 ? 0 : ends.at(k - 1);
+    TORCH_CHECK_VALUE(
+        now_samples.size() == ends.at(k) - begin &&
+            std::equal(
+                now_samples.begin(),
+                now_samples.end(),
+                samples.begin() + static_cast<std::ptrdiff_t>(begin)),
+        "a parameter of a checkpointed partition (",
+        name_of_parameter(p),
+        ") was changed after the partition's forward (its values changed, "
+        "its version did not: written through .data(), as "
+        "torch::optim::SGD's step writes): the backward recomputes the "
+        "forward with the parameters as they are now, so the gradients "
+        "would be wrong. Step the optimizer after the backward "
+        "(optimizer.step() after loss.backward()), or do not checkpoint "
+        "(Checkpoint::Never)");
   }
   return parameters;
 }
