@@ -14,6 +14,11 @@ namespace gpipe::detail {
 
 namespace {
 
+// How many more times a cell runs on a generator of its own while the
+// default generator moves (Note [A recomputation that saw the generators
+// move]).
+constexpr int kTries = 3;
+
 std::vector<torch::Device> generator_devices(torch::Device device) {
   std::vector<torch::Device> devices{torch::kCPU};
   if (device.type() != torch::kCPU) {
@@ -258,9 +263,19 @@ RandomOutcome run_drawing(
   } else if (auto run = run_own(seed, first); !run.moved) {
     outcome = std::move(run.outcome);
   } else {
-    // It drew from the default generator by name: again, in turn.
-    use.observe_by_name(training);
-    outcome = run_exclusive(device, seed, rerun);
+    // The default generator moved: the cell drew from it by name, or
+    // another thread drew meanwhile (Note [A recomputation that saw the
+    // generators move]). Again on a generator of its own, up to kTries
+    // times; a move in every run is the cell's: again, in turn.
+    for (int t = 0; t < kTries && run.moved; ++t) {
+      run = run_own(seed, rerun);
+    }
+    if (!run.moved) {
+      outcome = std::move(run.outcome);
+    } else {
+      use.observe_by_name(training);
+      outcome = run_exclusive(device, seed, rerun);
+    }
   }
   use.observe(training, outcome.drew, /*seeded=*/true);
   return outcome;
@@ -305,14 +320,29 @@ void replay_seeded(
     const RandomOutcome& forward,
     const std::function<void()>& body) {
   if (forward.drew && forward.own) {
-    const auto run = run_own(seed, body);
+    // Its own draws are told apart from the default generator's moves, which
+    // are another thread's or the cell's by name: runs again while the
+    // default generator moves (Note [A recomputation that saw the
+    // generators move]).
+    for (int t = 0; t <= kTries; ++t) {
+      const auto run = run_own(seed, body);
+      TORCH_CHECK(
+          run.outcome.end && *run.outcome.end == *forward.end,
+          "the recomputation of a checkpointed cell drew other random "
+          "numbers than its forward (does a layer draw differently when "
+          "gpipe::is_recomputing()?); its gradients would be wrong");
+      if (!run.moved) {
+        return;
+      }
+    }
     TORCH_CHECK(
-        !run.moved && run.outcome.end && *run.outcome.end == *forward.end,
-        "the recomputation of a checkpointed cell drew other random numbers "
-        "than its forward (does a layer draw differently when "
-        "gpipe::is_recomputing(), or from the default generator by name?); "
-        "its gradients would be wrong");
-    return;
+        false,
+        "the recomputation of a checkpointed cell saw the default random "
+        "generator move in each of its ",
+        kTries + 1,
+        " runs, where its forward did not: a layer draws from it by name "
+        "now, or another thread draws from it all the while; its gradients "
+        "could be wrong");
   }
   if (forward.drew) {
     auto outcome = run_exclusive(device, seed, body);
@@ -343,7 +373,12 @@ void replay_seeded(
   // the default generators stay still: only a move in every run is an
   // error that may not be the cell's. Where cells have no generators of
   // their own (a GPU), once more, exclusively and seeded, where any move
-  // counts as the cell's.
+  // counts as the cell's. The same for a cell that drew on a generator of
+  // its own, in its forward (where a move in every run means it draws from
+  // the default generator by name, and it then runs in turn) and in its
+  // recomputation (where its own generator must end where the forward's
+  // did): one draw on another thread moved the default generator, and the
+  // step failed.
   if (!own_generators(device)) {
     TORCH_CHECK(
         !run_exclusive(device, seed, body).drew,
@@ -353,7 +388,6 @@ void replay_seeded(
         "default generator meanwhile?); its gradients would be wrong");
     return;
   }
-  constexpr int kTries = 3;
   for (int t = 0; t < kTries; ++t) {
     const auto run = run_own(seed, body);
     const bool drew = run.outcome.drew;

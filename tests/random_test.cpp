@@ -384,6 +384,76 @@ TEST_F(RandomTest, AnotherThreadsDrawDuringARecomputationIsNotTheCells) {
   }
 }
 
+// The same for cells that draw (dropout): one draw on another thread during
+// a recomputation failed the step ('drew other random numbers than its
+// forward'); one during a forward had the cell taken for one that draws
+// from the default generator by name, which then ran in turn on it, where
+// the next draw of another thread failed its recomputation. Each runs again
+// on a generator of its own, and the gradients are those of the same
+// pipeline without checkpoints (whose masks are the same).
+TEST_F(RandomTest, AnotherThreadsDrawBesideADrawingCellIsNotTheCells) {
+  for (const bool in_forward : {false, true}) {
+    // Draws on another thread left to make, in a forward's first run and in
+    // a recomputation (a forward's second run is one, to its layers).
+    std::atomic<int> forward_draws{0};
+    std::atomic<int> recompute_draws{0};
+    auto sometimes_elsewhere = gpipe::testing::lambda([&](torch::Tensor x) {
+      auto& left = gpipe::is_recomputing() ? recompute_draws : forward_draws;
+      if (left.load() > 0) {
+        --left;
+        std::thread other([] { torch::rand({1}); });
+        other.join();
+      }
+      return x;
+    });
+    auto layers = [](torch::nn::AnyModule middle) {
+      torch::manual_seed(3);
+      torch::nn::Sequential net(torch::nn::Linear(4, 8));
+      net->push_back(torch::nn::Dropout(0.5));
+      net->push_back(std::move(middle));
+      net->push_back(torch::nn::Tanh());
+      net->push_back(torch::nn::Linear(8, 2));
+      net->to(torch::kFloat64);
+      return net;
+    };
+    auto net = layers(torch::nn::AnyModule(sometimes_elsewhere));
+    auto reference = layers(torch::nn::AnyModule(torch::nn::Identity()));
+    gpipe::GPipe model(
+        net, gpipe::GPipeOptions({5}).chunks(2).checkpoint(Checkpoint::Always));
+    gpipe::GPipe uncheckpointed(
+        reference,
+        gpipe::GPipeOptions({5}).chunks(2).checkpoint(Checkpoint::Never));
+    const auto x = torch::randn({4, 4}, torch::kFloat64);
+    const auto y = torch::randn({4, 2}, torch::kFloat64);
+    for (int step = 0; step < 2; ++step) {
+      model->zero_grad();
+      uncheckpointed->zero_grad();
+      const bool disturbed = step == 1 || !in_forward;
+      forward_draws = disturbed && in_forward ? 1 : 0;
+      torch::manual_seed(11 + step);
+      auto loss = torch::mse_loss(model->forward(x), y);
+      recompute_draws = disturbed ? 1 : 0;
+      loss.backward();
+      EXPECT_EQ(forward_draws.load() + recompute_draws.load(), 0);
+      torch::manual_seed(11 + step);
+      torch::mse_loss(uncheckpointed->forward(x), y).backward();
+      if (!disturbed) {
+        continue;
+      }
+      const auto a = gpipe::testing::grads_of(*model);
+      const auto b = gpipe::testing::grads_of(*uncheckpointed);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t k = 0; k < a.size(); ++k) {
+        EXPECT_TRUE(torch::allclose(a[k], b[k], 1e-12, 1e-12))
+            << k << " " << in_forward;
+      }
+      if (!in_forward) {
+        break;
+      }
+    }
+  }
+}
+
 // A layer that draws only when recomputed: an error, on a generator of its
 // own as on the default one.
 TEST_F(RandomTest, ALayerThatDrawsOnlyInRecomputationIsAnError) {
