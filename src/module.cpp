@@ -158,6 +158,14 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options_)
       pipeline_->share_threads(threads_per_lane_);
     }
   }
+  // Made of a Sequential in eval() (every layer in it), the GPipe starts in
+  // eval() as a whole, so that is_training() says what its passes do. (The
+  // flag is the Module's own: a net->eval() after this cannot reach it;
+  // model->eval() sets both.)
+  if (!sequential_->is_training() &&
+      !detail::layers_training(partitions_->children(), true)) {
+    train(false);
+  }
 }
 
 GPipeImpl::~GPipeImpl() = default;

@@ -73,6 +73,32 @@ TEST_F(GPipeTest, EvalAndTrainReachTheSequentialGiven) {
   EXPECT_FALSE(model[0]->is_training());
 }
 
+// A GPipe made of a Sequential in eval() said is_training() true, while
+// its passes ran every layer in eval(); it starts in eval() now. One layer
+// left training keeps it training, and that layer too.
+TEST_F(GPipeTest, AGPipeOfASequentialInEvalStartsInEval) {
+  torch::nn::Sequential net(
+      torch::nn::Linear(4, 4),
+      torch::nn::Dropout(0.5),
+      torch::nn::Linear(4, 4));
+  net->eval();
+  GPipe model(net, GPipeOptions({2, 1}).chunks(2));
+  EXPECT_FALSE(model->is_training());
+  model->train();
+  EXPECT_TRUE(net[1]->is_training());
+
+  torch::nn::Sequential mixed(
+      torch::nn::Linear(4, 4),
+      torch::nn::Dropout(0.5),
+      torch::nn::Linear(4, 4));
+  mixed->eval();
+  mixed[1]->train();
+  GPipe kept(mixed, GPipeOptions({2, 1}).chunks(2));
+  EXPECT_TRUE(kept->is_training());
+  EXPECT_TRUE(mixed[1]->is_training());
+  EXPECT_FALSE(mixed[0]->is_training());
+}
+
 TEST_F(GPipeTest, PublicAttributes) {
   GPipe model(
       two_linears(),

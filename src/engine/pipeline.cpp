@@ -260,7 +260,7 @@ std::unique_ptr<Transport> Pipeline::make_transport(int64_t m) const {
 }
 
 std::unique_lock<std::mutex> Pipeline::begin_pass() {
-  TORCH_CHECK(
+  TORCH_CHECK_VALUE(
       !inside_cell(),
       "gpipe::GPipe was called from inside a cell of a pipeline (a layer's "
       "forward or a train_step loss running on a lane): nested pipelines are "
