@@ -309,6 +309,7 @@ std::string Trace::svg() const {
   std::set<int64_t> used;
   for (const auto& e : events) {
     lanes = std::max(lanes, e.lane + 1);
+    begin = std::min(begin, e.start_us);
     end = std::max(end, e.end_us);
     used.insert(e.lane);
   }
@@ -391,8 +392,9 @@ std::string Trace::svg() const {
         << (e.failed ? " stroke=\"#d00000\" stroke-width=\"2\"" : "")
         << "><title>" << to_string(e.kind) << " micro-batch " << e.micro_batch
         << (e.stage >= 0 ? " of stage " + std::to_string(e.stage) : "")
-        << (e.failed ? " (failed)" : "") << ", " << number(e.start_us, 3) << "-"
-        << time_text(e.end_us, 3) << "</title></rect>\n";
+        << (e.failed ? " (failed)" : "") << ", "
+        << number(e.start_us - begin, 3) << "-"
+        << time_text(e.end_us - begin, 3) << "</title></rect>\n";
     if (w > 14 && !beside) {
       out << "<text x=\"" << fixed(x0 + w / 2, 2) << "\" y=\""
           << fixed(y + row * 0.65, 1)

@@ -384,6 +384,22 @@ TEST_F(TraceTest, AShortTraceIsLabelledInMicroseconds) {
   EXPECT_NE(svg.find(">7.0 us</text>"), std::string::npos) << svg;
   EXPECT_NE(svg.find(", 7.0 us</text>"), std::string::npos) << svg;
   EXPECT_EQ(svg.find(" ms<"), std::string::npos) << svg;
+  // The times of the intervals are on the axis's scale, from the earliest
+  // start whatever the order of the events (a gathered trace of ranks read
+  // "receive micro-batch 0, -256.367--249.887 ms" on an axis from 0).
+  EXPECT_NE(
+      svg.find("backward micro-batch 0, 4.0-7.0 us</title>"), std::string::npos)
+      << svg;
+  Trace gathered;
+  gathered.add(TraceEvent{1, 0, TraceKind::Backward, -2.0, 1.0});
+  gathered.add(TraceEvent{0, 0, TraceKind::Forward, -6.0, -2.0});
+  const auto gathered_svg = gathered.svg();
+  EXPECT_NE(
+      gathered_svg.find("forward micro-batch 0, 0.0-4.0 us</title>"),
+      std::string::npos)
+      << gathered_svg;
+  EXPECT_NE(gathered_svg.find("<rect x=\"70.00\""), std::string::npos)
+      << gathered_svg;
   // A longer one stays in ms.
   trace.add(TraceEvent{0, 1, TraceKind::Forward, 107.0, 2107.0});
   EXPECT_NE(trace.svg().find(">2.01 ms</text>"), std::string::npos)
