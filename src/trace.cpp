@@ -284,16 +284,24 @@ std::string Trace::chrome_json() const {
   }
   for (const auto& e : events) {
     comma();
-    out << "{\"name\":\"" << short_name(e.kind) << e.micro_batch
+    const bool one = e.micro_batch >= 0;  // one micro-batch's
+    out << "{\"name\":\""
+        << (one ? short_name(e.kind) + std::to_string(e.micro_batch)
+                : to_string(e.kind) + " of the pass")
         << (e.failed ? " failed" : "") << "\",\"cat\":\"" << to_string(e.kind)
         << "\",\"ph\":\"X\",\"pid\":0,\"tid\":" << e.lane
         << ",\"ts\":" << fixed(e.start_us - shift)
-        << ",\"dur\":" << fixed(e.end_us - e.start_us)
-        << ",\"args\":{\"micro_batch\":" << e.micro_batch;
-    if (e.stage >= 0) {
-      out << ",\"stage\":" << e.stage;
+        << ",\"dur\":" << fixed(e.end_us - e.start_us) << ",\"args\":{";
+    const char* separator = "";
+    if (one) {
+      out << "\"micro_batch\":" << e.micro_batch;
+      separator = ",";
     }
-    out << (e.failed ? ",\"failed\":true" : "") << "}}";
+    if (e.stage >= 0) {
+      out << separator << "\"stage\":" << e.stage;
+      separator = ",";
+    }
+    out << (e.failed ? std::string(separator) + "\"failed\":true" : "") << "}}";
   }
   out << "\n]}\n";
   return out.str();
@@ -390,12 +398,14 @@ std::string Trace::svg() const {
         << fixed(w, 2) << "\" height=\"" << (beside ? 5.0 : row - 6)
         << "\" fill=\"" << colour_of(e.kind) << "\""
         << (e.failed ? " stroke=\"#d00000\" stroke-width=\"2\"" : "")
-        << "><title>" << to_string(e.kind) << " micro-batch " << e.micro_batch
+        << "><title>" << to_string(e.kind)
+        << (e.micro_batch >= 0 ? " micro-batch " + std::to_string(e.micro_batch)
+                               : std::string(" (every send of the pass)"))
         << (e.stage >= 0 ? " of stage " + std::to_string(e.stage) : "")
         << (e.failed ? " (failed)" : "") << ", "
         << number(e.start_us - begin, 3) << "-"
         << time_text(e.end_us - begin, 3) << "</title></rect>\n";
-    if (w > 14 && !beside) {
+    if (w > 14 && !beside && e.micro_batch >= 0) {
       out << "<text x=\"" << fixed(x0 + w / 2, 2) << "\" y=\""
           << fixed(y + row * 0.65, 1)
           << "\" fill=\"white\" text-anchor=\"middle\">" << e.micro_batch

@@ -400,6 +400,17 @@ TEST_F(TraceTest, AShortTraceIsLabelledInMicroseconds) {
       << gathered_svg;
   EXPECT_NE(gathered_svg.find("<rect x=\"70.00\""), std::string::npos)
       << gathered_svg;
+  // A rank's wait at the end of a pass for its sends is no one
+  // micro-batch's: it read "send micro-batch 0".
+  gathered.add(TraceEvent{0, -1, TraceKind::Send, 1.0, 3.0});
+  EXPECT_NE(
+      gathered.svg().find("send (every send of the pass), 7.0-9.0 us"),
+      std::string::npos)
+      << gathered.svg();
+  const auto json = gathered.chrome_json();
+  EXPECT_NE(json.find("\"name\":\"send of the pass\""), std::string::npos)
+      << json;
+  EXPECT_NE(json.find("\"args\":{}"), std::string::npos) << json;
   // A longer one stays in ms.
   trace.add(TraceEvent{0, 1, TraceKind::Forward, 107.0, 2107.0});
   EXPECT_NE(trace.svg().find(">2.01 ms</text>"), std::string::npos)

@@ -46,6 +46,8 @@ std::string to_string(TraceKind kind);
 /// One interval on one lane. Times are microseconds since the trace began.
 struct TraceEvent {
   int64_t lane = 0;
+  /// -1 for what is no one micro-batch's: the wait at a pass's end for
+  /// every send of the pass (Send).
   int64_t micro_batch = 0;
   TraceKind kind = TraceKind::Forward;
   double start_us = 0;

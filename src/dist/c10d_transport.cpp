@@ -200,10 +200,12 @@ void C10dTransport::finish() {
   }
   const auto start = std::chrono::steady_clock::now();
   connection_->wait_sends(sends);
-  if (trace_) {
+  // The wait for every send of the pass: no one micro-batch's (-1), and
+  // none where the pass sent nothing (a stage of one rank).
+  if (trace_ && !sends.empty()) {
     trace_->record(
         me(),
-        0,
+        -1,
         gpipe::TraceKind::Send,
         start,
         std::chrono::steady_clock::now());

@@ -63,11 +63,18 @@ TEST(GatherTraceTest, EveryRanksCellsArriveWithTheirStage) {
   ASSERT_NE(gathered, nullptr);
   std::map<std::tuple<int32_t, int64_t, TraceKind>, int> cells;
   int waits = 0;
+  std::map<int64_t, int> sends;  // by lane (rank)
   for (const auto& e : gathered->events()) {
     if (e.kind == TraceKind::Receive || e.kind == TraceKind::Send ||
         e.kind == TraceKind::AllReduce) {
       EXPECT_EQ(e.stage, -1) << to_string(e.kind);
       ++waits;
+      if (e.kind == TraceKind::Send) {
+        // The wait for every send of the pass, at most once per rank: no
+        // one micro-batch's (it was labelled micro-batch 0).
+        EXPECT_EQ(e.micro_batch, -1);
+        ++sends[e.lane];
+      }
       continue;
     }
     ASSERT_GE(e.stage, 0) << to_string(e.kind);
@@ -75,6 +82,9 @@ TEST(GatherTraceTest, EveryRanksCellsArriveWithTheirStage) {
     ++cells[{e.stage, e.micro_batch, e.kind}];
   }
   EXPECT_GT(waits, 0);
+  for (const auto& [rank, count] : sends) {
+    EXPECT_EQ(count, 1) << rank;  // (none where every send had ended)
+  }
   for (int32_t j = 0; j < 4; ++j) {
     for (int64_t i = 0; i < 4; ++i) {
       EXPECT_EQ((cells[{j, i, TraceKind::Forward}]), 1) << j << " " << i;
