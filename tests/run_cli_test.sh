@@ -136,6 +136,29 @@ else
   ok "4 x 2000 lines of 200 bytes, none torn"
 fi
 
+# Ranks' output that could not be written (a full disk) is lost: a job whose
+# ranks succeeded exits 1, saying so (it exited 0); a reader that closed the
+# output (head -1) has what it wanted, and the job exits 0.
+if [[ -w /dev/full ]]; then
+  timeout 15 "$bin" -n 2 -- sh -c 'echo result' >/dev/full 2>"$tmp/err"
+  status=$?
+  if [[ $status -ne 1 ]] || ! grep -q "could not write the ranks' standard output (No space left on device)" "$tmp/err"; then
+    fail "stdout on /dev/full: exit status $status, expected 1: $(cat "$tmp/err")"
+  else
+    ok "stdout on /dev/full: $(cat "$tmp/err")"
+  fi
+  first=$({
+    timeout 15 "$bin" -n 1 -- sh -c 'i=0; while [ $i -lt 20000 ]; do echo line $i; i=$((i + 1)); done' 2>"$tmp/err"
+    echo $? >"$tmp/status"
+  } | head -1)
+  status=$(cat "$tmp/status")
+  if [[ $status -ne 0 || $first != "[0] line 0" ]]; then
+    fail "stdout closed by head -1: exit status $status, first line '$first': $(cat "$tmp/err")"
+  else
+    ok "stdout closed by head -1: exit status 0"
+  fi
+fi
+
 # A line of exactly 1 MiB is one line, and a longer one comes out in
 # pieces of 1 MiB, each prefixed, with no empty piece (a line of exactly
 # 1 MiB came out as itself and then an empty "[0] ").

@@ -58,6 +58,13 @@ int main(int argc, char** argv) {
           std::to_string(*now) + ")");
       std::_Exit(*now);
     }
+    // Note [Output that could not be written] in run_output.cpp.
+    if (const auto lost = output.stdout_lost(); status == 0 && !lost.empty()) {
+      report_if_writable(
+          "could not write the ranks' standard output (" + lost +
+          "): some of it is lost");
+      return 1;
+    }
     return status;
   } catch (const std::exception& e) {
     // Written once the output queued before it is out (~Output).

@@ -57,9 +57,11 @@ std::string signal_name(int signo) {
 }
 
 // Writes all of `data` to `fd`, waiting when `fd` is non-blocking and full.
-// Errors are dropped: a closed stdout (`gpipe-run ... | head`) must not stop
-// the ranks, and SIGPIPE is ignored for that reason.
-void write_all(int fd, const char* data, size_t size) {
+// A failed write drops the rest: a closed stdout (`gpipe-run ... | head`)
+// must not stop the ranks, and SIGPIPE is ignored for that reason. Its
+// errno is returned, for the writer to tell a full disk from a closed pipe
+// (Note [Output that could not be written] in run_output.cpp).
+int write_all(int fd, const char* data, size_t size) {
   while (size > 0) {
     const ssize_t n = ::write(fd, data, size);
     if (n >= 0) {
@@ -69,9 +71,10 @@ void write_all(int fd, const char* data, size_t size) {
       pollfd out{fd, POLLOUT, 0};
       ::poll(&out, 1, -1);
     } else if (errno != EINTR) {
-      return;
+      return errno;
     }
   }
+  return 0;
 }
 
 // gpipe-run's own messages: one line on stderr, written whole.

@@ -52,7 +52,9 @@ std::string errno_text(int error);
 /// Throws std::runtime_error with `what` and errno's text.
 [[noreturn]] void fail_system(const std::string& what);
 std::string signal_name(int signo);
-void write_all(int fd, const char* data, size_t size);
+/// Writes all of `data` to `fd`; returns 0, or the errno of the write that
+/// failed (the rest is dropped).
+int write_all(int fd, const char* data, size_t size);
 /// gpipe-run's own message, written at once: only while no Output exists
 /// (a bad command line, gpipe-run's own failure).
 void report(const std::string& message);

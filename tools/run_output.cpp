@@ -5,6 +5,8 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include "run_io.h"
 
 namespace gpipe_run {
@@ -99,6 +101,19 @@ void Output::clear_wakeups() const {
   }
 }
 
+// Note [Output that could not be written]
+// A reader that closed gpipe-run's stdout (`gpipe-run ... | head -1`) has
+// what it wanted: the rest is dropped without a word (EPIPE). Any other
+// failed write to stdout (a full disk, an I/O error) lost what the ranks
+// printed, their results maybe, as a program of one process that cannot
+// write its output fails: so a job whose ranks all succeeded exits 1, saying
+// so on stderr. Failed writes to stderr, the ranks' diagnostics, change
+// nothing.
+std::string Output::stdout_lost() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stdout_error_ == 0 ? std::string() : errno_text(stdout_error_);
+}
+
 // Exits only once the queue is empty, so that nothing queued is lost.
 void Output::run() {
   std::unique_lock<std::mutex> lock(mutex_);
@@ -110,8 +125,12 @@ void Output::run() {
     auto [fd, text] = std::move(queue_.front());
     queue_.pop_front();
     lock.unlock();
-    write_all(fd, text.data(), text.size());
+    const int error = write_all(fd, text.data(), text.size());
     lock.lock();
+    if (fd == STDOUT_FILENO && error != 0 && error != EPIPE &&
+        stdout_error_ == 0) {
+      stdout_error_ = error;
+    }
     const bool was_over = bytes_ > kOutputBound;
     bytes_ -= text.size();
     if ((was_over && bytes_ <= kOutputBound) || bytes_ == 0) {

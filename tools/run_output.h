@@ -45,6 +45,10 @@ class Output {
     return wakeup_read_;
   }
   void clear_wakeups() const;
+  /// The first error, but a closed reader's, that lost some of the ranks'
+  /// standard output (errno_text of it), or "" (Note [Output that could not
+  /// be written] in run_output.cpp).
+  std::string stdout_lost() const;
 
  private:
   void run();
@@ -56,6 +60,7 @@ class Output {
   // The bytes in `queue_` plus those being written.
   size_t bytes_ = 0;
   bool stop_ = false;
+  int stdout_error_ = 0;  // the first errno but EPIPE of a stdout write
   // Written once, before the thread starts.
   int wakeup_read_ = -1;
   int wakeup_write_ = -1;
