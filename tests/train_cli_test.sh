@@ -628,6 +628,15 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --json into /dev/full -> $(tail -1 "$tmp/err")"
   fi
+  # So does the progress and the accuracy without --json (exit 0, silent).
+  timeout 120 "$bin" --data-dir "$data" --epochs 1 --limit 128 --test-limit 100 \
+    --balance 6,7 >/dev/full 2>"$tmp/err"
+  status=$?
+  if [[ $status -ne 1 ]] || ! grep -q "cannot write to standard output: the run's results are lost" "$tmp/err"; then
+    fail "a run into /dev/full exited $status: $(cat "$tmp/err")"
+  else
+    echo "ok: a run into /dev/full -> $(tail -1 "$tmp/err")"
+  fi
   # A run whose loss stops being finite ends with exit 1, naming the step.
   run --data-dir "$data" --epochs 1 --limit 256 --test-limit 1000 --balance 6,7 --lr 1e30
   if [[ $status -ne 1 ]] || ! grep -qE 'gpipe-train: the loss is (nan|-?inf) at step [0-9]+ \(epoch 1\)' "$tmp/err"; then

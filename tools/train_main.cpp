@@ -3,7 +3,9 @@
 
 #include "train_main.h"
 
+#include <sys/stat.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -31,6 +33,26 @@ int gpipe_train::report_error(std::exception_ptr error) {
   }
   return 1;
 }
+
+namespace {
+
+// Whether what the run printed on standard output got there. A pipe or a
+// socket whose reader closed it (`gpipe-train | head -1`) has what it
+// wanted: the rest is dropped without a word. A file or a device that
+// failed a write (a full disk) lost the run's results: then the run fails,
+// as with --json.
+bool output_written() {
+  std::cout.flush();
+  const bool failed = !std::cout.good() || std::fflush(stdout) != 0 ||
+                      std::ferror(stdout) != 0;
+  struct stat st {};
+  if (!failed || ::fstat(STDOUT_FILENO, &st) != 0) {
+    return true;
+  }
+  return S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode);
+}
+
+}  // namespace
 
 int gpipe_train::train_main(int argc, char** argv) {
   // Standard output line by line, set before anything is written to it: it
@@ -76,7 +98,14 @@ int gpipe_train::train_main(int argc, char** argv) {
     return report_error(std::current_exception());
   }
   try {
-    return gpipe_train::train(args);
+    const int status = gpipe_train::train(args);
+    if (status == 0 && !output_written()) {
+      std::cerr << "gpipe-train: cannot write to standard output: the "
+                   "run's results are lost"
+                << std::endl;
+      return 1;
+    }
+    return status;
   } catch (...) {
     return report_error(std::current_exception());
   }
