@@ -618,6 +618,20 @@ elif [[ $mode == run ]]; then
   else
     echo "ok: --plan of 2 micro-batches: $(grep -o '"chunks":2' "$tmp/out")"
   fi
+  # A run where no batch trains is refused before it starts: it trained no
+  # step, exited 0 and reported a loss of 0.
+  {
+    echo "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3"
+    echo "1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3"
+  } >"$tmp/four_mb.csv"
+  run --data-dir "$data" --epochs 1 --limit 9 --test-limit 64 --chunks 4 \
+    --plan "$tmp/four_mb.csv" --json
+  if [[ $status -ne 2 ]] || [[ -s $tmp/out ]] ||
+    ! grep -q "no batch trains: the 9 training images make one batch of 9, which cuts into fewer micro-batches than --plan's 4" "$tmp/err"; then
+    fail "a run where no batch trains exited $status: $(tail -2 "$tmp/err") $(cat "$tmp/out")"
+  else
+    echo "ok: a run where no batch trains: $(tail -1 "$tmp/err")"
+  fi
   # A JSON summary that cannot be written (a full disk) fails the run; it
   # exited 0 with the results lost.
   timeout 120 "$bin" --data-dir "$data" --epochs 1 --limit 128 --test-limit 100 \

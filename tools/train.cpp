@@ -200,6 +200,31 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
       (steps_per_epoch - 1) * (left_out(batch_size) == Trained::Yes ? 1 : 0) +
       (left_out(n - (steps_per_epoch - 1) * batch_size) == Trained::Yes ? 1
                                                                         : 0);
+  // A run that would train nothing is refused before it starts: it trained
+  // no step, saved checkpoints of step 0 and reported a loss of 0.
+  if (trained_per_epoch == 0) {
+    const bool one = steps_per_epoch == 1;
+    const auto rows = one ? n : batch_size;  // (the full ones decide)
+    const bool uneven = left_out(rows) == Trained::Uneven;
+    usage_check(
+        false,
+        "no batch trains: the ",
+        n,
+        " training images make ",
+        one ? c10::str("one batch of ", n) : c10::str("batches of ", rows),
+        uneven ? c10::str(
+                     ", which ",
+                     one ? "does" : "do",
+                     " not split evenly over the ",
+                     replicas,
+                     " replicas")
+               : c10::str(
+                     ", which ",
+                     one ? "cuts" : "cut",
+                     " into fewer micro-batches than --plan's ",
+                     plan.micro_batches),
+        one ? "; raise --limit" : "; change --batch-size");
+  }
 
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -460,7 +485,10 @@ int train_with(const Args& given, std::optional<gpipe::dist::World>& world) {
             {"steps", step},
             {"train_samples", epoch_rows},
             {"test_samples", test_x.size(0)},
-            {"final_loss", last_loss},
+            // (None where this run trained no step: a resumed one.)
+            {"final_loss",
+             step > resumed.step ? nlohmann::json(last_loss)
+                                 : nlohmann::json(nullptr)},
             {"test_accuracy", accuracy},
             {"train_seconds", train_seconds},
             {"resumed_at_step", resumed.step},

@@ -43,8 +43,8 @@ namespace {
 // as with --json.
 bool output_written() {
   std::cout.flush();
-  const bool failed = !std::cout.good() || std::fflush(stdout) != 0 ||
-                      std::ferror(stdout) != 0;
+  const bool failed =
+      !std::cout.good() || std::fflush(stdout) != 0 || std::ferror(stdout) != 0;
   struct stat st {};
   if (!failed || ::fstat(STDOUT_FILENO, &st) != 0) {
     return true;
