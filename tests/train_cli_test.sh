@@ -359,6 +359,13 @@ if [[ $mode == bad ]]; then
     "${d[@]}" --pipeline-size 2 --chunks 8 --batch-size 8
   bad "more than each replica's shard of 1 row (--batch-size 2 over 2 replicas)" \
     "${d[@]}" --pipeline-size 2 --plan "$tmp/two.csv" --batch-size 2
+  # More ranks than the model's layers: the message names the ranks (it
+  # said "--partitions must be between 1 and 13", a flag not given).
+  export WORLD_SIZE=14
+  bad "the pipeline has 14 ranks (--pipeline-size, of the 14 the launcher started) with 1 partition each, 14 partitions in all, but --model cnn has 13 layers" "${d[@]}"
+  export WORLD_SIZE=7
+  bad "with 2 partitions each, 14 partitions in all, but --model cnn has 13 layers, one partition each at most: start fewer ranks, give a smaller --pipeline-size" \
+    "${d[@]}" --schedule zero_bubble_v
   export WORLD_SIZE=two
   real bad WORLD_SIZE "${d[@]}"
   export WORLD_SIZE=0

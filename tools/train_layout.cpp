@@ -175,6 +175,20 @@ void verify_layout(const CLI::App& app, Args& args, bool per_lane) {
         "--schedule autograd runs in one process; across ranks use ",
         train_step_schedules());
   }
+  // Partitions taken from the launcher's ranks: the layers cap the ranks.
+  usage_check(
+      args.world_size == 1 || app.count("--partitions") > 0 ||
+          app.count("--balance") > 0 || args.partitions <= spec.layers,
+      pipeline_of(args, pipeline_ranks),
+      ", ",
+      args.partitions,
+      " partitions in all, but --model ",
+      spec.name,
+      " has ",
+      spec.layers,
+      " layers, one partition each at most: start fewer ranks, give a "
+      "smaller --pipeline-size",
+      app.count("--stages-per-lane") > 0 ? " or fewer --stages-per-lane" : "");
   usage_check(
       args.partitions >= 1 && args.partitions <= spec.layers,
       "--partitions must be between 1 and ",
