@@ -359,6 +359,13 @@ TEST(CheckpointIoTest, DamagedFilesAreRefusedByName) {
   expect_refused(other, load, {file, "corrupt", "checksum"});
   fs::resize_file(file, size / 3);
   expect_refused(other, load, {file, "truncated"});
+  // A directory in its place is called one (it was "missing").
+  fs::rename(file, file + ".aside");
+  fs::create_directory(file);
+  expect_refused(other, load, {file, "cannot be read (it is a directory)"});
+  fs::remove(file);
+  expect_refused(other, load, {file, "is missing"});
+  fs::rename(file + ".aside", file);
   {
     std::ofstream manifest(fs::path(ckpt) / "manifest.json");
     manifest << "{\"format\": \"gpipe-checkpoint\", ";

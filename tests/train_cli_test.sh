@@ -206,6 +206,13 @@ if [[ $mode == bad ]]; then
   bad --data-dir --data-dir "$tmp/no-such-folder"
   bad --data-dir --data-dir "$tmp"
   bad --data-dir --data-dir "$fake/train-images-idx3-ubyte.gz"
+  # A folder where a file of the data set should be: said so (it said the
+  # folder had no such file).
+  mkdir -p "$tmp/folder-in-place/t10k-images-idx3-ubyte.gz"
+  for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-labels-idx1-ubyte.gz; do
+    cp "$fake/$f" "$tmp/folder-in-place/$f"
+  done
+  bad "holds t10k-images-idx3-ubyte.gz, but not as a file" --data-dir "$tmp/folder-in-place"
   bad "its folder, does not exist" "${d[@]}" --trace "$tmp/no-such-folder/t.json"
   # Under a file, not a folder: it said the folder did not exist.
   touch "$tmp/a-file"

@@ -165,12 +165,14 @@ void verify_data_dir(const std::string& dir) {
       "' is not a folder",
       kWayOut);
   for (const char* file : kFashionMnistFiles) {
+    const auto path = fs::path(dir) / file;
     usage_check(
-        fs::is_regular_file(fs::path(dir) / file, ignored),
+        fs::is_regular_file(path, ignored),
         "--data-dir '",
         dir,
-        "' has no ",
+        fs::exists(path, ignored) ? "' holds " : "' has no ",
         file,
+        fs::exists(path, ignored) ? ", but not as a file" : "",
         kWayOut);
   }
 }
