@@ -238,6 +238,9 @@ TEST(JoinTest, ARankThatCannotReachTheStoreWritesNoLogLinesOfC10d) {
   const auto logged = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(what.find("could not reach rank 0's store"), std::string::npos)
       << what;
+  // Nor c10d's own timeout beside gpipe's ("within 1 s [c10d: The client
+  // socket has timed out after 0s ...]").
+  EXPECT_EQ(what.find("timed out after"), std::string::npos) << what;
   EXPECT_EQ(logged.find("[c10d]"), std::string::npos) << logged;
   EXPECT_EQ(logged.find("InitGoogleLogging"), std::string::npos) << logged;
 }
