@@ -319,13 +319,14 @@ torch::Tensor CheckpointReader::tensor(const std::string& key) {
     const auto bytes = listed.at("bytes").get<int64_t>();
     std::error_code error;
     const auto size = fs::file_size(path, error);
+    std::error_code ignored;
     TORCH_CHECK_VALUE(
-        !error || !fs::exists(path),
+        !error || !fs::exists(path, ignored),
         "the checkpoint's file '",
         path,
         "' cannot be read (",
-        fs::is_directory(path) ? std::string("it is a directory")
-                               : error.message(),
+        fs::is_directory(path, ignored) ? std::string("it is a directory")
+                                        : error.message(),
         ")");
     TORCH_CHECK_VALUE(!error, "the checkpoint's file '", path, "' is missing");
     TORCH_CHECK_VALUE(

@@ -265,9 +265,10 @@ RandomOutcome run_drawing(
   } else {
     // The default generator moved: the cell drew from it by name, or
     // another thread drew meanwhile (Note [A recomputation that saw the
-    // generators move]). Again on a generator of its own, up to kTries
-    // times; a move in every run is the cell's: again, in turn.
-    for (int t = 0; t < kTries && run.moved; ++t) {
+    // generators move]). Again on a generator of its own, once: a move in
+    // both runs is the cell's (whose draws by name each run moves the
+    // user's stream further): again, in turn.
+    if (run.moved) {
       run = run_own(seed, rerun);
     }
     if (!run.moved) {

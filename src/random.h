@@ -45,14 +45,16 @@
 // `kPatience` seeded cells in a row that drew nothing, the stage goes back
 // to the shared lease.
 //
-// Recomputation replays exactly what the forward did: seeded and exclusive
-// when the forward drew (and then checks that the generators end where the
-// forward's ended, so another thread drawing from the default generator in
-// the middle is an error, not a silently wrong gradient), shared otherwise
-// (and then it is an error if it draws: where the default generators moved
-// meanwhile, it runs again on a generator of its own to tell its draws
-// from another thread's, Note [A recomputation that saw the generators
-// move] in random.cpp).
+// Recomputation replays exactly what the forward did: seeded when the
+// forward drew, on a generator of its own where the forward had one (CPU
+// lanes), else exclusively on the default generators, and then checks that
+// the generator ends where the forward's ended (so another thread drawing
+// from the default generator in the middle of an exclusive replay is an
+// error, not a silently wrong gradient); shared otherwise (and then it is
+// an error if it draws). Where the default generators moved during a run
+// on a generator of its own, it runs again to tell its draws from another
+// thread's (Note [A recomputation that saw the generators move] in
+// random.cpp).
 //
 // The user's random stream advances by the step seeds, and gpipe never
 // puts it back: what other threads draw from it while a pipeline runs stays

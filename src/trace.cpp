@@ -123,6 +123,10 @@ void Trace::record(
       stage >= -1 && stage <= std::numeric_limits<int32_t>::max(),
       "Trace::record: expected a stage >= 0 (or -1: none), got ",
       stage);
+  TORCH_CHECK_INDEX(
+      micro_batch >= -1,
+      "Trace::record: expected a micro-batch >= 0 (or -1: none), got ",
+      micro_batch);
   check_kind("Trace::record", kind);
   TORCH_CHECK_VALUE(
       end >= start,
@@ -151,6 +155,10 @@ void Trace::add(const TraceEvent& event) {
       event.stage >= -1,
       "Trace::add: expected a stage >= 0 (or -1: none), got ",
       event.stage);
+  TORCH_CHECK_INDEX(
+      event.micro_batch >= -1,
+      "Trace::add: expected a micro-batch >= 0 (or -1: none), got ",
+      event.micro_batch);
   TORCH_CHECK_VALUE(
       std::isfinite(event.start_us) && std::isfinite(event.end_us),
       "Trace::add: expected finite times, got start_us ",
@@ -400,7 +408,9 @@ std::string Trace::svg() const {
         << (e.failed ? " stroke=\"#d00000\" stroke-width=\"2\"" : "")
         << "><title>" << to_string(e.kind)
         << (e.micro_batch >= 0 ? " micro-batch " + std::to_string(e.micro_batch)
-                               : std::string(" (every send of the pass)"))
+            : e.kind == TraceKind::Send
+                ? std::string(" (every send of the pass)")
+                : std::string(" of the pass"))
         << (e.stage >= 0 ? " of stage " + std::to_string(e.stage) : "")
         << (e.failed ? " (failed)" : "") << ", "
         << number(e.start_us - begin, 3) << "-"

@@ -411,6 +411,13 @@ TEST_F(TraceTest, AShortTraceIsLabelledInMicroseconds) {
   EXPECT_NE(json.find("\"name\":\"send of the pass\""), std::string::npos)
       << json;
   EXPECT_NE(json.find("\"args\":{}"), std::string::npos) << json;
+  gathered.add(TraceEvent{1, -1, TraceKind::Receive, 1.0, 2.0});
+  EXPECT_NE(
+      gathered.svg().find("receive of the pass, 7.0-8.0 us"), std::string::npos)
+      << gathered.svg();
+  EXPECT_THROW(
+      gathered.add(TraceEvent{0, -2, TraceKind::Send, 1.0, 3.0}),
+      c10::IndexError);
   // A longer one stays in ms.
   trace.add(TraceEvent{0, 1, TraceKind::Forward, 107.0, 2107.0});
   EXPECT_NE(trace.svg().find(">2.01 ms</text>"), std::string::npos)

@@ -154,7 +154,9 @@ World init_from_env();
 /// `rank` and local_size() is `size`. A store may serve several Worlds one
 /// after another (a job that makes its World again after an error): each
 /// rank's nth World on it meets the other ranks' nth, so every rank makes
-/// them in the same order, as with c10d's new_group.
+/// them in the same order, as with c10d's new_group (a rank that never
+/// called, or whose call was refused before it joined, leaves the counts
+/// apart: the next World then needs a store of its own).
 World init_from_store(
     c10::intrusive_ptr<c10d::Store> store,
     int64_t rank,

@@ -98,7 +98,8 @@ class Trace {
       int64_t stage = -1);
 
   /// Adds an event whose times are already relative to origin(); throws
-  /// `c10::Error` for a lane outside [0, 2^20), a stage below -1, a time
+  /// `c10::Error` for a lane outside [0, 2^20), a stage or micro-batch
+  /// below -1, a time
   /// that is not finite, or an end before the start.
   void add(const TraceEvent& event);
   /// When the trace began (times are microseconds since then).

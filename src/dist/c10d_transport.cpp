@@ -199,10 +199,12 @@ void C10dTransport::finish() {
     sends.swap(sends_);
   }
   const auto start = std::chrono::steady_clock::now();
+  // (wait_sends empties the list.)
+  const bool sent = !sends.empty();
   connection_->wait_sends(sends);
   // The wait for every send of the pass: no one micro-batch's (-1), and
   // none where the pass sent nothing (a stage of one rank).
-  if (trace_ && !sends.empty()) {
+  if (trace_ && sent) {
     trace_->record(
         me(),
         -1,

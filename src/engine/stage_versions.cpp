@@ -42,20 +42,23 @@ namespace gpipe::detail {
 // (gradients 0.2 off the plain model's in a small MLP) without a word. So
 // the note also keeps a few values of each parameter on the CPU (kSampled,
 // evenly spaced: a step moves every weight that has a gradient), read in
-// place, and the check compares them bit for bit. On other devices reading
-// them would wait for the device: there the counters alone are checked, and
-// such a step goes unseen.
+// place, and the check compares them bit for bit. A step that moved none of
+// them (weights without a gradient: the rows of an Embedding that no
+// sample used) goes unseen, as does any such step on other devices, where
+// reading them would wait for the device: there the counters alone are
+// checked.
 
 namespace {
 
 constexpr int64_t kSampled = 8;
 
 // Appends the bytes of up to kSampled evenly spaced values of `p`, where
-// they can be read in place (a dense CPU tensor).
+// they can be read in place (a dense CPU tensor: its numel() values lie
+// from data_ptr() on, in some order, channels_last too).
 void append_samples(const torch::Tensor& p, std::vector<uint8_t>& out) {
   if (!p.defined() || !p.is_cpu() || p.layout() != c10::kStrided ||
-      p.is_quantized() || !p.has_storage() || !p.is_contiguous() ||
-      p.numel() == 0) {
+      p.is_quantized() || !p.has_storage() ||
+      !p.is_non_overlapping_and_dense() || p.numel() == 0) {
     return;
   }
   const auto n = p.numel();
