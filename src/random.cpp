@@ -14,9 +14,9 @@ namespace gpipe::detail {
 
 namespace {
 
-// How many more times a cell runs on a generator of its own while the
-// default generator moves (Note [A recomputation that saw the generators
-// move]).
+// How many more times a recomputation runs on a generator of its own while
+// the default generator moves (Note [A recomputation that saw the
+// generators move]); a forward runs once more.
 constexpr int kTries = 3;
 
 std::vector<torch::Device> generator_devices(torch::Device device) {
@@ -268,9 +268,7 @@ RandomOutcome run_drawing(
     // generators move]). Again on a generator of its own, once: a move in
     // both runs is the cell's (whose draws by name each run moves the
     // user's stream further): again, in turn.
-    if (run.moved) {
-      run = run_own(seed, rerun);
-    }
+    run = run_own(seed, rerun);
     if (!run.moved) {
       outcome = std::move(run.outcome);
     } else {
@@ -375,8 +373,8 @@ void replay_seeded(
   // error that may not be the cell's. Where cells have no generators of
   // their own (a GPU), once more, exclusively and seeded, where any move
   // counts as the cell's. The same for a cell that drew on a generator of
-  // its own, in its forward (where a move in every run means it draws from
-  // the default generator by name, and it then runs in turn) and in its
+  // its own, in its forward (once more: a move in both runs means it draws
+  // from the default generator by name, and it then runs in turn) and in its
   // recomputation (where its own generator must end where the forward's
   // did): one draw on another thread moved the default generator, and the
   // step failed.

@@ -34,6 +34,7 @@ namespace gpipe::detail {
 // Embedding with max_norm renormalises them in place in every forward),
 // and compared before each recomputation: a change since the layers last
 // ran came from outside.
+
 // Note [Parameters written through .data()]
 // LibTorch's SGD (torch::optim::SGD, in 1.13 and 2.x) writes its step into
 // p.data(), a tensor whose version counter is not the parameter's: an
